@@ -1,0 +1,205 @@
+"""Command-line arguments: one typed dataclass, one docstring per field, and a validation that reports every problem.
+
+Hyperparameters that DeepSpeed owns (micro-batch, accumulation, optimizer, scheduler, clipping, ZeRO, precision) live in
+`ds_config.json`. The flags below that shadow them (`--micro_batch_size`, `--learning_rate`, ...) are optional
+overrides: unset, the config's value stands; set, they replace it and the run says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # ----- model and tokenizer -----
+    model: str = _f("tiny", "Preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b; random init), or a Hugging "
+                            "Face model directory / hub id (pretrained weights, continued training).")
+    tokenizer: str | None = _f(None, "Tokenizer name or path for AutoTokenizer. Default: the project's shipped "
+                                     "tokenizer for presets, the model's own tokenizer for a pretrained model.")
+    seq_len: int | None = _f(None, "Tokens per packed training block. Default: the preset's context length "
+                                   "(256 for tiny, 4096 for Qwen3), or 2048 for a pretrained model.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% more compute).")
+    attn_implementation: str = _f("sdpa", "Attention backend passed to transformers: sdpa, eager, flash_attention_2.")
+    fused_kernels: str = _f("auto", "Liger Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy): auto "
+                                    "(on with CUDA and liger-kernel installed), on, off.", choices=("auto", "on", "off"))
+    # ----- data -----
+    dataset: str | None = _f(None, "A save_to_disk directory, a text/JSONL/Parquet file or directory, or a hub dataset "
+                                   "name. Default: the embedded corpus built offline from the Python standard library.")
+    dataset_config_name: str | None = _f(None, "Hub dataset configuration name (e.g. 'en' for allenai/c4).")
+    local_dataset: str = _f("auto", "true: DATASET must be a local path; false: a hub name; auto: a path if it exists.",
+                            choices=("auto", "true", "false"))
+    text_column: str = _f("text", "Column holding the documents' text.")
+    validation_fraction: float = _f(0.01, "Fraction of packed blocks held out for validation when the dataset has no "
+                                          "'validation' split.")
+    data_cache_dir: str | None = _f(None, "Where tokenized/packed data is cached; must be shared by all nodes for "
+                                          "multi-node runs to build it once. Default: ~/.cache/deepspeed-lm.")
+    num_proc: int | None = _f(None, "Processes for tokenization (datasets.map). Default: CPUs available, at most 16.")
+    dummy_data: int = _f(0, "Train on N random-token blocks instead of a dataset (smoke test; needs no data).")
+    # ----- optimisation (overrides of ds_config.json) -----
+    ds_config: str = _f("ds_config.json", "DeepSpeed configuration file (relative paths: working directory, then repository).")
+    max_steps: int = _f(300, "Optimizer steps to train; also the scheduler's total_num_steps.")
+    micro_batch_size: int | None = _f(None, "Override train_micro_batch_size_per_gpu.")
+    gradient_accumulation_steps: int | None = _f(None, "Override gradient_accumulation_steps.")
+    learning_rate: float | None = _f(None, "Override the optimizer's lr.")
+    warmup_steps: int | None = _f(None, "Override the scheduler's warmup_num_steps ('auto' in the config means 5%% of max_steps).")
+    seed: int = _f(1234, "Seed for initialisation and data order.")
+    max_bad_steps: int = _f(3, "Stop after this many consecutive non-finite losses/gradients (each one is skipped).")
+    # ----- evaluation and logging -----
+    eval_interval: int = _f(100, "Evaluate every N steps (0: only at the end).")
+    eval_iters: int = _f(20, "Validation micro-batches per rank per evaluation.")
+    log_interval: int = _f(10, "Log loss, lr, grad norm and throughput every N steps.")
+    # ----- checkpoints -----
+    checkpoint_dir: str = _f("checkpoints", "Directory for step-XXXXXXXX checkpoints, `latest`, metrics.jsonl.")
+    checkpoint_freq: int = _f(100, "Save a checkpoint every N steps (0: only at the end and on preemption).")
+    keep_last_checkpoints: int = _f(3, "Complete checkpoints to keep (older ones are deleted; 0 keeps all).")
+    resume: str = _f("auto", "auto: resume from the newest complete checkpoint in checkpoint_dir; never: start fresh "
+                             "(refuses if checkpoints exist).", choices=("auto", "never"))
+    resume_from_checkpoint: str | None = _f(None, "Resume from this checkpoint directory (a step-XXXXXXXX dir, or a "
+                                                  "checkpoint_dir holding `latest`).")
+    export_dir: str | None = _f(None, "Where the final Hugging Face model is written. Default: CHECKPOINT_DIR/hf.")
+    export: bool = _f(True, "Export a Hugging Face model (safetensors, config, tokenizer) at the end.")
+    generate_prompt: str | None = _f(None, "After training, print text the model generates from this prompt.")
+    # ----- modes -----
+    preflight: bool = _f(False, "Check configuration, data, tokenizer, model and checkpoints, print the plan, exit 0 or 2.")
+    sanity_check: bool = _f(False, "Instead of training, all-reduce test tensors on every rank and report bus bandwidth.")
+
+    # Filled in at run time, not flags.
+    explicit: frozenset = field(default=frozenset(), metadata={"internal": True})
+
+    @property
+    def resolved_export_dir(self) -> Path:
+        return Path(self.export_dir) if self.export_dir else Path(self.checkpoint_dir) / "hf"
+
+    def resolved_ds_config_path(self) -> Path:
+        path = Path(self.ds_config)
+        if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
+            return REPO_ROOT / path
+        return path
+
+
+def _base_type(annotation):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train_deepspeed.py",
+        description="Train a causal language model with DeepSpeed. Settings that DeepSpeed owns live in ds_config.json.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if f.metadata.get("internal"):
+            continue
+        kind = _base_type(hints[f.name])
+        kw = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
+        if kind is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(f"--{f.name}", type=kind, choices=f.metadata.get("choices"), **kw)
+    # Accepted for compatibility with the deepspeed launcher, which appends --local_rank.
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    values = vars(ns)
+    values.pop("local_rank", None)
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if not f.metadata.get("internal")}
+    explicit = frozenset(k for k, v in values.items() if v != defaults.get(k))
+    return TrainConfig(**values, explicit=explicit)
+
+
+@dataclass
+class Problem:
+    """One thing wrong with the inputs: which setting, what it holds, what is wrong and how to fix it."""
+
+    setting: str
+    value: object
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        shown = self.value if isinstance(self.value, str) else repr(self.value)
+        return f"{self.setting} = {shown}: {self.message}\n    fix: {self.fix}"
+
+
+class ConfigError(Exception):
+    """Raised with every problem found, so the user fixes them all in one round."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+def validate_args(cfg: TrainConfig) -> list[Problem]:
+    """Checks that need nothing but the arguments themselves (fast: no imports of torch or data)."""
+    problems = []
+
+    def positive(name, allow_zero=False, optional=False):
+        value = getattr(cfg, name)
+        if value is None and optional:
+            return
+        if value is None or value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else ">= 1"
+            problems.append(Problem(f"--{name}", value, f"must be an integer {bound}", f"pass --{name} with a value {bound}"))
+
+    positive("max_steps")
+    positive("seq_len", optional=True)
+    positive("micro_batch_size", optional=True)
+    positive("gradient_accumulation_steps", optional=True)
+    positive("warmup_steps", allow_zero=True, optional=True)
+    for name in ("eval_interval", "checkpoint_freq", "keep_last_checkpoints", "dummy_data"):
+        positive(name, allow_zero=True)
+    positive("log_interval")
+    positive("eval_iters")
+    positive("max_bad_steps")
+    if cfg.seq_len is not None and cfg.seq_len < 2:
+        problems.append(Problem("--seq_len", cfg.seq_len, "a block needs at least 2 tokens to predict one",
+                                "use --seq_len 256 or more"))
+    if not 0.0 <= cfg.validation_fraction < 0.5:
+        problems.append(Problem("--validation_fraction", cfg.validation_fraction, "must be in [0, 0.5)",
+                                "use a small fraction such as 0.01"))
+    if cfg.learning_rate is not None and not cfg.learning_rate > 0:
+        problems.append(Problem("--learning_rate", cfg.learning_rate, "must be positive", "use e.g. --learning_rate 3e-4"))
+    if cfg.dataset and cfg.local_dataset == "true" and not os.path.exists(cfg.dataset):
+        problems.append(Problem("--dataset", cfg.dataset, "LOCAL_DATASET=true but this path does not exist",
+                                "fix the path, or set LOCAL_DATASET=false to load it from the hub"))
+    if cfg.dataset and cfg.dummy_data:
+        problems.append(Problem("--dummy_data", cfg.dummy_data, "cannot be combined with --dataset",
+                                "drop one of --dummy_data and --dataset"))
+    ds_path = cfg.resolved_ds_config_path()
+    if not ds_path.is_file():
+        problems.append(Problem("--ds_config", cfg.ds_config, "file not found",
+                                f"point DS_CONFIG/--ds_config at a DeepSpeed JSON file, e.g. {REPO_ROOT / 'ds_config.json'}"))
+    if cfg.resume_from_checkpoint and not os.path.isdir(cfg.resume_from_checkpoint):
+        problems.append(Problem("--resume_from_checkpoint", cfg.resume_from_checkpoint, "directory not found",
+                                "pass a step-XXXXXXXX directory or a checkpoint directory holding `latest`"))
+    if cfg.resume == "never" and cfg.resume_from_checkpoint:
+        problems.append(Problem("--resume", cfg.resume, "conflicts with --resume_from_checkpoint",
+                                "drop one of the two"))
+    return problems
+
+
+def exit_on_problems(problems: list[Problem], stream=sys.stderr) -> None:
+    if problems:
+        print(f"error: {len(problems)} problem(s) with the inputs; nothing was started:", file=stream)
+        for p in problems:
+            print(f"  - {p}", file=stream)
+        raise SystemExit(2)

@@ -1,0 +1,344 @@
+"""Data: load, tokenize, concatenate and pack into fixed blocks; shard across ranks in a deterministic order.
+
+Pipeline (done once, cached, by one process; the others wait and memory-map the result):
+  1. load   a save_to_disk directory, local text/JSONL/Parquet files, a hub dataset, or the embedded corpus;
+  2. tokenize with `datasets.map` (batched, cached, num_proc), an EOS after every document;
+  3. write  all token ids of a split back to back into one flat binary file (uint16/uint32);
+  4. pack   block i = tokens[i*T : i*T + T + 1]: inputs are its first T tokens, targets its last T. Consecutive
+            blocks overlap by one token, so every token after the first is a target exactly once: no padding, and
+            nothing but the final partial block is dropped.
+
+Order: epoch e visits the training blocks in `permutation(seed, e)`. Global micro-batch k covers positions
+[k*W*m, (k+1)*W*m) of that permutation (W ranks, m blocks each); rank r takes its r-th slice of m. The position
+(epoch, blocks consumed) is therefore independent of the world size, a resumed run continues at the same place, and
+nothing already consumed is read again.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .arguments import Problem, TrainConfig
+from .corpus import build_embedded_corpus, default_cache_root
+
+VALIDATION_SPLIT_NAMES = ("validation", "valid", "val", "dev")
+FILE_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+                 ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+HELD_OUT_SEED = 0  # the held-out validation blocks must not move when the training seed changes
+
+
+class DataError(Exception):
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        super().__init__(str(problem))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Where the data comes from
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class DataSource:
+    kind: str  # "disk" (save_to_disk), "files", "hub", "embedded"
+    location: str
+    files: list[str] | None = None
+    builder: str | None = None
+
+    def identity(self) -> str:
+        """A string that changes when the data changes, computed without loading it."""
+        if self.kind in ("files", "embedded"):
+            stats = [(f, os.path.getsize(f), int(os.path.getmtime(f))) for f in self.files]
+            return json.dumps([self.kind, stats])
+        if self.kind == "disk":
+            stats = sorted((str(p.relative_to(self.location)), p.stat().st_size, int(p.stat().st_mtime))
+                           for p in Path(self.location).rglob("*.json"))
+            return json.dumps([self.kind, os.path.abspath(self.location), stats])
+        return json.dumps([self.kind, self.location])
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists()
+
+
+def resolve_source(cfg: TrainConfig) -> DataSource:
+    """Decide what DATASET means, or raise DataError naming the setting and the fix."""
+    if not cfg.dataset:
+        corpus = build_embedded_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
+        return DataSource("embedded", str(corpus), files=[str(corpus)], builder="json")
+    path = Path(cfg.dataset)
+    if cfg.local_dataset == "false" or (cfg.local_dataset == "auto" and not path.exists()):
+        if cfg.local_dataset == "auto" and (cfg.dataset.startswith(("/", "./", "../", "~")) or cfg.dataset.count("/") > 1):
+            raise DataError(Problem("--dataset", cfg.dataset, "this path does not exist",
+                                    "fix the path (relative paths start from the working directory)"))
+        return DataSource("hub", cfg.dataset)
+    if not path.exists():
+        raise DataError(Problem("--dataset", cfg.dataset, "this path does not exist (LOCAL_DATASET=true)",
+                                "fix the path, or set LOCAL_DATASET=false for a hub dataset"))
+    if path.is_dir() and _is_saved_dataset(path):
+        return DataSource("disk", str(path))
+    files = [str(path)] if path.is_file() else sorted(
+        f for f in glob.glob(str(path / "**" / "*"), recursive=True)
+        if os.path.isfile(f) and Path(f).suffix.lower() in FILE_BUILDERS)
+    if not files:
+        raise DataError(Problem("--dataset", cfg.dataset, "holds no dataset files",
+                                f"use a save_to_disk directory or files ending in {', '.join(sorted(FILE_BUILDERS))}"))
+    builders = {FILE_BUILDERS.get(Path(f).suffix.lower()) for f in files}
+    if None in builders or len(builders) != 1:
+        raise DataError(Problem("--dataset", cfg.dataset, f"mixes or contains unsupported file types ({sorted(map(str, builders))})",
+                                "keep one format per dataset: .txt, .jsonl/.json, .parquet, .csv or .arrow"))
+    return DataSource("files", str(path), files=files, builder=builders.pop())
+
+
+def load_splits(source: DataSource, cfg: TrainConfig):
+    """Return (train, validation or None) as `datasets.Dataset` objects."""
+    import datasets
+
+    if source.kind == "disk":
+        loaded = datasets.load_from_disk(source.location)
+    elif source.kind in ("files", "embedded"):
+        loaded = datasets.load_dataset(source.builder, data_files={"train": source.files},
+                                       cache_dir=_hf_cache(cfg))
+    else:
+        try:
+            loaded = datasets.load_dataset(source.location, cfg.dataset_config_name, cache_dir=_hf_cache(cfg))
+        except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
+            raise DataError(Problem("--dataset", source.location, f"could not be loaded from the hub: {e}",
+                                    "check the name and DATASET_CONFIG_NAME, network access and HF_TOKEN, "
+                                    "or pass a local path")) from e
+    if isinstance(loaded, datasets.Dataset):
+        return loaded, None
+    names = list(loaded.keys())
+    train_name = "train" if "train" in loaded else names[0]
+    val_name = next((n for n in VALIDATION_SPLIT_NAMES if n in loaded), None)
+    return loaded[train_name], (loaded[val_name] if val_name else None)
+
+
+def _hf_cache(cfg: TrainConfig) -> str | None:
+    return os.path.join(cfg.data_cache_dir, "hf") if cfg.data_cache_dir else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tokenize and write the flat token file
+# --------------------------------------------------------------------------------------------------------------------
+def tokenizer_identity(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else f"{tokenizer.name_or_path}|{len(tokenizer)}"
+    return hashlib.sha256(f"{body}|{tokenizer.eos_token_id}".encode()).hexdigest()
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+def tokenize_split(ds, tokenizer, text_column: str, num_proc: int | None, split: str):
+    if text_column not in ds.column_names:
+        raise DataError(Problem("--text_column", text_column, f"the {split} split has no such column "
+                                f"(columns: {', '.join(ds.column_names)})", "pass --text_column with one of those"))
+    if len(ds) == 0:
+        raise DataError(Problem("--dataset", split, "this split is empty", "point --dataset at data with documents"))
+    eos = tokenizer.eos_token_id
+
+    def encode(batch):
+        texts = [t if isinstance(t, str) else "" for t in batch[text_column]]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + [eos] for x in ids if x]}
+
+    nproc = num_proc or min(16, len(os.sched_getaffinity(0)))
+    nproc = max(1, min(nproc, len(ds) // 1000 or 1))  # process pools only pay off on large datasets
+    return ds.map(encode, batched=True, batch_size=1000, num_proc=nproc if nproc > 1 else None,
+                  remove_columns=ds.column_names, desc=f"tokenizing {split}")
+
+
+def write_token_file(tokenized, path: Path, dtype) -> int:
+    """Write every document's ids back to back; write to a temporary name and rename, so readers never see half."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    total = 0
+    with open(tmp, "wb") as f:
+        for batch in tokenized.iter(batch_size=4096):
+            if batch["input_ids"]:
+                arr = np.concatenate([np.asarray(x, dtype=dtype) for x in batch["input_ids"]])
+                arr.tofile(f)
+                total += arr.size
+    os.replace(tmp, path)
+    return total
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packed blocks and the order they are visited in
+# --------------------------------------------------------------------------------------------------------------------
+class PackedTokens:
+    """A flat token array (memory-mapped or in memory) cut into blocks of seq_len + 1 with stride seq_len."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.num_blocks = max(0, (len(tokens) - 1) // seq_len)
+
+    def block(self, i: int) -> np.ndarray:
+        start = int(i) * self.seq_len
+        return self.tokens[start:start + self.seq_len + 1]
+
+    def batch(self, indices) -> np.ndarray:
+        return np.stack([self.block(i) for i in indices]).astype(np.int64)
+
+
+@dataclass
+class DataPosition:
+    """Where training is in the data: everything needed to continue exactly, independent of the world size."""
+
+    epoch: int = 0
+    blocks_consumed: int = 0  # positions of this epoch's permutation already used, by all ranks together
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "blocks_consumed": self.blocks_consumed}
+
+    @classmethod
+    def from_state_dict(cls, d):
+        return cls(int(d["epoch"]), int(d["blocks_consumed"]))
+
+
+class BlockOrder:
+    """Which blocks each rank reads for each global micro-batch."""
+
+    def __init__(self, block_ids: np.ndarray, seed: int, world_size: int, micro_batch: int):
+        self.block_ids = np.asarray(block_ids, dtype=np.int64)
+        self.seed = seed
+        self.world_size = world_size
+        self.micro_batch = micro_batch
+        self.per_global_batch = world_size * micro_batch
+        if len(self.block_ids) < self.per_global_batch:
+            raise DataError(Problem("--seq_len", None,
+                                    f"only {len(self.block_ids)} training blocks, fewer than one micro-batch per rank "
+                                    f"({micro_batch} x {world_size} ranks)",
+                                    "use more data, a smaller seq_len, or a smaller micro-batch"))
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if self._cache is None or self._cache[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._cache = (epoch, self.block_ids[rng.permutation(len(self.block_ids))])
+        return self._cache[1]
+
+    @property
+    def global_batches_per_epoch(self) -> int:
+        return len(self.block_ids) // self.per_global_batch
+
+    def rank_indices(self, position: DataPosition, rank: int) -> np.ndarray:
+        start = position.blocks_consumed + rank * self.micro_batch
+        return self.permutation(position.epoch)[start:start + self.micro_batch]
+
+    def advance(self, position: DataPosition) -> DataPosition:
+        """The position after one global micro-batch; a new epoch starts when the next one would not fit."""
+        consumed = position.blocks_consumed + self.per_global_batch
+        if consumed + self.per_global_batch > len(self.block_ids):
+            return DataPosition(position.epoch + 1, 0)
+        return DataPosition(position.epoch, consumed)
+
+
+@dataclass
+class PackedData:
+    train: PackedTokens
+    train_ids: np.ndarray
+    val: PackedTokens
+    val_ids: np.ndarray
+    description: str
+
+    @property
+    def train_tokens(self) -> int:
+        return len(self.train_ids) * self.train.seq_len
+
+
+def _held_out_split(num_blocks: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.random.default_rng(HELD_OUT_SEED).permutation(num_blocks)
+    n_val = max(1, int(round(num_blocks * fraction))) if fraction > 0 and num_blocks > 1 else 0
+    return np.sort(ids[n_val:]), np.sort(ids[:n_val])
+
+
+def _memmap(path: Path, dtype) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def cache_dir_for(cfg: TrainConfig, source: DataSource, tokenizer) -> Path:
+    key = hashlib.sha256("|".join([source.identity(), tokenizer_identity(tokenizer), cfg.text_column,
+                                   str(cfg.dataset_config_name)]).encode()).hexdigest()[:16]
+    root = Path(cfg.data_cache_dir) if cfg.data_cache_dir else default_cache_root()
+    return root / "packed" / key
+
+
+def build_token_files(cfg: TrainConfig, tokenizer, out_dir: Path, log=print) -> None:
+    """Load, tokenize and write train.bin (and validation.bin when the data has that split). One process only."""
+    source = resolve_source(cfg)
+    train_ds, val_ds = load_splits(source, cfg)
+    dtype = token_dtype(len(tokenizer))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split, ds in (("train", train_ds), ("validation", val_ds)):
+        if ds is None:
+            continue
+        tokenized = tokenize_split(ds, tokenizer, cfg.text_column, cfg.num_proc, split)
+        counts[split] = write_token_file(tokenized, out_dir / f"{split}.bin", dtype)
+        if counts[split] == 0:
+            raise DataError(Problem("--dataset", cfg.dataset or "embedded corpus",
+                                    f"the {split} split is empty after tokenization",
+                                    f"check that column '{cfg.text_column}' holds text"))
+    meta = {"source": source.identity(), "dtype": np.dtype(dtype).name, "tokens": counts,
+            "documents": {"train": len(train_ds), "validation": len(val_ds) if val_ds is not None else 0}}
+    # Written last: its presence marks a complete cache entry.
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+    log(f"data: wrote {counts} tokens to {out_dir}")
+
+
+def open_packed(cfg: TrainConfig, out_dir: Path, seq_len: int) -> PackedData:
+    meta = json.loads((out_dir / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"])
+    train = PackedTokens(_memmap(out_dir / "train.bin", dtype), seq_len)
+    if (out_dir / "validation.bin").exists():
+        val = PackedTokens(_memmap(out_dir / "validation.bin", dtype), seq_len)
+        train_ids, val_ids = np.arange(train.num_blocks), np.arange(val.num_blocks)
+    else:
+        val = train
+        train_ids, val_ids = _held_out_split(train.num_blocks, cfg.validation_fraction)
+    desc = (f"{meta['documents']['train']} documents, {meta['tokens']['train']:,} tokens -> "
+            f"{len(train_ids):,} training blocks of {seq_len} (+{len(val_ids):,} validation)")
+    return PackedData(train, train_ids, val, val_ids, desc)
+
+
+def dummy_packed(num_blocks: int, seq_len: int, vocab_size: int, seed: int) -> PackedData:
+    """Random tokens: a smoke test that needs no dataset (the loss should sit near ln(vocab))."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab_size, size=num_blocks * seq_len + 1, dtype=np.int64).astype(token_dtype(vocab_size))
+    packed = PackedTokens(tokens, seq_len)
+    train_ids, val_ids = _held_out_split(packed.num_blocks, 0.1)
+    return PackedData(packed, train_ids, packed, val_ids, f"dummy data: {num_blocks} random blocks of {seq_len}")
+
+
+def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print) -> PackedData:
+    """Build the token cache once (global rank 0; a node that cannot see it builds its own), then open it everywhere."""
+    if cfg.dummy_data:
+        return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), cfg.seed)
+    error: DataError | None = None
+    out_dir = None
+    if dist.rank == 0:
+        try:
+            out_dir = cache_dir_for(cfg, resolve_source(cfg), tokenizer)
+            if not (out_dir / "meta.json").exists():
+                build_token_files(cfg, tokenizer, out_dir, log)
+        except DataError as e:
+            error = e
+    out_dir, message = dist.broadcast_object((str(out_dir) if out_dir else None, str(error) if error else None))
+    if message:
+        raise error or DataError(Problem("--dataset", cfg.dataset, f"rank 0 could not prepare the data: {message}",
+                                         "see rank 0's message above"))
+    out_dir = Path(out_dir)
+    if not (out_dir / "meta.json").exists() and dist.local_rank == 0:
+        build_token_files(cfg, tokenizer, out_dir, log)  # node-local cache directory: build it on this node too
+    dist.barrier()
+    return open_packed(cfg, out_dir, seq_len)

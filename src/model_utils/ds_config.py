@@ -1,0 +1,179 @@
+"""Loading `ds_config.json`: resolve "auto" values (Hugging Face style), fill what depends on the run, and check
+optimizer/scheduler parameters against the classes that will receive them, so a typo is a message, not a TypeError."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+import json
+import math
+from pathlib import Path
+
+from .arguments import Problem, TrainConfig
+
+AUTO = "auto"
+# DeepSpeed optimizer names whose params go to torch.optim.AdamW/Adam (torch_adam) or DeepSpeed's Adam family.
+ADAM_NAMES = {"adam", "adamw"}
+ADAM_EXTRA_KEYS = {"torch_adam", "adam_w_mode", "fused", "foreach", "fp32_optimizer_states"}
+
+
+def load_json(path: Path) -> tuple[dict | None, list[Problem]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None, [Problem("--ds_config", str(path), "file not found", "point DS_CONFIG/--ds_config at a JSON file")]
+    except json.JSONDecodeError as e:
+        return None, [Problem("--ds_config", str(path), f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                              "fix the JSON syntax there (trailing commas and comments are not allowed)")]
+    if not isinstance(data, dict):
+        return None, [Problem("--ds_config", str(path), "must hold a JSON object", "wrap the settings in { ... }")]
+    return data, []
+
+
+def _suggest(key: str, valid) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(sorted(valid))}"
+
+
+def _accepted_params(cls, skip=("self", "optimizer", "params", "last_batch_iteration")) -> dict[str, inspect.Parameter]:
+    sig = inspect.signature(cls.__init__)
+    return {n: p for n, p in sig.parameters.items() if n not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def check_scheduler(sched: dict, where: str = "scheduler") -> list[Problem]:
+    from deepspeed.runtime import lr_schedules
+
+    problems = []
+    name = sched.get("type")
+    if name not in lr_schedules.VALID_LR_SCHEDULES:
+        return [Problem(f"{where}.type", name, "is not a DeepSpeed scheduler",
+                        _suggest(str(name), lr_schedules.VALID_LR_SCHEDULES))]
+    accepted = _accepted_params(getattr(lr_schedules, name))
+    for key in sched.get("params", {}):
+        if key not in accepted:
+            problems.append(Problem(f"{where}.params.{key}", sched["params"][key], f"is not a parameter of {name}",
+                                    _suggest(key, accepted)))
+    for key, p in accepted.items():
+        if p.default is inspect.Parameter.empty and key not in sched.get("params", {}):
+            problems.append(Problem(f"{where}.params.{key}", None, f"is required by {name}",
+                                    f'add "{key}": "auto" (filled from --max_steps) or a number'))
+    return problems
+
+
+def check_optimizer(opt: dict, where: str = "optimizer") -> list[Problem]:
+    import torch
+
+    name = str(opt.get("type", ""))
+    params = opt.get("params", {})
+    if name.lower() not in ADAM_NAMES:
+        return []  # other optimizers are DeepSpeed's own; DeepSpeed validates them
+    accepted = set(_accepted_params(torch.optim.AdamW)) | ADAM_EXTRA_KEYS
+    problems = []
+    for key in params:
+        if key == "max_grad_norm":
+            problems.append(Problem(f"{where}.params.max_grad_norm", params[key], "is not an optimizer parameter",
+                                    'move it to the top level as "gradient_clipping"'))
+        elif key not in accepted:
+            problems.append(Problem(f"{where}.params.{key}", params[key], f"is not a parameter of {name}",
+                                    _suggest(key, accepted)))
+    return problems
+
+
+def resolve(raw: dict, cfg: TrainConfig, world_size: int, bf16_supported: bool) -> tuple[dict, list[str], list[Problem]]:
+    """Return (resolved config, notes for the log, problems).
+
+    "auto" takes the matching flag's value or the default written here; a flag given explicitly replaces a concrete
+    config value, and a note says so. Batch sizes obey micro x accumulation x world = train_batch_size.
+    """
+    ds = copy.deepcopy(raw)
+    notes: list[str] = []
+    problems: list[Problem] = []
+
+    def setting(container: dict, key: str, flag: str | None, flag_value, auto_value, label: str):
+        current = container.get(key, AUTO)
+        if flag and flag in cfg.explicit and flag_value is not None:
+            if current not in (AUTO, flag_value):
+                notes.append(f"--{flag} {flag_value} overrides {label}={current} from the DeepSpeed config")
+            container[key] = flag_value
+        elif current == AUTO:
+            container[key] = auto_value
+        return container[key]
+
+    micro = setting(ds, "train_micro_batch_size_per_gpu", "micro_batch_size", cfg.micro_batch_size, 1,
+                    "train_micro_batch_size_per_gpu")
+    accum = setting(ds, "gradient_accumulation_steps", "gradient_accumulation_steps", cfg.gradient_accumulation_steps,
+                    1, "gradient_accumulation_steps")
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
+        if not isinstance(value, int) or value < 1:
+            problems.append(Problem(key, value, "must be a positive integer", f'set "{key}" to 1 or more, or "auto"'))
+    if not problems:
+        expected = micro * accum * world_size
+        given = ds.get("train_batch_size", AUTO)
+        if given not in (AUTO, expected):
+            problems.append(Problem("train_batch_size", given,
+                                    f"must equal micro ({micro}) x grad_acc ({accum}) x world size ({world_size}) = {expected}",
+                                    'set "train_batch_size": "auto" (or remove it) and size the batch with the other two'))
+        ds["train_batch_size"] = expected
+
+    setting(ds, "gradient_clipping", None, None, 1.0, "gradient_clipping")
+
+    # Precision: bf16 where the hardware supports it, fp32 otherwise (CPU runs, pre-Ampere GPUs).
+    for key in ("bf16", "fp16"):
+        section = ds.get(key)
+        if isinstance(section, dict) and section.get("enabled") == AUTO:
+            section["enabled"] = bf16_supported if key == "bf16" else False
+    if ds.get("bf16", {}).get("enabled") and not bf16_supported:
+        problems.append(Problem("bf16.enabled", True, "this hardware has no bf16 support",
+                                'set "bf16": {"enabled": "auto"} (fp32 where bf16 is missing) or use fp16 on GPUs'))
+
+    opt = ds.get("optimizer")
+    if isinstance(opt, dict):
+        params = opt.setdefault("params", {})
+        setting(params, "lr", "learning_rate", cfg.learning_rate, 3e-4, "optimizer.params.lr")
+        problems += check_optimizer(opt)
+
+    sched = ds.get("scheduler")
+    if isinstance(sched, dict):
+        params = sched.setdefault("params", {})
+        problems += check_scheduler(sched)
+        if "total_num_steps" in params or sched.get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
+            total = params.get("total_num_steps", AUTO)
+            if total not in (AUTO, cfg.max_steps):
+                notes.append(f"scheduler total_num_steps={total} replaced by --max_steps {cfg.max_steps}")
+            params["total_num_steps"] = cfg.max_steps
+        if "warmup_num_steps" in params or sched.get("type") in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+            auto_warmup = max(1, math.ceil(0.05 * cfg.max_steps))
+            warmup = setting(params, "warmup_num_steps", "warmup_steps", cfg.warmup_steps, auto_warmup,
+                             "scheduler.params.warmup_num_steps")
+            if isinstance(warmup, int) and warmup >= cfg.max_steps:
+                problems.append(Problem("scheduler.params.warmup_num_steps", warmup,
+                                        f"warmup is not shorter than the run (--max_steps {cfg.max_steps})",
+                                        'lower it, use "auto" (5% of max_steps), or raise --max_steps'))
+        if "warmup_max_lr" in params and params["warmup_max_lr"] == AUTO and isinstance(opt, dict):
+            params["warmup_max_lr"] = opt["params"]["lr"]
+
+    for path, value in _leftover_autos(ds):
+        problems.append(Problem(path, value, "has no automatic value in this project",
+                                "replace \"auto\" by a concrete value"))
+    return ds, notes, problems
+
+
+def _leftover_autos(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leftover_autos(value, f"{prefix}.{key}" if prefix else key)
+    elif node == AUTO:
+        yield prefix, node
+
+
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def offloads(ds: dict) -> tuple[bool, bool]:
+    zero = ds.get("zero_optimization", {})
+    opt = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    par = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
+    return opt, par

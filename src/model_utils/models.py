@@ -1,0 +1,135 @@
+"""Model presets (Qwen3 architecture through transformers' real `Qwen3Config`), pretrained loading, and FLOP counting."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Qwen3 dense models as published (config.json of Qwen/Qwen3-*): dimensions, GQA, head_dim 128, QK-norm, tied
+# embeddings for the small ones. Presets start from random weights (pretraining from scratch).
+QWEN3_COMMON = dict(
+    vocab_size=151936, head_dim=128, num_key_value_heads=8, hidden_act="silu", max_position_embeddings=40960,
+    rope_theta=1_000_000.0, rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0, initializer_range=0.02,
+    bos_token_id=151643, eos_token_id=151645,
+)
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": dict(QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, tie_word_embeddings=True),
+    "qwen3-4b": dict(QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=True),
+    "qwen3-8b": dict(QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, tie_word_embeddings=False),
+    # CPU-sized Qwen3 (same code path, ~3M parameters): the embedded default. Vocabulary follows the tokenizer.
+    "tiny": dict(vocab_size=None, hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=48, hidden_act="silu", max_position_embeddings=2048,
+                 rope_theta=10_000.0, rms_norm_eps=1e-6, attention_dropout=0.0, initializer_range=0.02,
+                 tie_word_embeddings=True),
+}
+DEFAULT_SEQ_LEN = {"tiny": 256}
+DEFAULT_SEQ_LEN_QWEN3 = 4096
+DEFAULT_SEQ_LEN_PRETRAINED = 2048
+
+
+def is_preset(name: str) -> bool:
+    return name.lower() in PRESETS
+
+
+def default_seq_len(model: str) -> int:
+    if is_preset(model):
+        return DEFAULT_SEQ_LEN.get(model.lower(), DEFAULT_SEQ_LEN_QWEN3)
+    return DEFAULT_SEQ_LEN_PRETRAINED
+
+
+def _round_up(n: int, multiple: int = 64) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def model_config(name: str, tokenizer=None):
+    """The transformers config for a preset, or the config of a pretrained model directory / hub id."""
+    from transformers import AutoConfig, Qwen3Config
+
+    if is_preset(name):
+        params = dict(PRESETS[name.lower()])
+        if params["vocab_size"] is None:
+            # Sized to the tokenizer, rounded up to a multiple of 64 for efficient matrix shapes.
+            params["vocab_size"] = _round_up(len(tokenizer))
+            params["eos_token_id"] = tokenizer.eos_token_id
+            params["bos_token_id"] = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+            params["pad_token_id"] = tokenizer.pad_token_id
+        return Qwen3Config(**params)
+    return AutoConfig.from_pretrained(name)
+
+
+def check_vocab_covers_tokenizer(config, tokenizer, model_name: str, tokenizer_name: str | None):
+    """A token id past the embedding table is a CUDA device assert mid-run; say it up front instead."""
+    from .arguments import Problem
+
+    if len(tokenizer) > config.vocab_size:
+        return Problem("--tokenizer", tokenizer_name or "default",
+                       f"has {len(tokenizer)} tokens but model {model_name} embeds only {config.vocab_size}",
+                       "use the model's own tokenizer, or a preset (whose vocabulary covers the default tokenizer), "
+                       "or resize the model's embeddings before training")
+    return None
+
+
+def build_model(name: str, config, dtype, attn_implementation: str, gradient_checkpointing: bool):
+    """Random-init preset (pretraining) or `from_pretrained` (continued training). Under ZeRO-3 the caller enters
+    `deepspeed.zero.Init` (through HfDeepSpeedConfig) so parameters are partitioned as they are created."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if is_preset(name):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation=attn_implementation)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+@dataclass
+class FlopsModel:
+    """Training FLOPs per token, by the PaLM convention: 6N + 12·L·H·Q·T.
+
+    N counts every matrix parameter a token goes through, the LM head included and the input embedding (a lookup)
+    excluded. The attention term counts QK^T and AV for the full (unmasked) T x T square, forward and backward;
+    torchtitan uses 6·L·H·Q·T (the causal half). Both are reported.
+    """
+
+    non_embedding_params: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    seq_len: int
+
+    @classmethod
+    def from_config(cls, config, num_params: int, seq_len: int):
+        embed = config.vocab_size * config.hidden_size
+        lm_head = config.vocab_size * config.hidden_size
+        n = num_params - embed + (lm_head if getattr(config, "tie_word_embeddings", False) else 0)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(n, config.num_hidden_layers, config.num_attention_heads, head_dim, seq_len)
+
+    def per_token(self, attention_factor: int = 12) -> float:
+        return 6 * self.non_embedding_params + attention_factor * self.num_layers * self.num_heads * self.head_dim * self.seq_len
+
+
+# Dense bf16 tensor-core peak (no sparsity), TFLOP/s, by device name substring; the first match wins.
+GPU_PEAK_BF16_TFLOPS = [
+    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("GH200", 989.0),
+    ("B200", 2250.0), ("GB200", 2500.0), ("B300", 2250.0), ("GB300", 2500.0),
+    ("A100", 312.0), ("A10G", 70.0), ("A10", 125.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
+]
+
+
+def gpu_peak_tflops(device_name: str) -> float | None:
+    override = os.environ.get("GPU_PEAK_TFLOPS")
+    if override:
+        return float(override)
+    for key, peak in GPU_PEAK_BF16_TFLOPS:
+        if key in device_name:
+            return peak
+    return None
