@@ -1,0 +1,230 @@
+"""Checkpoints that count only when complete, resume from the newest complete one, retention, and HF export.
+
+Layout of CHECKPOINT_DIR:
+    step-00000100/            DeepSpeed's files for step 100, one rng_state_rankNNNNN.pt per rank,
+        manifest.json         written last, by rank 0, after every rank has written and fsynced its files
+    latest                    the newest complete tag, rewritten atomically after its manifest (DeepSpeed reads it too)
+    metrics.jsonl, hf/        metrics and the exported Hugging Face model
+
+A checkpoint directory without a valid manifest, or whose files do not match the sizes the manifest records, is
+incomplete: resume skips it with a warning. If checkpoints exist but none is complete, the run stops and says which
+files are wrong instead of starting from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .arguments import REPO_ROOT
+
+TAG_RE = re.compile(r"^step-(\d{8})$")
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+def tag_for(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _fsync_file(path: Path):
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str):
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def code_version() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Finding a checkpoint to resume from
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    manifest: dict | None = None
+    problem: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest is not None and self.problem is None
+
+
+def inspect_checkpoint(path: Path) -> CheckpointInfo:
+    m = TAG_RE.match(path.name)
+    info = CheckpointInfo(path, int(m.group(1)) if m else -1)
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        info.problem = f"{manifest_path} is missing (the save did not finish)"
+        return info
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        info.problem = f"{manifest_path} is not valid JSON ({e})"
+        return info
+    for name, size in manifest.get("files", {}).items():
+        f = path / name
+        if not f.exists():
+            info.problem = f"{f} is missing"
+            return info
+        if f.stat().st_size != size:
+            info.problem = f"{f} has {f.stat().st_size} bytes, the manifest recorded {size} (truncated or overwritten)"
+            return info
+    info.manifest = manifest
+    return info
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[CheckpointInfo]:
+    if not ckpt_dir.is_dir():
+        return []
+    dirs = [p for p in ckpt_dir.iterdir() if p.is_dir() and TAG_RE.match(p.name)]
+    return sorted((inspect_checkpoint(p) for p in dirs), key=lambda c: c.step, reverse=True)
+
+
+class ResumeError(Exception):
+    pass
+
+
+def find_resume_checkpoint(ckpt_dir: Path, warn) -> CheckpointInfo | None:
+    """The newest complete checkpoint, warning about each newer incomplete one; None if there are none at all."""
+    latest = ckpt_dir / LATEST
+    if latest.exists():
+        name = latest.read_text().strip()
+        if not name:
+            warn(f"{latest} is empty; looking for the newest complete checkpoint instead")
+        elif not (ckpt_dir / name).is_dir():
+            warn(f"{latest} names {name}, which does not exist; looking for the newest complete checkpoint instead")
+    found = list_checkpoints(ckpt_dir)
+    for info in found:
+        if info.complete:
+            return info
+        warn(f"skipping incomplete checkpoint {info.path.name}: {info.problem}")
+    if found:
+        details = "\n".join(f"  {c.path.name}: {c.problem}" for c in found)
+        raise ResumeError(f"{ckpt_dir} holds checkpoints but none is complete:\n{details}\n"
+                          "fix or remove them, point --checkpoint_dir elsewhere, or pass --resume never after "
+                          "moving them away; nothing was started")
+    return None
+
+
+def resolve_explicit(path: Path, warn) -> CheckpointInfo:
+    """--resume_from_checkpoint: a step directory, or a checkpoint directory (newest complete one inside)."""
+    if TAG_RE.match(path.name):
+        info = inspect_checkpoint(path)
+        if not info.complete:
+            raise ResumeError(f"--resume_from_checkpoint {path}: {info.problem}")
+        return info
+    info = find_resume_checkpoint(path, warn)
+    if info is None:
+        raise ResumeError(f"--resume_from_checkpoint {path}: no step-XXXXXXXX checkpoint inside")
+    return info
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class SaveContext:
+    ckpt_dir: Path
+    keep_last: int
+    manifest_extra: dict = field(default_factory=dict)
+
+
+def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng: dict, dist, log) -> Path:
+    """Save on every rank; the checkpoint becomes visible (manifest, `latest`) only once all ranks are done."""
+    tag = tag_for(step)
+    path = ctx.ckpt_dir / tag
+    t0 = time.perf_counter()
+    if dist.is_main and path.exists():
+        shutil.rmtree(path)  # a leftover from a crash at this same step
+    dist.barrier()
+    engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    torch.save(rng, path / f"rng_state_rank{dist.rank:05d}.pt")
+    for f in path.iterdir():
+        if f.is_file():
+            _fsync_file(f)
+    dist.barrier()  # every rank's shards are on disk
+    if dist.is_main:
+        files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+        manifest = dict(step=step, world_size=dist.world_size, files=files, code_version=code_version(),
+                        saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), **ctx.manifest_extra,
+                        **{k: v for k, v in client_state.items() if k in ("tokens_seen", "data_position")})
+        atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=1, default=str))
+        atomic_write_text(ctx.ckpt_dir / LATEST, tag)
+        apply_retention(ctx.ckpt_dir, ctx.keep_last, log)
+    dist.barrier()
+    log(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
+    return path
+
+
+def apply_retention(ckpt_dir: Path, keep_last: int, log):
+    """Keep the newest `keep_last` complete checkpoints; remove older ones and incomplete leftovers older than them."""
+    if keep_last <= 0:
+        return
+    found = list_checkpoints(ckpt_dir)
+    complete = [c for c in found if c.complete]
+    if not complete:
+        return
+    keep = {c.path for c in complete[:keep_last]}
+    oldest_kept = min(c.step for c in complete[:keep_last])
+    for c in found:
+        if c.path not in keep and c.step < oldest_kept:
+            shutil.rmtree(c.path, ignore_errors=True)
+            log(f"checkpoint: removed {c.path.name} (keeping the last {keep_last})")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Export to a Hugging Face model directory
+# --------------------------------------------------------------------------------------------------------------------
+def export_hf(engine, model, tokenizer, out_dir: Path, zero_stage: int, dist, log) -> Path | None:
+    """Write safetensors + config + tokenizer that `AutoModelForCausalLM.from_pretrained` loads.
+
+    ZeRO-3 parameters are partitioned: they are gathered into a full 16-bit state dict on rank 0 first (this works
+    whatever `stage3_gather_16bit_weights_on_model_save` says, so the export is never silently empty).
+    """
+    if zero_stage == 3:
+        state_dict = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state_dict = model.state_dict() if dist.is_main else None
+    if dist.is_main:
+        if not state_dict:
+            raise RuntimeError("export produced an empty state dict; refusing to write an empty model")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.config.use_cache = True
+        model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+        log(f"export: Hugging Face model written to {out_dir}")
+    dist.barrier()
+    return out_dir

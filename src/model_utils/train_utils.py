@@ -1,0 +1,202 @@
+"""Training utilities: distributed setup, seeding and RNG state, stop signals, logging and metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .arguments import Problem
+
+EXIT_STOPPED_BY_SIGNAL = 75  # EX_TEMPFAIL: a checkpoint was saved on a signal; the batch script requeues the job
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Distributed
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self):
+        if torch.distributed.is_initialized():
+            if self.backend == "nccl":
+                torch.distributed.barrier(device_ids=[self.local_rank])
+            else:
+                torch.distributed.barrier()
+
+    def broadcast_object(self, obj):
+        if not torch.distributed.is_initialized() or self.world_size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
+        if torch.distributed.is_initialized() and self.world_size > 1:
+            torch.distributed.all_reduce(tensor, op=op or torch.distributed.ReduceOp.SUM)
+        return tensor
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def distributed_env_problems() -> list[Problem]:
+    """Map SLURM's per-task variables onto torch's (srun with one task per GPU), or fill a single-process world."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_LOCALID"], env["SLURM_NTASKS"]
+        if "MASTER_ADDR" not in env:
+            return [Problem("MASTER_ADDR", None, "is unset in a multi-task srun step",
+                            'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1) before srun '
+                            "(the project's launchers do this)")]
+        env.setdefault("MASTER_PORT", "29500")
+    if "RANK" not in env:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.setdefault("LOCAL_RANK", "0")
+    return []
+
+
+def setup_distributed(timeout_minutes: int = 30) -> Dist:
+    import deepspeed
+
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    return Dist(rank, local_rank, world, device, backend)
+
+
+def bf16_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Seeds and RNG state (saved per rank in every checkpoint, so a resumed run draws the same numbers)
+# --------------------------------------------------------------------------------------------------------------------
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stop signals: SLURM's warning signal (USR1), the time limit (TERM), Ctrl-C (INT)
+# --------------------------------------------------------------------------------------------------------------------
+class StopSignal:
+    """Remember that a stop was asked for; the loop saves and exits at the next step boundary, all ranks together."""
+
+    SIGNALS = ("SIGUSR1", "SIGTERM", "SIGINT")
+
+    def __init__(self):
+        self.received: str | None = None
+        for name in self.SIGNALS:
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame):
+        if self.received == "SIGINT" and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means "now"
+        self.received = signal.Signals(signum).name
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Logging and metrics
+# --------------------------------------------------------------------------------------------------------------------
+class Logger:
+    """Rank 0 prints; other ranks print only warnings, prefixed with their rank. Rank 0 appends metrics.jsonl."""
+
+    def __init__(self, dist: Dist, metrics_path: Path | None):
+        self.dist = dist
+        self.metrics_path = metrics_path
+        self.bar = None
+
+    def info(self, msg: str):
+        if not self.dist.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(msg)  # keeps the progress bar at the bottom
+        else:
+            print(msg, flush=True)
+
+    def warn(self, msg: str, all_ranks: bool = False):
+        if self.dist.is_main or all_ranks:
+            prefix = f"[rank {self.dist.rank}] " if self.dist.world_size > 1 else ""
+            print(f"{prefix}warning: {msg}", file=sys.stderr, flush=True)
+
+    def metrics(self, record: dict):
+        if self.dist.is_main and self.metrics_path is not None:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class Throughput:
+    """Tokens/s, TFLOP/s per device and MFU over the interval since the last call."""
+
+    def __init__(self, flops_per_token: float, peak_tflops: float | None, world_size: int):
+        self.flops_per_token = flops_per_token
+        self.peak = peak_tflops
+        self.world = world_size
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, tokens: int):
+        self.tokens += tokens
+
+    def read(self) -> dict:
+        now = time.perf_counter()
+        dt = max(now - self.t0, 1e-9)
+        tps = self.tokens / dt
+        tflops = tps * self.flops_per_token / self.world / 1e12
+        out = {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.world, "tflops_per_device": tflops}
+        if self.peak:
+            out["mfu"] = tflops / self.peak
+        self.t0, self.tokens = now, 0
+        return out
+
+
+def memory_stats(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    gib = 1024**3
+    return {"mem_gib": torch.cuda.memory_allocated(device) / gib, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / gib}

@@ -1,0 +1,360 @@
+#!/usr/bin/env python3
+"""Train a causal language model with DeepSpeed.
+
+    torchrun --standalone --nproc_per_node=N src/train_deepspeed.py [--model qwen3-0.6b] [--dataset PATH_OR_NAME] ...
+    srun (one task per GPU)              python src/train_deepspeed.py ...      # SLURM: ranks from SLURM_PROCID
+    python src/train_deepspeed.py --preflight ...                               # check everything, train nothing
+
+`ds_config.json` holds what DeepSpeed owns (batch, optimizer, scheduler, ZeRO, precision); see README.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from model_utils.arguments import ConfigError, Problem, TrainConfig, exit_on_problems, parse_args, validate_args  # noqa: E402
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built by `setup`."""
+
+    cfg: TrainConfig
+    dist: object
+    ds_config: dict
+    tokenizer: object
+    model: object
+    engine: object
+    data: object
+    order: object
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    flops_per_token: float
+    log: object
+    step: int = 0
+    tokens_seen: int = 0
+    position: object = None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Setup: configuration -> tokenizer -> data -> model -> engine -> resume
+# ----------------------------------------------------------------------------------------------------------------------
+def resolve_config(cfg: TrainConfig, world_size: int):
+    from model_utils import ds_config as dsc
+    from model_utils.train_utils import bf16_supported
+
+    raw, problems = dsc.load_json(cfg.resolved_ds_config_path())
+    if raw is None:
+        raise ConfigError(problems)
+    resolved, notes, problems = dsc.resolve(raw, cfg, world_size, bf16_supported())
+    if problems:
+        raise ConfigError(problems)
+    return resolved, notes
+
+
+def setup(cfg: TrainConfig, dist) -> Run:
+    import deepspeed
+    import torch
+
+    from model_utils import ds_config as dsc
+    from model_utils.checkpoint import ResumeError, find_resume_checkpoint, resolve_explicit
+    from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
+    from model_utils.models import (FlopsModel, build_model, check_vocab_covers_tokenizer, default_seq_len,
+                                    gpu_peak_tflops, is_preset, model_config)
+    from model_utils.tokenizer import load_tokenizer
+    from model_utils.train_utils import Logger, seed_everything
+
+    log = Logger(dist, Path(cfg.checkpoint_dir) / "metrics.jsonl")
+    ds, notes = resolve_config(cfg, dist.world_size)
+    for note in notes:
+        log.info(f"config: {note}")
+
+    tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer or is_preset(cfg.model) else cfg.model)
+    mconf = model_config(cfg.model, tokenizer)
+    seq_len = cfg.seq_len or default_seq_len(cfg.model)
+    problems = [p for p in [check_vocab_covers_tokenizer(mconf, tokenizer, cfg.model, cfg.tokenizer)] if p]
+    max_pos = getattr(mconf, "max_position_embeddings", None)
+    if max_pos and seq_len > max_pos:
+        problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings ({max_pos})",
+                                f"use --seq_len {max_pos} or less"))
+    if problems:
+        raise ConfigError(problems)
+
+    # Resume point first: a bad checkpoint directory must stop the run before any expensive work.
+    resume_info = None
+    ckpt_dir = Path(cfg.checkpoint_dir)
+    if cfg.resume_from_checkpoint:
+        resume_info = resolve_explicit(Path(cfg.resume_from_checkpoint), log.warn)
+    elif cfg.resume == "auto":
+        resume_info = find_resume_checkpoint(ckpt_dir, log.warn)
+    elif list(ckpt_dir.glob("step-*")):
+        raise ResumeError(f"--resume never, but {ckpt_dir} already holds checkpoints; choose another "
+                          "--checkpoint_dir or move them away (nothing is deleted for you)")
+    if resume_info and resume_info.manifest.get("world_size") != dist.world_size and dsc.zero_stage(ds) > 0:
+        raise ResumeError(
+            f"{resume_info.path} was saved by {resume_info.manifest['world_size']} ranks, this run has {dist.world_size}. "
+            "ZeRO partitions optimizer state by rank; convert it to a universal checkpoint first:\n"
+            f"  python -m deepspeed.checkpoint.ds_to_universal --input_folder {resume_info.path} "
+            f"--output_folder {resume_info.path}-universal\n"
+            "then resume with --resume_from_checkpoint and \"checkpoint\": {\"load_universal\": true} in the DeepSpeed config")
+
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    data = prepare_data(cfg, tokenizer, seq_len, dist, log.info)
+    order = BlockOrder(data.train_ids, cfg.seed, dist.world_size, micro)
+    log.info(f"data: {data.description}")
+
+    seed_everything(cfg.seed)
+    zero3_context = None
+    if dsc.zero_stage(ds) == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+        zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
+    model = build_model(cfg.model, mconf, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing)
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    flops = FlopsModel.from_config(model.config, num_params, seq_len)
+
+    # nanoGPT's grouping: weight decay on matrices (and embeddings), none on norms and biases.
+    decay = [p for p in model.parameters() if p.requires_grad and getattr(p, "ds_shape", p.shape).__len__() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and getattr(p, "ds_shape", p.shape).__len__() < 2]
+    wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+    groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+
+    run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, seq_len, micro, accum,
+              flops.per_token(), log, position=DataPosition())
+    peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
+    run.peak_tflops = peak
+    tokens_per_step = micro * accum * dist.world_size * seq_len
+    log.info(f"model: {cfg.model}, {num_params / 1e6:.1f}M parameters, {flops.per_token() / 1e9:.3f} GFLOP/token; "
+             f"precision {'bf16' if ds.get('bf16', {}).get('enabled') else 'fp32'}, ZeRO stage {dsc.zero_stage(ds)}")
+    log.info(f"batch: micro {micro} x grad_acc {accum} x world {dist.world_size} = {micro * accum * dist.world_size} "
+             f"blocks = {tokens_per_step:,} tokens/step; {cfg.max_steps} steps = {tokens_per_step * cfg.max_steps:,} "
+             f"tokens ({tokens_per_step * cfg.max_steps / max(data.train_tokens, 1):.2f} epochs)")
+
+    if resume_info:
+        load_checkpoint(run, resume_info)
+    return run
+
+
+def load_checkpoint(run: Run, info):
+    import torch
+
+    from model_utils.concat_dataset import DataPosition
+    from model_utils.train_utils import set_rng_state
+
+    _, client = run.engine.load_checkpoint(str(info.path.parent), tag=info.path.name)
+    if client is None:
+        raise RuntimeError(f"DeepSpeed could not load {info.path}")
+    run.step, run.tokens_seen = client["step"], client["tokens_seen"]
+    run.position = DataPosition.from_state_dict(client["data_position"])
+    rng_file = info.path / f"rng_state_rank{run.dist.rank:05d}.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    run.log.info(f"resume: continuing from {info.path} at step {run.step} "
+                 f"(epoch {run.position.epoch}, {run.position.blocks_consumed} blocks into it)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Steps
+# ----------------------------------------------------------------------------------------------------------------------
+def compute_loss(engine, batch):
+    """Mean next-token loss over the block: inputs are its first T tokens, targets its last T (already shifted)."""
+    inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    return engine(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False).loss
+
+
+def to_device(array, device):
+    import torch
+
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def evaluate(run: Run) -> dict:
+    import torch
+
+    ids = run.data.val_ids
+    if len(ids) == 0:
+        return {}
+    engine, dist, m = run.engine, run.dist, run.micro_batch
+    engine.eval()
+    total = torch.zeros((), device=dist.device, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(run.cfg.eval_iters):
+            start = (i * dist.world_size + dist.rank) * m
+            picks = [ids[(start + j) % len(ids)] for j in range(m)]
+            total += compute_loss(engine, to_device(run.data.val.batch(picks), dist.device)).double()
+    engine.train()
+    dist.all_reduce(total)
+    loss = (total / (run.cfg.eval_iters * dist.world_size)).item()
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def save(run: Run):
+    from model_utils.checkpoint import SaveContext, save_checkpoint
+    from model_utils.ds_config import zero_stage
+    from model_utils.train_utils import rng_state
+
+    ctx = SaveContext(Path(run.cfg.checkpoint_dir), run.cfg.keep_last_checkpoints,
+                      {"model": run.cfg.model, "seq_len": run.seq_len, "zero_stage": zero_stage(run.ds_config),
+                       "ds_config": run.ds_config})
+    client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict()}
+    save_checkpoint(run.engine, ctx, run.step, client, rng_state(), run.dist, run.log.info)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------------------
+def train(run: Run) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from model_utils.train_utils import EXIT_STOPPED_BY_SIGNAL, StopSignal, Throughput, memory_stats
+
+    cfg, dist, engine, log = run.cfg, run.dist, run.engine, run.log
+    stop = StopSignal()
+    throughput = Throughput(run.flops_per_token, run.peak_tflops, dist.world_size)
+    tokens_per_step = run.micro_batch * run.grad_accum * dist.world_size * run.seq_len
+    loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
+    steps_in_interval = 0
+    log.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="train", disable=not dist.is_main, dynamic_ncols=True)
+    engine.train()
+    while run.step < cfg.max_steps:
+        # --- learning rate used by this step ---
+        lr = engine.get_lr()[0]
+
+        # --- forward, backward, update (DeepSpeed applies the optimizer at the accumulation boundary) ---
+        for _ in range(run.grad_accum):
+            indices = run.order.rank_indices(run.position, dist.rank)
+            loss = compute_loss(engine, to_device(run.data.train.batch(indices), dist.device))
+            engine.backward(loss)
+            engine.step()
+            run.position = run.order.advance(run.position)
+            loss_sum += loss.detach().double()
+        run.step += 1
+        run.tokens_seen += tokens_per_step
+        steps_in_interval += 1
+        throughput.add(tokens_per_step)
+
+        # --- logging: loss averaged over the interval's micro-batches on all ranks ---
+        if run.step % cfg.log_interval == 0 or run.step == cfg.max_steps:
+            dist.all_reduce(loss_sum)
+            mean_loss = (loss_sum / (steps_in_interval * run.grad_accum * dist.world_size)).item()
+            grad_norm = engine.get_global_grad_norm()
+            record = {"step": run.step, "loss": mean_loss, "lr": lr,
+                      "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                      "tokens_seen": run.tokens_seen, **throughput.read(), **memory_stats(dist.device)}
+            log.metrics(record)
+            log.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+            log.info(format_record(record))
+            if not math.isfinite(mean_loss):
+                log.warn(f"non-finite loss {mean_loss} at step {run.step}")
+            loss_sum.zero_()
+            steps_in_interval = 0
+        log.bar.update(1)
+
+        # --- evaluation ---
+        if cfg.eval_interval and run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps:
+            result = evaluate(run)
+            if result:
+                log.metrics({"step": run.step, **result})
+                log.info(f"eval step {run.step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+
+        # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
+        flag = torch.tensor([1.0 if stop.received else 0.0], device=dist.device)
+        stop_now = dist.all_reduce(flag, torch.distributed.ReduceOp.MAX).item() > 0
+        if stop_now or (cfg.checkpoint_freq and run.step % cfg.checkpoint_freq == 0) or run.step == cfg.max_steps:
+            save(run)
+        if stop_now and run.step < cfg.max_steps:
+            log.bar.close()
+            log.info(f"stop: {stop.received or 'a signal on another rank'} received; checkpoint saved at step "
+                     f"{run.step}; exiting with status {EXIT_STOPPED_BY_SIGNAL} so the job can be requeued")
+            return EXIT_STOPPED_BY_SIGNAL
+    log.bar.close()
+    log.bar = None
+    finish(run)
+    return 0
+
+
+def format_record(r: dict) -> str:
+    parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
+    if r.get("grad_norm") is not None:
+        parts.append(f"grad_norm {r['grad_norm']:.3f}")
+    parts.append(f"tokens/s {r['tokens_per_s']:,.0f}")
+    if "mfu" in r:
+        parts.append(f"TFLOP/s/gpu {r['tflops_per_device']:.1f} MFU {100 * r['mfu']:.1f}%")
+    if "peak_mem_gib" in r:
+        parts.append(f"peak_mem {r['peak_mem_gib']:.1f}GiB")
+    return " | ".join(parts)
+
+
+def finish(run: Run):
+    """Final evaluation, export to a Hugging Face directory, optional generation sample."""
+    from model_utils.checkpoint import export_hf
+    from model_utils.ds_config import zero_stage
+
+    result = evaluate(run)
+    if result:
+        run.log.metrics({"step": run.step, **result})
+        run.log.info(f"eval (final) step {run.step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+    if run.cfg.export:
+        out = export_hf(run.engine, run.model, run.tokenizer, run.cfg.resolved_export_dir, zero_stage(run.ds_config),
+                        run.dist, run.log.info)
+        if run.cfg.generate_prompt and run.dist.is_main:
+            from model_utils.generate import generate_text
+            run.log.info(f"sample: {generate_text(out, run.cfg.generate_prompt)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    from model_utils.train_utils import distributed_env_problems
+
+    cfg = parse_args(argv)
+    exit_on_problems(validate_args(cfg) + distributed_env_problems())
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from model_utils.checkpoint import ResumeError
+    from model_utils.concat_dataset import DataError
+    from model_utils.train_utils import setup_distributed
+
+    dist = setup_distributed()
+    try:
+        if cfg.sanity_check:
+            from model_utils.sanity import all_reduce_check
+            return all_reduce_check(dist)
+        t0 = time.perf_counter()
+        run = setup(cfg, dist)
+        run.log.info(f"setup: ready in {time.perf_counter() - t0:.1f}s")
+        return train(run)
+    except ConfigError as e:
+        if dist.is_main:
+            exit_on_problems(e.problems)
+        return 2
+    except DataError as e:
+        if dist.is_main:
+            exit_on_problems([e.problem])
+        return 2
+    except ResumeError as e:
+        if dist.is_main:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
