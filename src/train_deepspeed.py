@@ -47,14 +47,14 @@ class Run:
 # ----------------------------------------------------------------------------------------------------------------------
 # Setup: configuration -> tokenizer -> data -> model -> engine -> resume
 # ----------------------------------------------------------------------------------------------------------------------
-def resolve_config(cfg: TrainConfig, world_size: int):
+def resolve_config(cfg: TrainConfig, world_size: int, hidden_size: int | None):
     from model_utils import ds_config as dsc
     from model_utils.train_utils import bf16_supported
 
     raw, problems = dsc.load_json(cfg.resolved_ds_config_path())
     if raw is None:
         raise ConfigError(problems)
-    resolved, notes, problems = dsc.resolve(raw, cfg, world_size, bf16_supported())
+    resolved, notes, problems = dsc.resolve(raw, cfg, world_size, bf16_supported(), hidden_size)
     if problems:
         raise ConfigError(problems)
     return resolved, notes
@@ -73,12 +73,11 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils.train_utils import Logger, seed_everything
 
     log = Logger(dist, Path(cfg.checkpoint_dir) / "metrics.jsonl")
-    ds, notes = resolve_config(cfg, dist.world_size)
-    for note in notes:
-        log.info(f"config: {note}")
-
     tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer or is_preset(cfg.model) else cfg.model)
     mconf = model_config(cfg.model, tokenizer)
+    ds, notes = resolve_config(cfg, dist.world_size, mconf.hidden_size)
+    for note in notes:
+        log.info(f"config: {note}")
     seq_len = cfg.seq_len or default_seq_len(cfg.model)
     problems = [p for p in [check_vocab_covers_tokenizer(mconf, tokenizer, cfg.model, cfg.tokenizer)] if p]
     max_pos = getattr(mconf, "max_position_embeddings", None)

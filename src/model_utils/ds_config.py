@@ -81,7 +81,8 @@ def check_optimizer(opt: dict, where: str = "optimizer") -> list[Problem]:
     return problems
 
 
-def resolve(raw: dict, cfg: TrainConfig, world_size: int, bf16_supported: bool) -> tuple[dict, list[str], list[Problem]]:
+def resolve(raw: dict, cfg: TrainConfig, world_size: int, bf16_supported: bool,
+            hidden_size: int | None = None) -> tuple[dict, list[str], list[Problem]]:
     """Return (resolved config, notes for the log, problems).
 
     "auto" takes the matching flag's value or the default written here; a flag given explicitly replaces a concrete
@@ -153,6 +154,15 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, bf16_supported: bool) 
                                         'lower it, use "auto" (5% of max_steps), or raise --max_steps'))
         if "warmup_max_lr" in params and params["warmup_max_lr"] == AUTO and isinstance(opt, dict):
             params["warmup_max_lr"] = opt["params"]["lr"]
+
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, dict) and hidden_size:
+        # Hugging Face's sizing for ZeRO-3 buckets, proportional to the model's hidden size.
+        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
+                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
+            if zero.get(key) == AUTO:
+                zero[key] = value
 
     for path, value in _leftover_autos(ds):
         problems.append(Problem(path, value, "has no automatic value in this project",
