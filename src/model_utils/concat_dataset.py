@@ -100,7 +100,11 @@ def load_splits(source: DataSource, cfg: TrainConfig):
     import datasets
 
     if source.kind == "disk":
-        loaded = datasets.load_from_disk(source.location)
+        try:
+            loaded = datasets.load_from_disk(source.location)
+        except IndexError as e:  # datasets cannot even open a saved dataset with zero rows
+            raise DataError(Problem("--dataset", source.location, "this saved dataset is empty",
+                                    "point --dataset at data with documents")) from e
     elif source.kind in ("files", "embedded"):
         loaded = datasets.load_dataset(source.builder, data_files={"train": source.files},
                                        cache_dir=_hf_cache(cfg))

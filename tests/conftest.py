@@ -1,0 +1,117 @@
+"""Shared fixtures: one data cache per test session, and a way to run the real trainer on N CPU processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+TRAINER = SRC / "train_deepspeed.py"
+sys.path.insert(0, str(SRC))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Small and fast, but the real code path: 2 gloo ranks, the tiny Qwen3 preset, the embedded corpus.
+FAST_ARGS = ["--seq_len", "64", "--micro_batch_size", "2", "--eval_iters", "2", "--log_interval", "1",
+             "--eval_interval", "0"]
+
+
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory) -> Path:
+    """One cache (embedded corpus, packed tokens) for every trainer the tests start; built once, here."""
+    cache = tmp_path_factory.mktemp("data-cache")
+    os.environ["DEEPSPEED_LM_CACHE"] = str(cache)
+    from model_utils.arguments import TrainConfig
+    from model_utils.concat_dataset import build_token_files, cache_dir_for, resolve_source
+    from model_utils.tokenizer import load_tokenizer
+
+    cfg = TrainConfig()
+    tokenizer = load_tokenizer(None)
+    out = cache_dir_for(cfg, resolve_source(cfg), tokenizer)
+    build_token_files(cfg, tokenizer, out, log=lambda *_: None)
+    return cache
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class TrainerRun:
+    returncodes: list[int]
+    outputs: list[str]  # combined stdout+stderr per rank
+    checkpoint_dir: Path
+
+    @property
+    def returncode(self) -> int:
+        return max(self.returncodes, key=abs)
+
+    @property
+    def output(self) -> str:
+        return self.outputs[0]
+
+    def metrics(self) -> list[dict]:
+        path = self.checkpoint_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def train_records(self) -> list[dict]:
+        return [r for r in self.metrics() if "loss" in r]
+
+
+class Trainer:
+    """Start the trainer as N separate rank processes (as srun does: RANK/WORLD_SIZE/MASTER_* in the environment)."""
+
+    def __init__(self, checkpoint_dir: Path, args: list[str], nproc: int = 2, env: dict | None = None):
+        self.checkpoint_dir = checkpoint_dir
+        port = free_port()
+        self.logs = [checkpoint_dir.parent / f"{checkpoint_dir.name}-rank{r}-{time.monotonic_ns()}.log" for r in range(nproc)]
+        self.procs = []
+        for rank in range(nproc):
+            rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                            PYTHONUNBUFFERED="1", **(env or {}))
+            log = open(self.logs[rank], "w")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, str(TRAINER), "--checkpoint_dir", str(checkpoint_dir), *args],
+                cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+
+    def wait(self, timeout: float = 600) -> TrainerRun:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                for q in self.procs:
+                    q.kill()
+                raise
+        return TrainerRun(codes, [log.read_text() for log in self.logs], self.checkpoint_dir)
+
+    def wait_for(self, predicate, timeout: float = 300, poll: float = 0.05):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            if all(p.poll() is not None for p in self.procs):
+                return False
+            time.sleep(poll)
+        raise TimeoutError("condition not reached")
+
+
+def run_trainer(checkpoint_dir: Path, args: list[str], nproc: int = 2, env: dict | None = None,
+                timeout: float = 600) -> TrainerRun:
+    return Trainer(checkpoint_dir, args, nproc, env).wait(timeout)
+
+
+def assert_ok(run: TrainerRun):
+    assert run.returncode == 0, "trainer failed:\n" + "\n----\n".join(o[-4000:] for o in run.outputs)

@@ -1,0 +1,104 @@
+"""ds_config.json loading: "auto" resolution, overrides, batch arithmetic, and messages that name the fix."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from conftest import REPO
+from model_utils.arguments import TrainConfig, parse_args, validate_args
+from model_utils.ds_config import load_json, resolve
+
+SHIPPED = json.loads((REPO / "ds_config.json").read_text())
+PRESETS = sorted((REPO / "configs").glob("*.json"))
+
+
+def problems_text(problems):
+    return "\n".join(str(p) for p in problems)
+
+
+def test_shipped_config_resolves_cleanly_and_fills_run_values():
+    cfg = parse_args(["--max_steps", "200"])
+    ds, notes, problems = resolve(SHIPPED, cfg, world_size=2, bf16_supported=False, hidden_size=192)
+    assert problems == [] and notes == []
+    assert ds["train_batch_size"] == SHIPPED["train_micro_batch_size_per_gpu"] * 1 * 2
+    assert ds["scheduler"]["params"]["total_num_steps"] == 200
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 10  # "auto": 5% of max_steps
+    assert ds["bf16"]["enabled"] is False  # "auto" on hardware without bf16
+    assert SHIPPED["scheduler"]["params"]["total_num_steps"] == "auto"  # the input is not modified
+
+
+def test_bf16_auto_turns_on_where_supported():
+    ds, _, problems = resolve(SHIPPED, parse_args([]), 1, bf16_supported=True)
+    assert ds["bf16"]["enabled"] is True and problems == []
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_resolves(preset):
+    raw, problems = load_json(preset)
+    ds, _, problems = resolve(raw, parse_args([]), 2, False, hidden_size=1024)
+    assert problems == [], problems_text(problems)
+    if ds["zero_optimization"]["stage"] == 3:
+        assert ds["zero_optimization"]["reduce_bucket_size"] == 1024 * 1024
+
+
+def test_auto_values_take_flags_and_flags_override_concrete_values():
+    raw = copy.deepcopy(SHIPPED)
+    raw["train_micro_batch_size_per_gpu"] = "auto"
+    cfg = parse_args(["--micro_batch_size", "3", "--learning_rate", "1e-3", "--gradient_accumulation_steps", "4"])
+    ds, notes, problems = resolve(raw, cfg, 2, False)
+    assert problems == []
+    assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["train_batch_size"] == 3 * 4 * 2
+    assert ds["optimizer"]["params"]["lr"] == 1e-3
+    assert any("--learning_rate 0.001 overrides optimizer.params.lr=0.0003" in n for n in notes)
+    assert any("gradient_accumulation_steps" in n for n in notes)
+
+
+def test_seed_readme_config_names_the_right_scheduler_key():
+    """The seeds' config spells the cosine floor `cosine_min_ratio`: DeepSpeed would die with a bare TypeError."""
+    raw = copy.deepcopy(SHIPPED)
+    raw["scheduler"] = {"type": "WarmupCosineLR",
+                        "params": {"warmup_min_ratio": 0.0, "warmup_num_steps": 10, "cosine_min_ratio": 0.0}}
+    _, _, problems = resolve(raw, parse_args([]), 1, False)
+    text = problems_text(problems)
+    assert "scheduler.params.cosine_min_ratio" in text and "did you mean `cos_min_ratio`?" in text
+
+
+@pytest.mark.parametrize("mutate,setting,fix", [
+    (lambda d: d.update(train_batch_size=7), "train_batch_size", '"train_batch_size": "auto"'),
+    (lambda d: d["optimizer"]["params"].update(weight_decy=0.1), "optimizer.params.weight_decy", "`weight_decay`"),
+    (lambda d: d["optimizer"]["params"].update(max_grad_norm=1.0), "optimizer.params.max_grad_norm", "gradient_clipping"),
+    (lambda d: d["scheduler"].update(type="WarmupCosine"), "scheduler.type", "`WarmupCosineLR`"),
+    (lambda d: d["scheduler"]["params"].update(warmup_num_steps=5000), "scheduler.params.warmup_num_steps", "lower it"),
+    (lambda d: d.update(bf16={"enabled": True}), "bf16.enabled", '"auto"'),
+    (lambda d: d.update(train_micro_batch_size_per_gpu=0), "train_micro_batch_size_per_gpu", "1 or more"),
+    (lambda d: d.update(gradient_clipping="auto", foo={"bar": "auto"}), "foo.bar", "concrete value"),
+])
+def test_bad_config_values_name_setting_and_fix(mutate, setting, fix):
+    raw = copy.deepcopy(SHIPPED)
+    mutate(raw)
+    _, _, problems = resolve(raw, parse_args(["--max_steps", "300"]), 2, bf16_supported=False)
+    matching = [p for p in problems if p.setting == setting]
+    assert matching, problems_text(problems)
+    assert fix in str(matching[0])
+
+
+def test_invalid_json_names_line_and_column(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{\n  "train_micro_batch_size_per_gpu": 4,\n}\n')
+    data, problems = load_json(path)
+    assert data is None and "line 3 column 1" in str(problems[0])
+
+
+def test_validate_args_reports_every_problem_at_once(tmp_path):
+    cfg = TrainConfig(max_steps=0, seq_len=1, log_interval=0, ds_config=str(tmp_path / "missing.json"),
+                      dataset=str(tmp_path / "nope"), local_dataset="true", learning_rate=-1.0)
+    settings = {p.setting for p in validate_args(cfg)}
+    assert {"--max_steps", "--seq_len", "--log_interval", "--ds_config", "--dataset", "--learning_rate"} <= settings
+
+
+def test_explicit_flags_are_tracked():
+    cfg = parse_args(["--max_steps", "300", "--micro_batch_size", "2"])
+    assert "micro_batch_size" in cfg.explicit and "max_steps" not in cfg.explicit  # 300 is the default
