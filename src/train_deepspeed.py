@@ -67,6 +67,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils import ds_config as dsc
     from model_utils.checkpoint import ResumeError, find_resume_checkpoint, resolve_explicit
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
+    from model_utils.fast import apply_fused_kernels, fused_kernels_problem
     from model_utils.models import (FlopsModel, build_model, check_vocab_covers_tokenizer, default_seq_len,
                                     gpu_peak_tflops, is_preset, model_config)
     from model_utils.tokenizer import load_tokenizer
@@ -79,7 +80,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
     for note in notes:
         log.info(f"config: {note}")
     seq_len = cfg.seq_len or default_seq_len(cfg.model)
-    problems = [p for p in [check_vocab_covers_tokenizer(mconf, tokenizer, cfg.model, cfg.tokenizer)] if p]
+    problems = [p for p in [check_vocab_covers_tokenizer(mconf, tokenizer, cfg.model, cfg.tokenizer),
+                            fused_kernels_problem(cfg.fused_kernels, dist.device.type == "cuda")] if p]
     max_pos = getattr(mconf, "max_position_embeddings", None)
     if max_pos and seq_len > max_pos:
         problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings ({max_pos})",
@@ -116,6 +118,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
         from transformers.integrations import HfDeepSpeedConfig
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
     model = build_model(cfg.model, mconf, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing)
+    apply_fused_kernels(model, cfg.fused_kernels, dist.device.type == "cuda", log.info)
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     flops = FlopsModel.from_config(model.config, num_params, seq_len)
 
