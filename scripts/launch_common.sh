@@ -1,0 +1,427 @@
+# shellcheck shell=bash
+# Shared settings and helpers of the launchers (train.sbatch, train-singlenode.sh,
+# train-pyxis.sbatch, train-pyxis-singlenode.sh, setup-pyxis.sh). Sourced, never run.
+#
+# Every setting appears once below as `: "${VAR:=default}"`; set it in the
+# environment to override it. docs/LAUNCHERS.md describes each one.
+
+# ---- Trainer settings. Empty: the flag is not passed and the trainer's own default applies.
+: "${DATASET:=}"             # --dataset
+: "${DATASET_CONFIG_NAME:=}" # --dataset_config_name
+: "${LOCAL_DATASET:=}"       # --local_dataset (true, false or auto)
+: "${MODEL:=}"               # --model
+: "${TOKENIZER:=}"           # --tokenizer
+: "${MAX_STEPS:=}"           # --max_steps
+: "${CHECKPOINT_FREQ:=}"     # --checkpoint_freq
+: "${CHECKPOINT_DIR:=}"      # --checkpoint_dir (relative paths: from the repository root)
+: "${DS_CONFIG:=}"           # --ds_config (relative paths: from the repository root)
+: "${SEQ_LEN:=}"             # --seq_len
+: "${OUTPUT_DIR:=}"          # --export_dir
+
+# ---- Launcher settings.
+: "${GPUS_PER_NODE:=}"  # empty: counted with `nvidia-smi -L` on the node (0: CPU mode, one process per node)
+: "${CPU_PROCS:=2}"     # processes of a run without SLURM and without GPU
+: "${NODES:=}"          # sbatch launchers: empty keeps the script's #SBATCH --nodes
+: "${PARTITION:=}"      # empty: the cluster's default partition
+: "${MASTER_PORT:=}"    # empty: 29500 + SLURM_JOB_ID % 1000 under SLURM
+: "${PYTHON:=}"         # empty: python of VENV, else .venv/bin/python if it exists, else python3
+: "${VENV:=}"           # a virtual environment activated in every task on every node
+: "${CUDA_VERSION:=}"   # e.g. 12.8: use CUDA_ROOT/cuda-12.8, or `module load cuda/12.8` under Lmod
+: "${CUDA_ROOT:=/usr/local}"
+: "${CONTAINER_IMAGE:=deepspeed-lm-trainer.sqsh}" # Pyxis image: a .sqsh file (relative: repository root) or a registry image
+: "${CONTAINER_MOUNTS:=}" # extra Pyxis mounts SRC:DST[,...], added to the repository and CHECKPOINT_DIR
+: "${CONTAINER_ENGINE:=}" # setup-pyxis.sh: docker or podman; empty: the first one found
+: "${IMAGE_TAG:=deepspeed-lm-trainer:latest}" # setup-pyxis.sh: the tag of the built image
+: "${BASE_IMAGE:=}"       # setup-pyxis.sh: empty keeps the Dockerfile's NGC PyTorch base
+: "${DRY_RUN:=0}"       # 1: print the commands, run nothing
+: "${PREFLIGHT:=0}"     # 1: run the trainer's --preflight checks on this machine and exit
+
+TRAINER_SCRIPT=src/train_deepspeed.py
+LAUNCHER=$(basename "$0")
+
+# Per-task wrapper run by srun: the same environment on every node, the rank
+# variables from SLURM, then the trainer as the task's own process (exec), so
+# that signals from SLURM reach the Python workers directly.
+# shellcheck disable=SC2016 # expanded by the task's shell, not here
+TASK_WRAPPER='[[ -z ${VENV:-} ]] || source "$VENV/bin/activate"; export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; echo "task: rank $RANK/$WORLD_SIZE on $SLURMD_NODENAME"; exec "$@"'
+
+# Exit status with which the trainer reports "checkpoint saved after a signal, run me again".
+RESUME_STATUS=75
+
+die() {
+    echo "$LAUNCHER: error: $*" >&2
+    exit 1
+}
+
+log() {
+    echo "[$LAUNCHER $(date '+%F %T')] $*"
+}
+
+# Print a command as it can be pasted into a shell.
+show_cmd() {
+    local arg line="+"
+    for arg in "$@"; do
+        if [[ $arg =~ ^[][A-Za-z0-9_./:=,@%+-]+$ ]]; then
+            line+=" $arg"
+        else
+            line+=" '${arg//\'/\'\\\'\'}'"
+        fi
+    done
+    echo "$line"
+}
+
+# Print the command; run it unless DRY_RUN=1.
+run_cmd() {
+    show_cmd "$@"
+    [[ $DRY_RUN == 1 ]] || "$@"
+}
+
+need_cmd() { # need_cmd CMD WHY
+    command -v "$1" >/dev/null 2>&1 || die "$1 not found: $2"
+}
+
+in_batch_job() { [[ -n ${SLURM_JOB_ID:-} && ${ENVIRONMENT:-} == BATCH ]]; }
+in_allocation() { [[ -n ${SLURM_JOB_ID:-} ]]; }
+
+# ---- Settings checks (all run before anything is allocated).
+
+check_settings() {
+    case $LOCAL_DATASET in
+        "" | true | false | auto) ;;
+        *) die "LOCAL_DATASET=$LOCAL_DATASET is not one of true, false, auto: fix or unset it" ;;
+    esac
+    [[ -z $DS_CONFIG || -f $DS_CONFIG ]] \
+        || die "DS_CONFIG=$DS_CONFIG: no such file (relative to $PWD): point DS_CONFIG at a DeepSpeed JSON config or unset it"
+    [[ $DRY_RUN == [01] ]] || die "DRY_RUN=$DRY_RUN: use 1 (print commands only) or 0"
+    [[ $PREFLIGHT == [01] ]] || die "PREFLIGHT=$PREFLIGHT: use 1 (checks only) or 0"
+    [[ -z $GPUS_PER_NODE || $GPUS_PER_NODE =~ ^[0-9]+$ ]] \
+        || die "GPUS_PER_NODE=$GPUS_PER_NODE is not a number: set a count or unset it to detect"
+    [[ -z $MASTER_PORT || $MASTER_PORT =~ ^[0-9]+$ ]] \
+        || die "MASTER_PORT=$MASTER_PORT is not a port number: fix or unset it"
+    [[ $CPU_PROCS =~ ^[1-9][0-9]*$ ]] || die "CPU_PROCS=$CPU_PROCS: set a positive number"
+}
+
+# The interpreter, in the order: PYTHON, VENV's (or the container's) python, .venv/bin/python, python3.
+resolve_python() {
+    if [[ -n $PYTHON ]]; then
+        :
+    elif [[ -n $VENV || ${CONTAINER:-0} == 1 ]]; then
+        PYTHON=python
+    elif [[ -x .venv/bin/python ]]; then
+        PYTHON=.venv/bin/python
+    else
+        PYTHON=python3
+    fi
+}
+
+activate_venv() {
+    [[ -z $VENV ]] && return 0
+    [[ -f $VENV/bin/activate ]] \
+        || die "VENV=$VENV has no bin/activate: create it (python3 -m venv \"$VENV\") or unset VENV"
+    # shellcheck disable=SC1091 # the user's environment
+    source "$VENV/bin/activate"
+}
+
+# The Python environment on this machine can run the trainer.
+check_python() {
+    command -v "$PYTHON" >/dev/null 2>&1 \
+        || die "PYTHON=$PYTHON not found: install the project (pip install -e .) and set PYTHON or VENV"
+    local missing
+    missing=$("$PYTHON" -c 'import importlib.util as u
+print(" ".join(m for m in ("torch", "deepspeed", "transformers", "datasets") if u.find_spec(m) is None))') \
+        || die "PYTHON=$PYTHON does not run: set PYTHON or VENV to a working Python environment"
+    [[ -z $missing ]] \
+        || die "PYTHON=$PYTHON lacks $missing: install the project into it (pip install -e .) or set PYTHON/VENV"
+}
+
+# ---- CUDA toolkit and architectures.
+
+# Echo TORCH_CUDA_ARCH_LIST entries without the suffixes DeepSpeed's op
+# builder cannot parse (9.0a -> 9.0, 10.0f -> 10.0), keeping +PTX, de-duplicated,
+# separated by ';'.
+normalize_arch_list() { # normalize_arch_list "8.0 9.0a;10.0f+PTX"
+    local entry arch out=() seen=" "
+    for entry in ${1//[;,]/ }; do
+        [[ $entry =~ ^([0-9]+\.[0-9]+)[a-zA-Z]*(\+PTX)?$ ]] \
+            || die "TORCH_CUDA_ARCH_LIST entry '$entry' is not like 9.0, 9.0a or 8.6+PTX: fix TORCH_CUDA_ARCH_LIST"
+        arch=${BASH_REMATCH[1]}${BASH_REMATCH[2]}
+        [[ $seen == *" $arch "* ]] && continue
+        seen+="$arch "
+        out+=("$arch")
+    done
+    local IFS=';'
+    echo "${out[*]}"
+}
+
+installed_cuda_versions() {
+    local dir versions=() modules=()
+    for dir in "$CUDA_ROOT"/cuda-*/; do
+        [[ -d $dir ]] && versions+=("$(basename "$dir" | sed 's/^cuda-//')")
+    done
+    # Lmod writes `avail` to stderr.
+    [[ -z ${LMOD_CMD:-} ]] || mapfile -t modules < <("$LMOD_CMD" bash -t avail cuda 2>&1 >/dev/null | sed -n 's|^cuda/||p')
+    versions+=("${modules[@]}")
+    echo "${versions[*]:-none}"
+}
+
+# Put CUDA_VERSION first on PATH (CUDA_ROOT/cuda-X, or Lmod's cuda/X module).
+select_cuda() {
+    if [[ -n ${TORCH_CUDA_ARCH_LIST:-} ]]; then
+        TORCH_CUDA_ARCH_LIST=$(normalize_arch_list "$TORCH_CUDA_ARCH_LIST")
+        export TORCH_CUDA_ARCH_LIST
+    fi
+    [[ -z $CUDA_VERSION ]] && return 0
+    local dir=$CUDA_ROOT/cuda-$CUDA_VERSION
+    if [[ -d $dir ]]; then
+        export CUDA_HOME=$dir
+        export PATH=$dir/bin:$PATH
+        export LD_LIBRARY_PATH=$dir/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    elif [[ -n ${LMOD_CMD:-} ]] && "$LMOD_CMD" bash -t avail "cuda/$CUDA_VERSION" 2>&1 | grep -q "^cuda/$CUDA_VERSION"; then
+        eval "$("$LMOD_CMD" bash load "cuda/$CUDA_VERSION")"
+    else
+        die "CUDA_VERSION=$CUDA_VERSION is not installed ($dir missing, no cuda/$CUDA_VERSION module); installed: $(installed_cuda_versions)"
+    fi
+}
+
+# ---- Nodes and GPUs.
+
+check_node_exists() { # check_node_exists NODE
+    need_cmd scontrol "running on node $1 needs SLURM's client tools"
+    scontrol show node "$1" >/dev/null 2>&1 \
+        || die "unknown node '$1': pick one of $(sinfo -h -N -o %N 2>/dev/null | sort -u | paste -sd ' ') (sinfo -N lists them)"
+}
+
+# "NAME NODE_COUNT" of PARTITION, or of the default partition.
+partition_nodes() {
+    scontrol show partition ${PARTITION:+"$PARTITION"} -o 2>/dev/null | awk -v want="$PARTITION" '
+        (want == "" && /Default=YES/) || (want != "" && $1 == "PartitionName=" want) {
+            for (i = 1; i <= NF; i++) if ($i ~ /^TotalNodes=/) { sub(/TotalNodes=/, "", $i); sub(/PartitionName=/, "", $1); print $1, $i; exit }
+        }'
+}
+
+check_node_count() { # check_node_count WANTED
+    need_cmd scontrol "submitting jobs needs SLURM's client tools"
+    [[ $1 =~ ^[1-9][0-9]*$ ]] || die "NODES=$1 is not a positive number: fix or unset it"
+    local name have
+    read -r name have < <(partition_nodes) || true
+    [[ -n $have ]] || die "PARTITION=${PARTITION:-(default)} not found: set PARTITION to one of $(sinfo -h -o %R | paste -sd ' ')"
+    ((have >= $1)) || die "NODES=$1 but partition $name has $have nodes: set NODES<=$have or another PARTITION"
+}
+
+# GPUs of one node of the job: GPUS_PER_NODE, else `nvidia-smi -L` on it (0 without nvidia-smi).
+detect_gpus_per_node() {
+    if [[ -n $GPUS_PER_NODE ]]; then
+        echo "$GPUS_PER_NODE"
+        return
+    fi
+    local probe=(bash -c 'command -v nvidia-smi >/dev/null && nvidia-smi -L || true')
+    # Under salloc this shell is not on the job's nodes: ask the first one.
+    in_batch_job || ! in_allocation || probe=(srun --nodes=1 --ntasks=1 "${probe[@]}")
+    "${probe[@]}" | grep -c '^GPU ' || true
+}
+
+# ---- Command lines.
+
+# TRAINER_ARGS: the flags of the settings that are set, --preflight, then "$@".
+build_trainer_args() {
+    local pair var
+    TRAINER_ARGS=()
+    for pair in DATASET:--dataset DATASET_CONFIG_NAME:--dataset_config_name LOCAL_DATASET:--local_dataset \
+        MODEL:--model TOKENIZER:--tokenizer MAX_STEPS:--max_steps CHECKPOINT_FREQ:--checkpoint_freq \
+        CHECKPOINT_DIR:--checkpoint_dir DS_CONFIG:--ds_config SEQ_LEN:--seq_len OUTPUT_DIR:--export_dir; do
+        var=${pair%%:*}
+        [[ -n ${!var} ]] && TRAINER_ARGS+=("${pair#*:}" "${!var}")
+    done
+    [[ $PREFLIGHT == 1 ]] && TRAINER_ARGS+=(--preflight)
+    TRAINER_ARGS+=("$@")
+}
+
+# PREFLIGHT=1: the trainer's checks with this machine's Python, no allocation.
+run_preflight() {
+    activate_venv
+    CONTAINER=0 resolve_python
+    check_python
+    build_trainer_args "$@"
+    show_cmd "$PYTHON" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}"
+    [[ $DRY_RUN == 1 ]] && exit 0
+    exec "$PYTHON" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}"
+}
+
+# Pyxis flags: the image, mounts covering the repository and CHECKPOINT_DIR, workdir.
+container_args() {
+    local image=$CONTAINER_IMAGE mounts="$PWD:$PWD" ckpt
+    if [[ $image == *.sqsh || $image == /* || $image == ./* ]]; then
+        [[ -f $image ]] || die "CONTAINER_IMAGE=$image: no such file: build it with ./setup-pyxis.sh or set CONTAINER_IMAGE"
+        image=$(cd "$(dirname "$image")" && pwd)/$(basename "$image")
+    fi
+    if [[ $CHECKPOINT_DIR == /* && $CHECKPOINT_DIR != "$PWD"/* ]]; then
+        ckpt=${CHECKPOINT_DIR%/}
+        mounts+=",$ckpt:$ckpt"
+    fi
+    CONTAINER_ARGS=(--container-image="$image" --container-mounts="$mounts${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}"
+        --container-workdir="$PWD")
+}
+
+# ---- Running.
+
+job_header() { # job_header WORLD_SIZE GPUS_PER_NODE
+    log "job ${SLURM_JOB_ID:-none} on ${SLURM_JOB_NODELIST:-$(hostname)}; world size $1 ($2 GPUs per node); restart count ${SLURM_RESTART_COUNT:-0}"
+    log "MASTER_ADDR=${MASTER_ADDR:-} MASTER_PORT=${MASTER_PORT:-}"
+    local setting
+    for setting in $(compgen -e | grep -E '^(NCCL_|FI_|TORCH_CUDA_ARCH_LIST$|CUDA_HOME$|VENV$)' || true); do
+        log "$setting=${!setting}"
+    done
+}
+
+# STEP: the srun command of the training step, TASKS_PER_NODE tasks on each
+# node of the allocation (CONTAINER=1 adds the Pyxis flags).
+compose_job_step() { # compose_job_step TASKS_PER_NODE CPUS_PER_TASK
+    STEP=(srun --ntasks-per-node="$1" ${2:+--cpus-per-task="$2"} --kill-on-bad-exit=1 --chdir="$PWD")
+    if [[ ${CONTAINER:-0} == 1 ]]; then
+        container_args
+        STEP+=("${CONTAINER_ARGS[@]}")
+    fi
+    STEP+=(bash -c "$TASK_WRAPPER" _ "$PYTHON" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}")
+}
+
+# Run "$@" in the background, forward USR1 and TERM (and INT, as TERM) to it,
+# and return its exit status once it has really exited.
+run_forwarding_signals() {
+    "$@" &
+    local pid=$! status
+    trap 'FORWARDED=1; log "USR1: forwarding to the training step (checkpoint, then stop)"; kill -USR1 "$pid"' USR1
+    trap 'FORWARDED=1; log "TERM: forwarding to the training step (checkpoint, then stop)"; kill -TERM "$pid"' TERM
+    trap 'FORWARDED=1; log "INT: forwarding TERM to the training step (checkpoint, then stop)"; kill -TERM "$pid"' INT
+    while :; do
+        FORWARDED=0
+        wait "$pid" && status=0 || status=$?
+        # Above 128 after a trapped signal: wait was interrupted and the step still runs.
+        if ! ((FORWARDED && status > 128)) || ! kill -0 "$pid" 2>/dev/null; then
+            break
+        fi
+    done
+    trap - USR1 TERM INT
+    return "$status"
+}
+
+# Inside an allocation (sbatch or salloc): one srun task per GPU, one per node
+# without GPU. A batch job whose trainer stopped with RESUME_STATUS after a
+# signal requeues itself; the requeued run resumes from CHECKPOINT_DIR.
+run_job_step() {
+    local gpus tasks hosts cpus status
+    check_settings
+    [[ ${CONTAINER:-0} == 1 ]] || select_cuda
+    resolve_python
+    build_trainer_args "$@"
+    gpus=$(detect_gpus_per_node)
+    tasks=$((gpus > 0 ? gpus : 1))
+    cpus=${SLURM_JOB_CPUS_PER_NODE%%[(,]*}
+    mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    export MASTER_ADDR=${hosts[0]}
+    export MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
+    compose_job_step "$tasks" "$((cpus / tasks > 0 ? cpus / tasks : 1))"
+    job_header "$((${#hosts[@]} * tasks))" "$gpus"
+    show_cmd "${STEP[@]}"
+    [[ $DRY_RUN == 1 ]] && return 0
+    run_forwarding_signals "${STEP[@]}" && status=0 || status=$?
+    log "training step finished with status $status"
+    if ((status == RESUME_STATUS)) && in_batch_job; then
+        log "the trainer saved a checkpoint and stopped: requeueing job $SLURM_JOB_ID"
+        run_cmd scontrol requeue "$SLURM_JOB_ID"
+    elif ((status == RESUME_STATUS)); then
+        log "the trainer saved a checkpoint and stopped: run the same command again to resume"
+    fi
+    return "$status"
+}
+
+# DRY_RUN=1 before an allocation: what the job will run on its first node.
+preview_job_step() {
+    resolve_python
+    build_trainer_args "$@"
+    compose_job_step "${GPUS_PER_NODE:-N}" ""
+    echo "# then in the allocation, with MASTER_ADDR its first node${GPUS_PER_NODE:+:}${GPUS_PER_NODE:- and N the GPUs nvidia-smi -L counts there (1 without GPU):}"
+    show_cmd "${STEP[@]}"
+}
+
+# Outside SLURM: torchrun --standalone over the local GPUs, or CPU_PROCS processes.
+run_standalone() {
+    local gpus nproc
+    check_before_allocation 0
+    [[ $PREFLIGHT == 1 ]] && run_preflight "$@"
+    build_trainer_args "$@"
+    gpus=$(detect_gpus_per_node)
+    nproc=$((gpus > 0 ? gpus : CPU_PROCS))
+    log "this machine: $nproc processes ($gpus GPUs)"
+    local cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}")
+    show_cmd "${cmd[@]}"
+    [[ $DRY_RUN == 1 ]] && exit 0
+    exec "${cmd[@]}"
+}
+
+# Before anything is allocated: every check of the settings and the
+# environment; PREFLIGHT=1 then runs the trainer's own checks here and exits.
+check_before_allocation() { # check_before_allocation CONTAINER(0|1)
+    CONTAINER=$1
+    check_settings
+    if [[ $CONTAINER == 1 ]]; then
+        [[ -z $CUDA_VERSION ]] || log "CUDA_VERSION=$CUDA_VERSION ignored: the container image brings its CUDA"
+        container_args
+    else
+        select_cuda
+        activate_venv
+        resolve_python
+        check_python
+    fi
+}
+
+# The sbatch launchers: inside the batch job, run the training step; outside,
+# check everything, then submit SCRIPT with sbatch (NODES, PARTITION and
+# GPUS_PER_NODE override its #SBATCH lines).
+sbatch_main() { # sbatch_main SCRIPT CONTAINER(0|1) TRAINER_ARGS...
+    local script=$1
+    CONTAINER=$2
+    shift 2
+    if in_batch_job; then
+        run_job_step "$@"
+        return
+    fi
+    check_before_allocation "$CONTAINER"
+    [[ $PREFLIGHT == 1 ]] && run_preflight "$@"
+    check_node_count "${NODES:-$(sed -n 's/^#SBATCH --nodes=//p' "$script")}"
+    local submit=(sbatch ${PARTITION:+--partition="$PARTITION"} ${NODES:+--nodes="$NODES"})
+    ((${GPUS_PER_NODE:-0} > 0)) && submit+=(--gpus-per-node="$GPUS_PER_NODE")
+    [[ $DRY_RUN == 1 ]] || mkdir -p logs
+    run_cmd "${submit[@]}" "$script" "$@"
+    [[ $DRY_RUN == 1 ]] && preview_job_step "$@"
+    return 0
+}
+
+# The single-node launchers. With a first argument NODE (or always, for the
+# container), allocate one node with salloc and run this launcher again inside
+# the allocation; inside an allocation, run the training step; otherwise run
+# on this machine with torchrun.
+single_node_main() { # single_node_main CONTAINER(0|1) [NODE] TRAINER_ARGS...
+    CONTAINER=$1
+    shift
+    local node=""
+    if [[ $# -gt 0 && $1 != -* ]]; then
+        node=$1
+        shift
+    fi
+    if [[ -z $node ]] && in_allocation; then
+        run_job_step "$@"
+        return
+    fi
+    if [[ -z $node && $CONTAINER == 0 ]]; then
+        run_standalone "$@"
+    fi
+    [[ -z $node ]] || check_node_exists "$node"
+    check_before_allocation "$CONTAINER"
+    [[ $PREFLIGHT == 1 ]] && run_preflight "$@"
+    local alloc=(salloc --nodes=1 --exclusive --job-name="${LAUNCHER%.sh}" ${node:+--nodelist="$node"}
+        ${PARTITION:+--partition="$PARTITION"})
+    ((${GPUS_PER_NODE:-0} > 0)) && alloc+=(--gpus-per-node="$GPUS_PER_NODE")
+    run_cmd "${alloc[@]}" "$PWD/$LAUNCHER" "$@"
+    [[ $DRY_RUN == 1 ]] && preview_job_step "$@"
+    return 0
+}

@@ -1,0 +1,174 @@
+"""The launchers on a real SLURM cluster: slurmctld and two slurmd on this host emulating node1 and node2
+(tests/slurm_fixtures.py). Training runs on CPU: one task per node, gloo.
+
+Pyxis and Enroot do not exist on this cluster: the container launchers are tested through DRY_RUN only (the
+composed srun line, printed by a real batch job); that is the only thing these tests fake."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_fixtures import REPO_ROOT
+
+pytestmark = pytest.mark.slurm
+
+# A few fast steps of the tiny default model on the embedded corpus.
+FAST_ENV = {"MAX_STEPS": "6", "CHECKPOINT_FREQ": "3", "SEQ_LEN": "64"}
+FAST_ARGS = ["--micro_batch_size", "2", "--log_interval", "1", "--eval_interval", "0", "--eval_iters", "2"]
+LOSS_LINE = re.compile(r"step (\d+) \| loss (\d+\.\d+)")
+
+
+def submitted_job(result) -> int:
+    match = re.search(r"Submitted batch job (\d+)", result.stdout)
+    assert match, f"no job submitted:\n{result.stdout}\n{result.stderr}"
+    return int(match.group(1))
+
+
+def job_log(job_id: int, name: str = "ds-train") -> Path:
+    return REPO_ROOT / "logs" / f"{name}_{job_id}.out"
+
+
+def wait_for_text(path: Path, pattern: re.Pattern, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if pattern.search(text):
+            return text
+        time.sleep(1)
+    raise AssertionError(f"{pattern.pattern!r} not in {path} after {timeout}s:\n{text[-3000:]}")
+
+
+def fake_image(tmp_path: Path) -> Path:
+    """Stands in for the .sqsh that setup-pyxis.sh builds (Enroot is not installed here)."""
+    image = tmp_path / "trainer.sqsh"
+    image.write_bytes(b"hsqs")
+    return image
+
+
+def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = slurm.run("./train.sbatch", *FAST_ARGS, env={**FAST_ENV, "CHECKPOINT_DIR": str(ckpt)})
+    assert result.returncode == 0, result.stderr
+    job_id = submitted_job(result)
+    info = slurm.wait_job(job_id, timeout=240)
+    log = job_log(job_id)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED", text[-4000:]
+    # One rank on each node, a world of two.
+    assert f"job {job_id} on node[1-2]; world size 2 (0 GPUs per node); restart count 0" in text
+    assert sorted(re.findall(r"task: rank (\d)/2 on (node\d)", text)) == [("0", "node1"), ("1", "node2")]
+    assert "MASTER_ADDR=node1" in text
+    assert "x world 2 " in text
+    losses = [float(loss) for _, loss in LOSS_LINE.findall(text)]
+    assert losses and all(0 < loss < 20 for loss in losses), text[-3000:]
+    assert (ckpt / "step-00000006").is_dir() and (ckpt / "latest").exists()
+    assert (ckpt / "metrics.jsonl").stat().st_size > 0
+    # A job that finished is not requeued.
+    assert info["Restarts"] == "0" and "requeue" not in text
+    log.unlink()
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = {**FAST_ENV, "MAX_STEPS": "400", "CHECKPOINT_FREQ": "0", "CHECKPOINT_DIR": str(ckpt)}
+    job_id = submitted_job(slurm.run("./train.sbatch", *FAST_ARGS, env=env))
+    log = job_log(job_id)
+    wait_for_text(log, LOSS_LINE, timeout=180)
+    # What SLURM does --signal=B:USR1@300 before the time limit, now: USR1 to the batch shell only.
+    assert slurm.run("scancel", "--signal=USR1", "--batch", str(job_id)).returncode == 0
+    text = wait_for_text(log, re.compile(r"restart count 1"), timeout=240)
+    assert "USR1: forwarding to the training step" in text
+    assert re.search(r"stop: SIGUSR1 received; checkpoint saved at step (\d+)", text), text[-3000:]
+    assert "training step finished with status 75" in text
+    assert f"requeueing job {job_id}" in text
+    # The second run resumes from that checkpoint; stop it the same way, so that the test stays short.
+    text = wait_for_text(log, re.compile(r"resume: continuing from .*step-\d+"), timeout=180)
+    saved = int(re.search(r"checkpoint saved at step (\d+)", text).group(1))
+    assert re.search(rf"resume: continuing from \S*step-{saved:08d}", text), text[-3000:]
+    slurm.run("scancel", str(job_id))
+    log.unlink()
+
+
+def test_singlenode_runs_on_the_named_node(slurm, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = slurm.run("./train-singlenode.sh", "node2", *FAST_ARGS,
+                       env={**FAST_ENV, "MAX_STEPS": "2", "CHECKPOINT_DIR": str(ckpt)}, timeout=240)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "task: rank 0/1 on node2" in out
+    assert "world size 1 (0 GPUs per node)" in out
+    job_id = int(re.search(r"Granted job allocation (\d+)", out).group(1))
+    assert slurm.job(job_id).get("NodeList") in (None, "node2")
+    assert (ckpt / "step-00000002").is_dir()
+
+
+@pytest.mark.parametrize("launcher, env, message", [
+    ("./train-singlenode.sh node9", {}, "unknown node 'node9': pick one of node1 node2"),
+    ("./train-pyxis-singlenode.sh node9", {}, "unknown node 'node9'"),
+    ("./train.sbatch", {"NODES": "3"}, "NODES=3 but partition debug has 2 nodes"),
+    ("./train.sbatch", {"PARTITION": "gpu"}, "PARTITION=gpu not found: set PARTITION to one of debug"),
+    ("./train.sbatch", {"DS_CONFIG": "missing.json"}, "DS_CONFIG=missing.json: no such file"),
+    ("./train.sbatch", {"PYTHON": "/nonexistent/python"}, "PYTHON=/nonexistent/python not found"),
+    ("./train-pyxis.sbatch", {"CONTAINER_IMAGE": "/nonexistent/x.sqsh"}, "CONTAINER_IMAGE=/nonexistent/x.sqsh: no such file"),
+])
+def test_bad_input_fails_in_one_line_before_allocating(slurm, launcher, env, message):
+    before = slurm.last_job_id()
+    result = slurm.run(*launcher.split(), env=env)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
+    assert slurm.last_job_id() == before
+
+
+def test_dry_run_prints_commands_and_submits_nothing(slurm, tmp_path):
+    before = slurm.last_job_id()
+    image = fake_image(tmp_path)
+    env = {"MAX_STEPS": "5", "DRY_RUN": "1", "CONTAINER_IMAGE": str(image)}
+    out = {}
+    for launcher in ("./train.sbatch", "./train-pyxis.sbatch", "./train-singlenode.sh node1",
+                     "./train-pyxis-singlenode.sh node1"):
+        result = slurm.run(*launcher.split(), "--seed", "7", env=env)
+        assert result.returncode == 0, result.stderr
+        out[launcher] = result.stdout
+    assert slurm.last_job_id() == before
+    assert out["./train.sbatch"].startswith(f"+ sbatch {REPO_ROOT}/train.sbatch --seed 7\n")
+    assert out["./train-pyxis.sbatch"].startswith(f"+ sbatch {REPO_ROOT}/train-pyxis.sbatch --seed 7\n")
+    assert (f"+ salloc --nodes=1 --exclusive --job-name=train-singlenode --nodelist=node1 "
+            f"{REPO_ROOT}/train-singlenode.sh --seed 7\n") in out["./train-singlenode.sh node1"]
+    for text in out.values():
+        assert "+ srun --ntasks-per-node=N --kill-on-bad-exit=1" in text
+        assert text.rstrip().endswith("src/train_deepspeed.py --max_steps 5 --seed 7")
+    for launcher in ("./train-pyxis.sbatch", "./train-pyxis-singlenode.sh node1"):
+        assert f"--container-image={image} --container-mounts={REPO_ROOT}:{REPO_ROOT} " \
+               f"--container-workdir={REPO_ROOT} bash -c" in out[launcher]
+
+
+def test_job_composes_the_same_training_command_with_and_without_container(slurm, tmp_path):
+    """DRY_RUN=1 inside real batch jobs: the srun lines the jobs would run. Pyxis is not installed, so the
+    container job can only print its line."""
+    ckpt = tmp_path / "ckpt"
+    image = fake_image(tmp_path)
+    env = {"DRY_RUN": "1", "CHECKPOINT_DIR": str(ckpt), "CONTAINER_IMAGE": str(image),
+           "CONTAINER_MOUNTS": "/data:/data:ro", "MAX_STEPS": "9"}
+    (REPO_ROOT / "logs").mkdir(exist_ok=True)
+    steps = {}
+    for script, name in (("train.sbatch", "ds-train"), ("train-pyxis.sbatch", "ds-train-pyxis")):
+        job_id = submitted_job(slurm.run("sbatch", script, "--seed", "3", env=env))
+        info = slurm.wait_job(job_id, timeout=60)
+        log = job_log(job_id, name)
+        text = log.read_text()
+        assert info["JobState"] == "COMPLETED", text
+        assert "world size 2 (0 GPUs per node)" in text and "MASTER_ADDR=node1 MASTER_PORT=" in text
+        steps[script] = next(line for line in text.splitlines() if line.startswith("+ srun "))
+        log.unlink()
+    bare, pyxis = steps["train.sbatch"], steps["train-pyxis.sbatch"]
+    assert bare.startswith("+ srun --ntasks-per-node=1 --cpus-per-task=")
+    assert f"--container-mounts={REPO_ROOT}:{REPO_ROOT},{ckpt}:{ckpt},/data:/data:ro " in pyxis
+    assert f"--container-image={image} " in pyxis and f"--container-workdir={REPO_ROOT} " in pyxis
+    command = f"src/train_deepspeed.py --max_steps 9 --checkpoint_dir {ckpt} --seed 3"
+    assert bare.endswith(command) and pyxis.endswith(f" _ python {command}")
+    assert bare.split(" bash -c ")[1].split(" _ ")[0] == pyxis.split(" bash -c ")[1].split(" _ ")[0]
