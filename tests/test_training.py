@@ -1,0 +1,190 @@
+"""Real DeepSpeed runs on CPU: 2 gloo ranks, the tiny Qwen3 preset, the embedded corpus. Nothing is mocked."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import FAST_ARGS, REPO, Trainer, assert_ok, run_trainer
+from model_utils.checkpoint import find_resume_checkpoint, inspect_checkpoint, list_checkpoints
+
+pytestmark = pytest.mark.slow
+
+RESUME_ARGS = [*FAST_ARGS, "--max_steps", "10", "--checkpoint_freq", "5", "--no-export", "--seed", "11"]
+
+
+def last_by_step(records):
+    """A resumed run appends to metrics.jsonl; the last record of each step is the one that counts."""
+    return {r["step"]: r for r in records}
+
+
+@pytest.mark.parametrize("config", ["ds_config.json", "configs/zero1.json", "configs/zero3.json",
+                                    "configs/zero2-offload.json", "configs/zero3-offload.json",
+                                    "configs/zero3-activation-checkpointing.json"])
+def test_zero_stage_trains_checkpoints_and_exports(config, session_cache, tmp_path):
+    extra = ["--gradient_checkpointing"] if "activation" in config else []
+    run = run_trainer(tmp_path / "ckpt", [*FAST_ARGS, "--ds_config", config, "--max_steps", "4",
+                                          "--checkpoint_freq", "2", *extra])
+    assert_ok(run)
+    records = run.train_records()
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and r["loss"] < 10.0 for r in records)
+    info = inspect_checkpoint(tmp_path / "ckpt" / "step-00000004")
+    assert info.complete, info.problem
+    assert info.manifest["world_size"] == 2
+    stage = json.loads((REPO / config).read_text())["zero_optimization"]["stage"]
+    assert info.manifest["zero_stage"] == stage
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000004"
+    assert (tmp_path / "ckpt" / "hf" / "model.safetensors").stat().st_size > 1_000_000  # never an empty export
+
+
+@pytest.fixture(scope="module")
+def trained(session_cache, tmp_path_factory):
+    """A 40-step run with evaluation: the loss must fall and the export must work."""
+    ckpt = tmp_path_factory.mktemp("trained") / "ckpt"
+    run = run_trainer(ckpt, ["--seq_len", "128", "--micro_batch_size", "4", "--max_steps", "40", "--log_interval", "5",
+                             "--eval_interval", "20", "--eval_iters", "4", "--checkpoint_freq", "10",
+                             "--keep_last_checkpoints", "2", "--generate_prompt", "Return the"])
+    assert_ok(run)
+    return run
+
+
+def test_loss_falls_and_metrics_are_complete(trained):
+    records = trained.train_records()
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen"} <= r.keys()
+        assert r["tokens_per_s"] > 0
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    evals = [r for r in trained.metrics() if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [20, 40]
+    assert evals[-1]["eval_ppl"] == pytest.approx(math.exp(evals[-1]["eval_loss"]))
+    assert "world size" in trained.output or "world 2" in trained.output
+
+
+def test_retention_keeps_the_last_k_complete_checkpoints(trained):
+    kept = [c.path.name for c in list_checkpoints(trained.checkpoint_dir)]
+    assert kept == ["step-00000040", "step-00000030"]
+
+
+def test_export_loads_with_from_pretrained_and_generates(trained):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = trained.checkpoint_dir / "hf"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("Return the number of items in the container.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+        generated = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert loss < math.log(len(tokenizer))  # better than uniform: the weights are the trained ones
+    assert generated.shape[1] == ids.shape[1] + 8
+    assert "sample: Return the" in trained.output
+
+
+@pytest.fixture(scope="module")
+def baseline(session_cache, tmp_path_factory):
+    run = run_trainer(tmp_path_factory.mktemp("baseline") / "ckpt", RESUME_ARGS)
+    assert_ok(run)
+    return run
+
+
+def test_two_fresh_runs_are_bitwise_equal(baseline, tmp_path):
+    again = run_trainer(tmp_path / "ckpt", RESUME_ARGS)
+    assert_ok(again)
+    assert [(r["loss"], r["lr"]) for r in again.train_records()] == [(r["loss"], r["lr"]) for r in baseline.train_records()]
+
+
+def _assert_continues_exactly(baseline, resumed, from_step):
+    want, got = last_by_step(baseline.train_records()), last_by_step(resumed.train_records())
+    assert from_step < 10
+    for step in range(from_step + 1, 11):
+        assert (got[step]["loss"], got[step]["lr"]) == (want[step]["loss"], want[step]["lr"]), f"step {step}"
+
+
+def test_resume_after_kill_9_is_exact(baseline, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = Trainer(ckpt, RESUME_ARGS)
+    assert first.wait_for(lambda: (ckpt / "step-00000005" / "manifest.json").exists())
+    for p in first.procs:
+        p.send_signal(signal.SIGKILL)
+    first.wait()
+    resumed = run_trainer(ckpt, RESUME_ARGS)
+    assert_ok(resumed)
+    assert "resume: continuing from" in resumed.output and "step-00000005" in resumed.output
+    _assert_continues_exactly(baseline, resumed, 5)
+
+
+def test_signal_to_one_rank_saves_exits_75_and_resume_is_exact(baseline, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = Trainer(ckpt, RESUME_ARGS)
+    metrics = ckpt / "metrics.jsonl"
+    assert first.wait_for(lambda: metrics.exists() and '"step": 2' in metrics.read_text())
+    first.procs[1].send_signal(signal.SIGUSR1)  # only rank 1: the ranks must agree to stop together
+    stopped = first.wait()
+    assert stopped.returncodes == [75, 75], stopped.outputs
+    stop_step = int(json.loads((ckpt / find_resume_checkpoint(ckpt, print).path.name / "manifest.json").read_text())["step"])
+    assert 2 <= stop_step < 10
+    resumed = run_trainer(ckpt, RESUME_ARGS)
+    assert_ok(resumed)
+    _assert_continues_exactly(baseline, resumed, stop_step)
+
+
+def _copy_tree(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_checkpoints_fall_back_or_stop_with_the_file_named(baseline, tmp_path):
+    ckpt = _copy_tree(baseline.checkpoint_dir, tmp_path / "ckpt")
+    warnings = []
+    # A truncated shard in the newest checkpoint: fall back to the previous one, with a warning naming the file.
+    shard = next(p for p in (ckpt / "step-00000010").iterdir() if "optim_states" in p.name)
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert find_resume_checkpoint(ckpt, warnings.append).path.name == "step-00000005"
+    assert shard.name in warnings[0] and "truncated" in warnings[0]
+    # An empty `latest`, and one naming a missing directory: warned about, not trusted.
+    for content, words in (("", "is empty"), ("step-00000099", "does not exist")):
+        (ckpt / "latest").write_text(content)
+        warnings.clear()
+        assert find_resume_checkpoint(ckpt, warnings.append).path.name == "step-00000005"
+        assert words in warnings[0]
+    # No complete checkpoint left: the trainer stops within seconds and names the files; it never starts over.
+    (ckpt / "step-00000005" / "manifest.json").unlink()
+    t0 = time.monotonic()
+    run = run_trainer(ckpt, RESUME_ARGS)
+    assert run.returncode == 2
+    assert "none is complete" in run.output and "manifest.json is missing" in run.output and shard.name in run.output
+    assert time.monotonic() - t0 < 60
+    assert not list(ckpt.glob("step-*/rng_state*.tmp*"))
+
+
+def test_different_world_size_stops_with_the_conversion_command(baseline, tmp_path):
+    ckpt = _copy_tree(baseline.checkpoint_dir, tmp_path / "ckpt")
+    run = run_trainer(ckpt, RESUME_ARGS, nproc=1)
+    assert run.returncode == 2
+    assert "saved by 2 ranks, this run has 1" in run.output
+    assert "deepspeed.checkpoint.ds_to_universal --input_folder" in run.output
+
+
+def test_resume_never_refuses_to_overwrite_existing_checkpoints(baseline, tmp_path):
+    ckpt = _copy_tree(baseline.checkpoint_dir, tmp_path / "ckpt")
+    before = sorted(os.listdir(ckpt))
+    run = run_trainer(ckpt, [*RESUME_ARGS, "--resume", "never"], nproc=1)
+    assert run.returncode == 2 and "already holds checkpoints" in run.output
+    assert sorted(os.listdir(ckpt)) == before
+
+
+def test_bad_arguments_exit_2_before_any_work(tmp_path):
+    run = run_trainer(tmp_path / "ckpt", ["--max_steps", "0", "--ds_config", "nope.json"], nproc=1)
+    assert run.returncode == 2
+    assert "--max_steps" in run.output and "--ds_config" in run.output and "fix:" in run.output
+    assert "Traceback" not in run.output
