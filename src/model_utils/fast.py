@@ -3,17 +3,73 @@
 `--fused_kernels auto|on|off`: Liger-Kernel's Triton kernels for Qwen3 (RoPE, RMSNorm, SwiGLU and the fused linear
 cross-entropy, which never materialises the full fp32 logits). `auto` uses them with CUDA when `liger-kernel` is
 installed; on CPU the model runs unchanged, so CI exercises the same training code path.
+
+Further levers, switched by environment variables (read when the model is built; benchmarks/bench.py sets them per
+variant and docs/PERFORMANCE.md records what each one measured):
+
+  DSLM_COMPILE=auto|layers|off   torch.compile each decoder layer in place (regional compilation: one graph shared by
+                                 all layers). With it, Liger keeps only the fused linear cross-entropy (Inductor fuses
+                                 the norms, RoPE and SwiGLU itself). `auto` = off (see PERFORMANCE.md). Never
+                                 under ZeRO-3 (its parameter hooks live inside the layers) and never without CUDA.
+  DSLM_LIGER=auto|all|flce       which Liger kernels `--fused_kernels` applies: all four, or only the fused linear
+                                 cross-entropy. `auto`: flce when layers are compiled, else all.
+  DSLM_SDPA=auto|cudnn|flash|efficient|math
+                                 SDPA backend tried first (the others stay as fall-backs, so an unsupported shape
+                                 still runs). `auto` leaves PyTorch's order.
+
+Under ZeRO-3 the LM head weight is partitioned and Liger's fused loss reads it outside `lm_head.forward`; it is
+registered as an external parameter of the top-level module so ZeRO gathers it for the whole forward/backward.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
+import os
+import re
 
 from .arguments import Problem
+
+COMPILE_CHOICES = ("auto", "layers", "off")
+LIGER_CHOICES = ("auto", "all", "flce")
+SDPA_CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
 
 
 def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
+
+
+def _env_choice(name: str, choices: tuple[str, ...], default: str = "auto") -> str:
+    value = os.environ.get(name, default).strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def lever_settings() -> dict:
+    """The environment switches, validated: {'compile': ..., 'liger': ..., 'sdpa': ...}."""
+    return {"compile": _env_choice("DSLM_COMPILE", COMPILE_CHOICES),
+            "liger": _env_choice("DSLM_LIGER", LIGER_CHOICES),
+            "sdpa": _env_choice("DSLM_SDPA", SDPA_CHOICES)}
+
+
+def normalize_cuda_arch_list() -> str | None:
+    """DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST with int(); '9.0a' (Hopper's arch-specific target, set by
+    some images) breaks it. Strip letter suffixes ('9.0a' -> '9.0', '10.0f' -> '10.0'); keep '+PTX'."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return value
+    parts = []
+    for item in re.split(r"[;\s]+", value.strip()):
+        if not item:
+            continue
+        ptx = item.endswith("+PTX")
+        core = re.sub(r"[a-zA-Z]+$", "", item[:-4] if ptx else item)
+        if core and core not in parts:
+            parts.append(core + ("+PTX" if ptx else ""))
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(parts)
+    return os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 def fused_kernels_problem(setting: str, cuda: bool) -> Problem | None:
@@ -23,6 +79,10 @@ def fused_kernels_problem(setting: str, cuda: bool) -> Problem | None:
     if setting == "on" and not liger_available():
         return Problem("--fused_kernels", setting, "liger-kernel is not installed",
                        "pip install liger-kernel (or the project's [gpu] extra), or use --fused_kernels auto/off")
+    try:
+        lever_settings()
+    except ValueError as e:
+        return Problem("environment", None, str(e), "unset it or use one of the listed values")
     return None
 
 
@@ -30,12 +90,105 @@ def use_fused_kernels(setting: str, cuda: bool) -> bool:
     return setting != "off" and cuda and liger_available()
 
 
-def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
-    """Patch `model` in place with Liger's kernels when enabled; return whether they are in use."""
-    if not use_fused_kernels(setting, cuda):
-        return False
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+def _is_zero3(model) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
-    _apply_liger_kernel_to_instance(model=model)
-    log("kernels: Liger fused RoPE, RMSNorm, SwiGLU and linear cross-entropy enabled")
+
+def use_compile(cuda: bool, zero3: bool, settings: dict | None = None) -> bool:
+    settings = settings or lever_settings()
+    return settings["compile"] == "layers" and cuda and not zero3
+
+
+def _decoder_layers(model):
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    return getattr(base, "layers", None)
+
+
+def _compile_layers(model, log) -> bool:
+    import torch
+
+    layers = _decoder_layers(model)
+    if layers is None or not hasattr(torch, "compile"):
+        log("compile: no decoder layers found; running eagerly")
+        return False
+    # One compiled graph serves every layer (identical modules, parameters as inputs); allow a recompile per layer
+    # anyway in case a guard specialises on the module, so no layer silently falls back to eager.
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4 * len(layers) + 8))
+    for layer in layers:
+        layer.compile()
+    log(f"compile: torch.compile on each of the {len(layers)} decoder layers")
     return True
+
+
+def _sdpa_wrap(model, backend: str, log) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    first = order[backend]
+    backends = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                      SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != first]
+    kwargs = {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kw):
+        with sdpa_kernel(backends, **kwargs):
+            return inner(*args, **kw)
+
+    model.forward = forward
+    log(f"attention: SDPA backend order {[b.name for b in backends]}")
+
+
+def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
+    """Patch `model` in place with the enabled levers; return whether Liger's kernels are in use."""
+    normalize_cuda_arch_list()
+    settings = lever_settings()
+    zero3 = _is_zero3(model)
+    compiled = use_compile(cuda, zero3, settings)
+    liger = use_fused_kernels(setting, cuda)
+    if liger:
+        which = settings["liger"]
+        if which == "auto":
+            which = "flce" if compiled else "all"
+        if which == "all":
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+            _apply_liger_kernel_to_instance(model=model)
+            log("kernels: Liger fused RoPE, RMSNorm, SwiGLU and linear cross-entropy enabled")
+        else:
+            _apply_liger_flce_only(model, log)
+        if zero3:
+            _register_lm_head_for_zero3(model, log)
+    if compiled:
+        _compile_layers(model, log)
+    if cuda and settings["sdpa"] != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
+        _sdpa_wrap(model, settings["sdpa"], log)
+    return liger
+
+
+def _apply_liger_flce_only(model, log):
+    model_type = getattr(model.config, "model_type", "")
+    from liger_kernel.transformers import monkey_patch
+
+    fn = getattr(monkey_patch, f"apply_liger_kernel_to_{model_type}", None)
+    if fn is None:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+        log(f"kernels: no Liger entry point for {model_type!r} alone; all Liger kernels enabled")
+        return
+    fn(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model)
+    log("kernels: Liger fused linear cross-entropy enabled (norms, RoPE, SwiGLU left to torch.compile)")
+
+
+def _register_lm_head_for_zero3(model, log):
+    head = getattr(model, "lm_head", None)
+    if head is None or not hasattr(head.weight, "ds_id"):
+        return
+    from deepspeed.zero import register_external_parameter
+
+    register_external_parameter(model, head.weight)
+    log("kernels: ZeRO-3 gathers the LM head weight for Liger's fused loss (external parameter of the model)")

@@ -1,0 +1,491 @@
+#!/usr/bin/env python3
+"""Training throughput benchmark on the project's real path, optionally against HF Trainer + DeepSpeed (+ Liger).
+
+    python benchmarks/bench.py --model qwen3-0.6b --seq_len 4096 --micro_batch_size 8 --steps 10 --compare-hf
+    python benchmarks/bench.py --model tiny --steps 2 --warmup 1            # CPU smoke run
+
+Every measurement runs in its own process (fresh CUDA memory statistics, no monkey-patch leaking between variants),
+on all GPUs present (torchrun --standalone) unless --nproc says otherwise. The engine path is the trainer's own:
+`parse_args` -> `setup` (model, fused kernels, DeepSpeed engine from ds_config.json) -> `compute_loss` / `backward` /
+`step` on `--dummy_data` random token blocks. After `--warmup` steps, `--steps` steps are timed (CUDA synchronised
+each step, as the trainer's per-step stop-flag all-reduce does). Reported: tokens/s per GPU, TFLOP/s per GPU, MFU by
+the project's 6N + 12·L·H·Q·T convention and by torchtitan's 6N + 6·L·H·Q·T, peak allocated memory.
+
+`--variants` runs named lever combinations (see VARIANTS); `--compare-hf` adds HF Trainer + DeepSpeed with and without
+Liger on the same model, seq len, micro-batch and ZeRO config. `--write-doc` regenerates docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+sys.path.insert(0, str(SRC))
+
+GIB = 1024**3
+# Lever combinations: environment switches read by src/model_utils/fast.py plus trainer flags.
+VARIANTS = {
+    "default": {},                                                     # whatever ds_config.json + fast.py defaults are
+    "liger": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto"}},
+    "nofused": {"fused_kernels": "off", "env": {"DSLM_COMPILE": "off", "DSLM_SDPA": "auto"}},
+    "compile": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "auto"}},
+    "compile_liger": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "all", "DSLM_SDPA": "auto"}},
+    "cudnn": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "cudnn"}},
+    "compile_cudnn": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "cudnn"}},
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Arithmetic (pure; tested on CPU)
+# ----------------------------------------------------------------------------------------------------------------------
+def throughput(tokens_per_step_per_gpu: int, step_times: list[float], flops_per_token_12: float,
+               flops_per_token_6: float, peak_tflops: float | None) -> dict:
+    """Per-GPU figures over the timed steps: tokens/s, TFLOP/s and MFU under both attention conventions."""
+    total = sum(step_times)
+    tps = tokens_per_step_per_gpu * len(step_times) / total if total > 0 else 0.0
+    out = {"tokens_per_s_per_gpu": tps, "step_s_mean": total / max(len(step_times), 1),
+           "step_s_median": statistics.median(step_times) if step_times else 0.0,
+           "tflops_per_gpu": tps * flops_per_token_12 / 1e12, "tflops_per_gpu_6": tps * flops_per_token_6 / 1e12}
+    if peak_tflops:
+        out["mfu"] = out["tflops_per_gpu"] / peak_tflops
+        out["mfu_6"] = out["tflops_per_gpu_6"] / peak_tflops
+    return out
+
+
+def flops_per_token(config, num_params: int, seq_len: int) -> tuple[float, float]:
+    from model_utils.models import FlopsModel
+
+    fm = FlopsModel.from_config(config, num_params, seq_len)
+    return fm.per_token(12), fm.per_token(6)
+
+
+def normalize_env():
+    from model_utils.fast import normalize_cuda_arch_list
+
+    normalize_cuda_arch_list()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def ds_config_for(job: dict, path_out: Path) -> Path:
+    """The job's DeepSpeed config: the named file, with an optional ZeRO stage override."""
+    from model_utils.arguments import TrainConfig
+
+    src = TrainConfig(ds_config=job.get("ds_config", "ds_config.json")).resolved_ds_config_path()
+    raw = json.loads(src.read_text())
+    if job.get("zero_stage") is not None:
+        stage = int(job["zero_stage"])
+        zero = raw.setdefault("zero_optimization", {})
+        zero["stage"] = stage
+        if stage < 2:
+            for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_bucket_size"):
+                zero.pop(key, None)
+        if stage == 0:
+            raw["zero_optimization"] = {"stage": 0}
+    path_out.write_text(json.dumps(raw, indent=2))
+    return path_out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Workers (one process per GPU; rank 0 writes the result)
+# ----------------------------------------------------------------------------------------------------------------------
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _memory() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"peak_mem_gib": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
+
+
+def worker_engine(job: dict, workdir: Path) -> dict:
+    for key, value in job.get("env", {}).items():
+        os.environ[key] = value
+    normalize_env()
+    import torch
+
+    from model_utils.models import gpu_peak_tflops
+    from model_utils.train_utils import distributed_env_problems, setup_distributed
+    from train_deepspeed import compute_loss, parse_args, setup, to_device
+
+    steps, warmup = job["steps"], job["warmup"]
+    total = steps + warmup
+    argv = ["--model", job["model"], "--max_steps", str(total), "--dummy_data", str(job["dummy_blocks"]),
+            "--ds_config", str(ds_config_for(job, workdir / "ds_config.json")),
+            "--checkpoint_dir", str(workdir / "ckpt"), "--resume", "never", "--eval_interval", "0",
+            "--checkpoint_freq", "0", "--no-export", "--log_interval", str(10**6),
+            "--fused_kernels", job.get("fused_kernels", "auto"), "--seed", str(job.get("seed", 1234))]
+    if job.get("seq_len"):
+        argv += ["--seq_len", str(job["seq_len"])]
+    if job.get("micro_batch_size"):
+        argv += ["--micro_batch_size", str(job["micro_batch_size"])]
+    if job.get("warmup_steps") is not None:
+        argv += ["--warmup_steps", str(job["warmup_steps"])]
+    if job.get("gradient_checkpointing"):
+        argv += ["--gradient_checkpointing"]
+    cfg = parse_args(argv)
+    assert not distributed_env_problems()
+    dist = setup_distributed()
+    t0 = time.perf_counter()
+    run = setup(cfg, dist)
+    setup_s = time.perf_counter() - t0
+    engine = run.engine
+    engine.train()
+    times, losses = [], []
+    for i in range(total):
+        _sync()
+        t = time.perf_counter()
+        indices = run.order.rank_indices(run.position, dist.rank)
+        loss = compute_loss(engine, to_device(run.data.train.batch(indices), dist.device))
+        engine.backward(loss)
+        engine.step()
+        run.position = run.order.advance(run.position)
+        _sync()
+        dt = time.perf_counter() - t
+        losses.append(float(loss.detach().float().item()))
+        if i >= warmup:
+            times.append(dt)
+        if i == warmup - 1 and torch.cuda.is_available():
+            pass  # peak memory is kept over the whole run: warm-up steps allocate the same buffers
+        if dist.is_main and job.get("verbose"):
+            print(f"  step {i}: {dt * 1e3:.1f} ms, loss {losses[-1]:.4f}", flush=True)
+    config = engine.module.config
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    f12, f6 = flops_per_token(config, num_params, run.seq_len)
+    peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    result = {"kind": "engine", "world_size": dist.world_size, "setup_s": setup_s, "losses": losses,
+              "num_params": num_params, "micro_batch_size": run.micro_batch, "seq_len": run.seq_len,
+              "zero_stage": run.ds_config.get("zero_optimization", {}).get("stage", 0),
+              **throughput(run.micro_batch * run.grad_accum * run.seq_len, times, f12, f6, peak), **_memory()}
+    mem = torch.tensor([result.get("peak_mem_gib", 0.0)], device=dist.device)
+    dist.all_reduce(mem, torch.distributed.ReduceOp.MAX)
+    if "peak_mem_gib" in result:
+        result["peak_mem_gib"] = float(mem.item())
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return result if dist.is_main else None
+
+
+def hf_ds_config(job: dict, workdir: Path) -> dict:
+    """The same DeepSpeed config, with the values HF Trainer fills from TrainingArguments set to "auto"."""
+    raw = json.loads(ds_config_for(job, workdir / "ds_config.json").read_text())
+    ds = copy.deepcopy(raw)
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        ds[key] = "auto"
+    ds["bf16"] = {"enabled": "auto"}
+    params = ds.get("optimizer", {}).get("params", {})
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        if key in params:
+            params[key] = "auto"
+    sched = ds.get("scheduler", {}).get("params", {})
+    for key in ("total_num_steps", "warmup_num_steps"):
+        if key in sched:
+            sched[key] = "auto"
+    ds.pop("_comment", None)
+    return ds
+
+
+def worker_hf(job: dict, workdir: Path) -> dict:
+    normalize_env()
+    from model_utils.train_utils import distributed_env_problems
+
+    assert not distributed_env_problems()  # a single process gets RANK/WORLD_SIZE/MASTER_* like the trainer's
+    import numpy as np
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from model_utils.concat_dataset import dummy_packed
+    from model_utils.models import build_model, gpu_peak_tflops, model_config
+    from model_utils.tokenizer import load_tokenizer
+
+    steps, warmup, mb = job["steps"], job["warmup"], job["micro_batch_size"]
+    seq_len = job["seq_len"]
+    tokenizer = load_tokenizer(None)
+    mconf = model_config(job["model"], tokenizer)
+    data = dummy_packed(job["dummy_blocks"], seq_len, len(tokenizer), job.get("seed", 1234))
+    blocks = [np.asarray(data.train.batch([i]))[0] for i in data.train_ids]
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(blocks)
+
+        def __getitem__(self, i):
+            ids = torch.as_tensor(blocks[i][:seq_len].astype(np.int64))
+            return {"input_ids": ids, "labels": ids.clone()}  # HF shifts the labels itself
+
+    cuda = torch.cuda.is_available()
+    ds = hf_ds_config(job, workdir)
+    opt = json.loads((workdir / "ds_config.json").read_text()).get("optimizer", {}).get("params", {})
+    args = TrainingArguments(
+        output_dir=str(workdir / "hf"), per_device_train_batch_size=mb, gradient_accumulation_steps=1,
+        max_steps=steps + warmup, learning_rate=opt.get("lr", 3e-4), weight_decay=opt.get("weight_decay", 0.0),
+        adam_beta1=opt.get("betas", [0.9, 0.999])[0], adam_beta2=opt.get("betas", [0.9, 0.999])[1],
+        adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=1.0, warmup_steps=1, bf16=cuda, deepspeed=ds,
+        use_liger_kernel=bool(job.get("liger")), logging_steps=10**6, save_strategy="no", report_to="none",
+        disable_tqdm=True, seed=job.get("seed", 1234), dataloader_num_workers=2 if cuda else 0,
+        use_cpu=not cuda)
+    model = build_model(job["model"], mconf, torch.float32, "sdpa", False)
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t = [], None
+
+        def on_step_begin(self, a, state, control, **kw):
+            _sync()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            _sync()
+            self.times.append(time.perf_counter() - self.t)
+
+    timer = Timer()
+    trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[timer])
+    trainer.train()
+    world = args.world_size
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    f12, f6 = flops_per_token(mconf, num_params, seq_len)
+    peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
+    times = timer.times[warmup:]
+    result = {"kind": "hf", "liger": bool(job.get("liger")), "world_size": world, "num_params": num_params,
+              "micro_batch_size": mb, "seq_len": seq_len,
+              **throughput(mb * seq_len, times, f12, f6, peak), **_memory()}
+    rank = int(os.environ.get("RANK", "0"))
+    return result if rank == 0 else None
+
+
+def worker_main(job_json: str, result_path: str) -> int:
+    job = json.loads(job_json)
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        workdir = Path(tmp)
+        if job["kind"] == "engine":
+            result = worker_engine(job, workdir)
+        else:
+            result = worker_hf(job, workdir)
+    if result is not None:
+        Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------------------------
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None) -> dict:
+    """Run one measurement in fresh processes; return its result or {'error': ...}."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = f.name
+    os.unlink(result_path)
+    me = str(Path(__file__).resolve())
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", me]
+    else:
+        cmd = [sys.executable, me]
+    cmd += ["--worker", json.dumps(job), "--result", result_path]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(job.get("env", {}))
+    t0 = time.perf_counter()
+    log_path = (log_dir / f"{job['name']}.log") if log_dir else None
+    try:
+        out = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=timeout)
+        text, rc = out.stdout, out.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")) + "\n[timeout]", -9
+    if log_path:
+        log_path.write_text(text)
+    wall = time.perf_counter() - t0
+    if rc == 0 and os.path.exists(result_path):
+        result = json.loads(Path(result_path).read_text())
+        os.unlink(result_path)
+        result["wall_s"] = wall
+        return result
+    tail = "\n".join(text.strip().splitlines()[-15:])
+    reason = "out of memory" if "out of memory" in text.lower() or "OutOfMemoryError" in text else f"exit {rc}"
+    return {"error": reason, "tail": tail, "wall_s": wall}
+
+
+def make_jobs(a) -> list[dict]:
+    base = {"model": a.model, "seq_len": a.seq_len, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
+            "ds_config": a.ds_config, "zero_stage": a.zero_stage, "gradient_checkpointing": a.gradient_checkpointing}
+    jobs = []
+    mbs = a.micro_batch_size or [None]
+    for mb in mbs:
+        blocks = max(64, (a.steps + a.warmup + 2) * (mb or 16) * max(a.nproc or 1, 1) + 8)
+        for v in a.variants:
+            spec = VARIANTS[v]
+            job = dict(base, kind="engine", micro_batch_size=mb, dummy_blocks=blocks,
+                       fused_kernels=spec.get("fused_kernels", "auto"), env=spec.get("env", {}),
+                       name=f"engine-{v}-mb{mb}" + (f"-z{a.zero_stage}" if a.zero_stage is not None else ""),
+                       variant=v)
+            jobs.append(job)
+        if a.compare_hf:
+            for liger in (False, True):
+                if (liger and "liger" in a.hf_skip) or (not liger and "noliger" in a.hf_skip):
+                    continue
+                jobs.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks, liger=liger,
+                                 name=f"hf-{'liger' if liger else 'noliger'}-mb{mb}", variant="hf+liger" if liger else "hf"))
+    return jobs
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "deepspeed", "transformers", "liger_kernel", "triton", "accelerate"):
+        try:
+            mod = __import__(name)
+            out[name] = getattr(mod, "__version__", "?")
+        except Exception:  # noqa: BLE001
+            out[name] = "missing"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+            out["cuda"] = torch.version.cuda
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def fmt_row(job: dict, r: dict, ref: dict | None) -> str:
+    name = job["name"]
+    if "error" in r:
+        return f"| {name} | {job.get('micro_batch_size')} | {r['error']} | | | | | | |"
+    mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+    mfu6 = f"{100 * r['mfu_6']:.1f}%" if "mfu_6" in r else "-"
+    mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
+    ratio = f"{r['tokens_per_s_per_gpu'] / ref['tokens_per_s_per_gpu']:.2f}x" if ref and "error" not in ref else "-"
+    return (f"| {name} | {r['micro_batch_size']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | "
+            f"{mfu} | {mfu6} | {mem} | {1e3 * r['step_s_median']:.0f} | {ratio} |")
+
+
+def table(jobs: list[dict], results: list[dict], ref_name: str | None) -> str:
+    ref = None
+    for j, r in zip(jobs, results):
+        if j["name"] == ref_name:
+            ref = r
+    lines = ["| run | micro-batch | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT) | MFU (6·LHQT) | peak GiB | step ms "
+             f"| vs {ref_name or '-'} |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [fmt_row(j, r, ref) for j, r in zip(jobs, results)]
+    return "\n".join(lines)
+
+
+def loss_check(results_a: dict, results_b: dict, n: int = 50) -> dict:
+    """Max and mean |difference| of per-step losses between two runs (same seed/data), first n steps."""
+    a, b = results_a.get("losses", [])[:n], results_b.get("losses", [])[:n]
+    k = min(len(a), len(b))
+    if k == 0:
+        return {}
+    diffs = [abs(x - y) for x, y in zip(a[:k], b[:k])]
+    return {"steps": k, "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / k, "first": (a[0], b[0]),
+            "last": (a[k - 1], b[k - 1])}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--seq_len", type=int, default=None, help="default: the preset's (4096 for Qwen3)")
+    p.add_argument("--micro_batch_size", type=int, nargs="*", default=None, help="one or more; default: ds_config's")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (compilation, allocator)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ds_config", default="ds_config.json")
+    p.add_argument("--zero_stage", type=int, default=None, help="override the config's ZeRO stage")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--variants", nargs="*", default=["default"], choices=list(VARIANTS))
+    p.add_argument("--compare-hf", dest="compare_hf", action="store_true")
+    p.add_argument("--hf-skip", dest="hf_skip", nargs="*", default=[], choices=["liger", "noliger"])
+    p.add_argument("--nproc", type=int, default=None, help="GPUs to use (default: all present; 1 on CPU)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
+    p.add_argument("--loss-check", dest="loss_check", type=int, default=0,
+                   help="also run N steps of the unoptimised path (--fused_kernels off, no compile) and of the "
+                        "default path at --loss-check-mb, same seed/data, and compare the losses")
+    p.add_argument("--loss-check-mb", dest="loss_check_mb", type=int, default=2)
+    p.add_argument("--loss-check-variants", dest="loss_check_variants", nargs="*", default=["default"],
+                   choices=list(VARIANTS))
+    p.add_argument("--json", default=None, help="append results (JSON lines) to this file")
+    p.add_argument("--log-dir", dest="log_dir", default=None, help="full log of every measurement")
+    p.add_argument("--write-doc", dest="write_doc", default=None, help="write this markdown section file")
+    p.add_argument("--title", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        return worker_main(a.worker, a.result)
+
+    normalize_env()
+    a.nproc = a.nproc or max(gpu_count(), 1)
+    log_dir = Path(a.log_dir) if a.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    jobs = make_jobs(a)
+    if a.loss_check:
+        for v in ["nofused"] + [x for x in a.loss_check_variants if x != "nofused"]:
+            spec = VARIANTS[v]
+            jobs.append({"kind": "engine", "model": a.model, "seq_len": a.seq_len, "steps": a.loss_check, "warmup": 0,
+                         "seed": a.seed, "ds_config": a.ds_config, "zero_stage": a.zero_stage,
+                         "micro_batch_size": a.loss_check_mb, "dummy_blocks": (a.loss_check + 1) * a.loss_check_mb * a.nproc + 8,
+                         "fused_kernels": spec.get("fused_kernels", "auto"), "env": spec.get("env", {}),
+                         "name": f"losscheck-{v}-mb{a.loss_check_mb}", "variant": v})
+    vers = versions()
+    command = "python benchmarks/bench.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+    print(f"# {command}\n# {json.dumps(vers)}", flush=True)
+    results = []
+    for job in jobs:
+        r = run_job(job, a.nproc, a.timeout, log_dir)
+        results.append(r)
+        short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("losses", "tail")}
+        print(f"{job['name']}: {json.dumps(short)}", flush=True)
+        if "tail" in r:
+            print(r["tail"], flush=True)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps({"job": job, "result": r, "versions": vers, "nproc": a.nproc, "command": command}) + "\n")
+    perf = [(j, r) for j, r in zip(jobs, results) if not j["name"].startswith("losscheck")]
+    ref_name = next((j["name"] for j, r in perf if j["kind"] == "hf" and j.get("liger") and "error" not in r), None)
+    text = table([j for j, _ in perf], [r for _, r in perf], ref_name)
+    lc = None
+    if a.loss_check:
+        la = next(r for j, r in zip(jobs, results) if j["name"].startswith("losscheck-nofused"))
+        for v in a.loss_check_variants:
+            lb = next(r for j, r in zip(jobs, results) if j["name"].startswith(f"losscheck-{v}-"))
+            lc = loss_check(la, lb, a.loss_check)
+            text += (f"\n\nLoss check ({a.loss_check} steps, mb {a.loss_check_mb}, same seed/data): unoptimised path "
+                     f"(--fused_kernels off, eager) vs `{v}`: {json.dumps(lc)}")
+    print("\n" + text, flush=True)
+    if a.write_doc:
+        title = a.title or f"{a.model}, {a.nproc} GPU(s)"
+        body = [f"### {title}", "", f"Hardware/versions: `{json.dumps(vers)}`", "", f"Command: `{command}`", "", text, ""]
+        Path(a.write_doc).write_text("\n".join(body))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

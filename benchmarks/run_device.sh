@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs on the device machine (repo root): install the carried wheels, normalise the environment, then run the
+# benchmark invocations named by PLAN (h100 | scale), each bounded, logs and JSON under $OUT.
+#   PLAN=h100 bash benchmarks/run_device.sh
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# DeepSpeed's op builder cannot parse '9.0a'
+export TORCH_CUDA_ARCH_LIST=$(echo "${TORCH_CUDA_ARCH_LIST:-9.0}" | sed -E 's/([0-9])[a-z]+/\1/g')
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, deepspeed, liger_kernel, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+START=$(date +%s); BUDGET=${BUDGET:-540}
+bench() {  # bench NAME SECONDS_NEEDED ARGS...
+  local name=$1 need=$2; shift 2
+  local left=$((BUDGET - ($(date +%s) - START)))
+  if [ "$left" -lt "$need" ]; then echo "SKIP $name (left ${left}s < ${need}s)"; return; fi
+  echo "=== $name ($(($(date +%s) - START))s)"
+  python3 benchmarks/bench.py --json "$OUT/results.jsonl" --log-dir "$OUT/logs" --write-doc "$OUT/$name.md" "$@" 2>&1 \
+    | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#)' | cut -c1-400
+}
+case "${PLAN:-h100}" in
+  h100)
+    bench levers 200 --model qwen3-0.6b --micro_batch_size 8 --steps 6 --warmup 3 --timeout 240 \
+      --variants liger cudnn compile compile_cudnn --compare-hf --hf-skip noliger --title "Qwen3-0.6B, seq 4096, 1 GPU: levers at micro-batch 8"
+    bench zero1 60 --model qwen3-0.6b --micro_batch_size 8 --steps 6 --warmup 3 --timeout 120 --zero_stage 1 --variants liger compile --title "ZeRO-1 on one GPU"
+    bench hf_mb4 60 --model qwen3-0.6b --micro_batch_size 4 --steps 6 --warmup 3 --timeout 120 --variants --compare-hf --hf-skip liger --title "HF Trainer + DeepSpeed without Liger, micro-batch 4"
+    bench losscheck 130 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants liger compile --timeout 150 --title "Loss check"
+    bench mb16 100 --model qwen3-0.6b --micro_batch_size 16 --steps 5 --warmup 3 --timeout 150 --variants compile liger --compare-hf --hf-skip noliger --title "micro-batch 16"
+    ;;
+  *) bash -c "$PLAN" ;;
+esac
+echo "=== done $(($(date +%s) - START))s"
