@@ -68,12 +68,18 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils.checkpoint import ResumeError, find_resume_checkpoint, resolve_explicit
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
     from model_utils.fast import apply_fused_kernels, fused_kernels_problem
+    from model_utils.preflight import raise_on_problems, run_preflight
     from model_utils.models import (FlopsModel, build_model, check_vocab_covers_tokenizer, default_seq_len,
                                     gpu_peak_tflops, is_preset, model_config)
     from model_utils.tokenizer import load_tokenizer
     from model_utils.train_utils import Logger, seed_everything
 
     log = Logger(dist, Path(cfg.checkpoint_dir) / "metrics.jsonl")
+    # The preflight's checks (data aside: prepare_data checks it while building) before anything expensive.
+    report = run_preflight(cfg, dist.world_size, check_data=False)
+    raise_on_problems(report)
+    for note in report.notes:
+        log.warn(note)
     tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer or is_preset(cfg.model) else cfg.model)
     mconf = model_config(cfg.model, tokenizer)
     ds, notes = resolve_config(cfg, dist.world_size, mconf.hidden_size)
@@ -323,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.train_utils import distributed_env_problems
 
     cfg = parse_args(argv)
-    exit_on_problems(validate_args(cfg) + distributed_env_problems())
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.preflight:  # no process group, no GPU needed: runs on a login node
+        from model_utils.preflight import print_report, run_preflight
+        return print_report(run_preflight(cfg))
+    exit_on_problems(validate_args(cfg) + distributed_env_problems())
 
     from model_utils.checkpoint import ResumeError
     from model_utils.concat_dataset import DataError

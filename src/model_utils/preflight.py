@@ -1,0 +1,419 @@
+"""Preflight: check everything a run needs in seconds, on a login node, before GPUs are allocated.
+
+`python src/train_deepspeed.py ... --preflight` prints the effective configuration and the plan, then every problem at
+once (setting, bad value, fix) and exits 0 or 2. `setup()` runs the same checks at the start of every real run.
+Nothing here builds the model or tokenizes the whole dataset: the model is sized from its config on the meta device,
+the data is checked on a sample (or read from the packed cache when it exists).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .arguments import ConfigError, Problem, TrainConfig, validate_args
+
+GIB = 1024**3
+SAMPLE_DOCUMENTS = 200
+# Section name -> DeepSpeed's pydantic model that validates it (unknown keys there are errors in DeepSpeed too).
+SECTION_MODELS = {
+    "zero_optimization": "deepspeed.runtime.zero.config:DeepSpeedZeroConfig",
+    "bf16": "deepspeed.runtime.precision_config:DeepSpeedBF16Config",
+    "fp16": "deepspeed.runtime.precision_config:DeepSpeedFP16Config",
+    "tensorboard": "deepspeed.monitor.config:TensorBoardConfig",
+    "wandb": "deepspeed.monitor.config:WandbConfig",
+    "csv_monitor": "deepspeed.monitor.config:CSVConfig",
+    "comms_logger": "deepspeed.comm.config:CommsLoggerConfig",
+    "flops_profiler": "deepspeed.profiling.config:DeepSpeedFlopsProfilerConfig",
+}
+CONSTANT_MODULES = ["deepspeed.runtime.constants", "deepspeed.profiling.constants", "deepspeed.elasticity.constants",
+                    "deepspeed.autotuning.constants", "deepspeed.runtime.swap_tensor.constants",
+                    "deepspeed.runtime.data_pipeline.constants", "deepspeed.compression.constants",
+                    "deepspeed.nebula.constants", "deepspeed.comm.constants", "deepspeed.runtime.zero.offload_config",
+                    "deepspeed.runtime.activation_checkpointing.config"]
+EXTRA_TOP_LEVEL = {"zero_optimization", "bf16", "fp16", "bfloat16", "tensorboard", "wandb", "csv_monitor", "comet",
+                   "flops_profiler", "activation_checkpointing", "checkpoint", "data_types", "compile", "aio", "nebula",
+                   "elasticity", "autotuning", "compression_training", "data_efficiency", "curriculum_learning",
+                   "comms_logger", "amp", "torch_autocast", "weight_quantization", "hybrid_engine", "pipeline",
+                   "sparse_attention", "timers", "tensor_parallel", "zenflow", "optimizer", "scheduler",
+                   "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print",
+                   "wall_clock_breakdown", "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
+                   "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                   "memory_breakdown", "dump_state", "communication_data_type", "seq_parallel_communication_data_type",
+                   "sequence_parallel_size", "disable_allgather", "graph_harvesting", "use_data_before_expert_parallelism"}
+
+
+def _import(path: str):
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr) if attr else importlib.import_module(module)
+
+
+def known_top_level_keys() -> set[str]:
+    known = set(EXTRA_TOP_LEVEL)
+    for name in CONSTANT_MODULES:
+        try:
+            module = _import(name)
+        except ImportError:
+            continue  # a DeepSpeed build without that feature
+        known |= {v for k, v in vars(module).items() if k.isupper() and isinstance(v, str) and v.islower()}
+    return known
+
+
+def _nearest(key: str, valid) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else "remove it (see https://www.deepspeed.ai/docs/config-json/)"
+
+
+def _model_keys(model) -> set[str]:
+    keys = set()
+    for name, f in model.model_fields.items():
+        keys.add(name)
+        if f.alias:
+            keys.add(f.alias)
+    return keys
+
+
+def check_known_keys(raw: dict) -> list[Problem]:
+    """Unknown or misspelt keys, top level and inside the sections DeepSpeed validates strictly."""
+    from pydantic import BaseModel
+
+    problems = []
+    top = known_top_level_keys()
+    for key in raw:
+        if not key.startswith("_") and key not in top:
+            problems.append(Problem(f"ds_config {key}", raw[key], "is not a DeepSpeed setting", _nearest(key, top)))
+    for section, path in SECTION_MODELS.items():
+        value = raw.get(section)
+        if not isinstance(value, dict):
+            continue
+        try:
+            model = _import(path)
+        except (ImportError, AttributeError):
+            continue
+        valid = _model_keys(model)
+        for key, sub in value.items():
+            if key not in valid:
+                problems.append(Problem(f"ds_config {section}.{key}", sub, f"is not a {section} setting",
+                                        _nearest(key, valid)))
+            elif section == "zero_optimization" and key in ("offload_optimizer", "offload_param") and isinstance(sub, dict):
+                ann = model.model_fields[key].annotation
+                inner = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+                if inner is not None:
+                    inner_keys = _model_keys(inner)
+                    for k2, v2 in sub.items():
+                        if k2 not in inner_keys:
+                            problems.append(Problem(f"ds_config zero_optimization.{key}.{k2}", v2,
+                                                    f"is not a {key} setting", _nearest(k2, inner_keys)))
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Memory: ZeRO paper's model-state formulas plus activations
+# ----------------------------------------------------------------------------------------------------------------------
+@dataclass
+class MemoryPlan:
+    label: str
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    micro_batch: int
+    gradient_checkpointing: bool
+
+
+def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool) -> float:
+    """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param)."""
+    p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
+    params_b = p_bytes * params / (world if stage >= 3 else 1)
+    grads_b = g_bytes * params / (world if stage >= 2 else 1)
+    opt_b = 0 if offload_opt else opt_bytes * params / (world if stage >= 1 else 1)
+    if offload_param and stage == 3:
+        params_b = 0
+    return params_b + grads_b + opt_b
+
+
+def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool) -> float:
+    """Korthikanti et al. with flash attention: ~34·s·b·h bytes per layer (16-bit), sized up for Qwen3's 3h MLP and GQA;
+    full recomputation keeps only each layer's input (2·s·b·h) plus one layer's working set. Logits: 16-bit logits,
+    their fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    mlp_ratio = config.intermediate_size / h
+    per_layer = micro * seq_len * h * (10 + 8 * mlp_ratio)
+    scale = 1 if bf16 else 2
+    acts = (layers * 2 * micro * seq_len * h + per_layer) if checkpointing else layers * per_layer
+    logits = 0 if fused_ce else micro * seq_len * config.vocab_size * (2 + 4 + 4)
+    return acts * scale + logits
+
+
+@dataclass
+class Report:
+    lines: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def gpu_memory_gib() -> tuple[float | None, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, props.name
+    override = os.environ.get("GPU_MEMORY_GIB")
+    return (float(override), "GPU_MEMORY_GIB") if override else (None, "no GPU visible here")
+
+
+def planned_world_size() -> int:
+    """What the run will have: the launchers export WORLD_SIZE (nodes x GPUs per node) for the preflight."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: bool = True) -> Report:
+    import torch
+
+    from . import ds_config as dsc
+    from .checkpoint import ResumeError, find_resume_checkpoint, resolve_explicit
+    from .fast import fused_kernels_problem, use_fused_kernels
+    from .models import (FlopsModel, check_vocab_covers_tokenizer, default_seq_len, is_preset, model_config)
+    from .tokenizer import load_tokenizer
+    from .train_utils import bf16_supported
+
+    report = Report()
+    world = world_size or planned_world_size()
+    cuda = torch.cuda.is_available()
+    report.problems += validate_args(cfg)
+
+    # --- DeepSpeed config ---
+    raw, problems = dsc.load_json(cfg.resolved_ds_config_path())
+    report.problems += problems
+
+    # --- tokenizer and model ---
+    tokenizer = mconf = None
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer or is_preset(cfg.model) else cfg.model)
+    except (OSError, ValueError) as e:
+        report.problems.append(Problem("--tokenizer", cfg.tokenizer or cfg.model, f"could not be loaded: {e}".split("\n")[0],
+                                       "pass a local tokenizer directory or a hub id reachable from here"))
+    if tokenizer is not None:
+        try:
+            mconf = model_config(cfg.model, tokenizer)
+        except (OSError, ValueError) as e:
+            report.problems.append(Problem("--model", cfg.model, f"could not be loaded: {e}".split("\n")[0],
+                                           "use a preset (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), a model "
+                                           "directory with config.json, or a reachable hub id"))
+    seq_len = cfg.seq_len or default_seq_len(cfg.model)
+    if mconf is not None:
+        p = check_vocab_covers_tokenizer(mconf, tokenizer, cfg.model, cfg.tokenizer)
+        if p:
+            report.problems.append(p)
+        max_pos = getattr(mconf, "max_position_embeddings", None)
+        if max_pos and seq_len > max_pos:
+            report.problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings ({max_pos})",
+                                           f"use --seq_len {max_pos} or less"))
+    p = fused_kernels_problem(cfg.fused_kernels, cuda)
+    if p:
+        report.problems.append(p)
+
+    ds = None
+    if raw is not None:
+        report.problems += check_known_keys(raw)
+        bf16_ok = bf16_supported() if cuda else True  # on a login node the GPUs decide "auto"; assume they can
+        ds, notes, problems = dsc.resolve(raw, cfg, world, bf16_ok, mconf.hidden_size if mconf else None)
+        report.notes += notes
+        report.problems += problems
+        if not cuda and raw.get("bf16", {}).get("enabled") is True:
+            report.notes.append("bf16 is on: the GPU nodes must support it (A100/H100 or newer); not checkable here")
+
+    # --- model size, plan, memory ---
+    num_params = None
+    if mconf is not None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            meta_model = AutoModelForCausalLM.from_config(mconf)
+        num_params = sum(p.numel() for p in meta_model.parameters())
+        del meta_model
+    if ds is not None and not any(pr.setting.startswith(("train_", "gradient_acc")) for pr in report.problems):
+        micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+        tokens_per_step = micro * accum * world * seq_len
+        stage = dsc.zero_stage(ds)
+        off_opt, off_par = dsc.offloads(ds)
+        bf16 = bool(ds.get("bf16", {}).get("enabled"))
+        report.lines.append("effective DeepSpeed config:\n" + json.dumps(ds, indent=2))
+        report.lines.append(f"batch: micro {micro} x grad_acc {accum} x world {world} = {micro * accum * world} blocks "
+                            f"of {seq_len} tokens = {tokens_per_step:,} tokens/step")
+        report.lines.append(f"plan: {cfg.max_steps} steps = {tokens_per_step * cfg.max_steps:,} tokens")
+        if num_params:
+            flops = FlopsModel.from_config(mconf, num_params, seq_len).per_token()
+            report.lines.append(f"model: {cfg.model}, {num_params / 1e6:,.1f}M parameters, {flops / 1e9:.2f} GFLOP/token, "
+                                f"ZeRO stage {stage}{', optimizer offload' if off_opt else ''}"
+                                f"{', parameter offload' if off_par else ''}")
+            fused = use_fused_kernels(cfg.fused_kernels, True)
+            total = (model_state_bytes(num_params, world, stage, off_opt, off_par, bf16)
+                     + activation_bytes(mconf, seq_len, micro, cfg.gradient_checkpointing, fused, bf16))
+            memory, where = gpu_memory_gib()
+            report.lines.append(f"memory: ~{total / GIB:.1f} GiB per GPU estimated (model states + activations); "
+                                f"GPU: {f'{memory:.0f} GiB' if memory else where}")
+            if memory and 0.92 * memory * GIB < total <= memory * GIB:
+                report.notes.append(f"the memory estimate is within 8% of the GPU's {memory:.0f} GiB: expect little headroom")
+            if memory and total > memory * GIB:
+                report.problems.append(Problem(
+                    "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
+                    f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
+                    _cheapest_fit(num_params, mconf, world, seq_len, micro, bf16, fused, memory)))
+            ckpt_bytes = num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
+            _check_checkpoint_dir(cfg, ckpt_bytes, report)
+        if check_data:
+            _check_data(cfg, tokenizer, seq_len, world, micro, report)
+
+    # --- existing checkpoints ---
+    try:
+        info = (resolve_explicit(Path(cfg.resume_from_checkpoint), report.notes.append) if cfg.resume_from_checkpoint
+                else find_resume_checkpoint(Path(cfg.checkpoint_dir), report.notes.append) if cfg.resume == "auto" else None)
+    except ResumeError as e:
+        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, str(e).split("\n")[0],
+                                       "see the listed files; remove the damaged checkpoints or use another directory"))
+        info = None
+    if info is not None:
+        m = info.manifest
+        report.lines.append(f"resume: from {info.path} (step {m['step']})")
+        if ds is not None and m.get("world_size") != world and dsc.zero_stage(ds) > 0:
+            report.problems.append(Problem("world size", world, f"{info.path} was saved by {m.get('world_size')} ranks",
+                                           f"run on {m.get('world_size')} ranks, or convert: python -m "
+                                           f"deepspeed.checkpoint.ds_to_universal --input_folder {info.path} "
+                                           f"--output_folder {info.path}-universal"))
+        if m.get("model") not in (None, cfg.model):
+            report.problems.append(Problem("--model", cfg.model, f"{info.path} holds a checkpoint of {m.get('model')}",
+                                           f"use --model {m.get('model')}, or another --checkpoint_dir"))
+        if m.get("seq_len") not in (None, seq_len):
+            report.notes.append(f"the checkpoint was trained with seq_len {m.get('seq_len')}, this run uses {seq_len}")
+    return report
+
+
+def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, memory_gib) -> str:
+    """The first configuration, in order of speed, whose estimate fits in 92% of the GPU."""
+    candidates = []
+    m = micro
+    while m > 1:
+        m //= 2
+        candidates.append(MemoryPlan(f"train_micro_batch_size_per_gpu {m} (raise gradient_accumulation_steps to keep "
+                                     f"the batch)", 2, False, False, m, False))
+    candidates += [MemoryPlan("--gradient_checkpointing", 2, False, False, micro, True),
+                   MemoryPlan("--gradient_checkpointing with micro-batch 1", 2, False, False, 1, True),
+                   MemoryPlan("DS_CONFIG=configs/zero3.json with --gradient_checkpointing", 3, False, False, micro, True),
+                   MemoryPlan("DS_CONFIG=configs/zero2-offload.json with --gradient_checkpointing", 2, True, False, micro, True),
+                   MemoryPlan("DS_CONFIG=configs/zero3-offload.json with --gradient_checkpointing and micro-batch 1",
+                              3, True, True, 1, True)]
+    for plan in candidates:
+        need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16)
+                + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16))
+        if need <= 0.92 * memory_gib * GIB:
+            return f"cheapest configuration that fits (~{need / GIB:.0f} GiB): {plan.label}"
+    return "nothing fits on this many GPUs: use more GPUs (ZeRO-3 divides the model states by their number)"
+
+
+def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
+    path = Path(cfg.checkpoint_dir)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, f"{probe} is not writable",
+                                       "choose a directory you can write to (on a filesystem all nodes share)"))
+        return
+    keep = cfg.keep_last_checkpoints or 10
+    need = ckpt_bytes * (keep + 1)
+    free = shutil.disk_usage(probe).free
+    report.lines.append(f"checkpoints: ~{ckpt_bytes / GIB:.2f} GiB each, {keep} kept (+1 while saving); "
+                        f"{free / GIB:,.0f} GiB free in {probe}")
+    if need > free:
+        report.problems.append(Problem("--keep_last_checkpoints", cfg.keep_last_checkpoints,
+                                       f"{keep + 1} checkpoints need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free",
+                                       "free space, keep fewer checkpoints, or use another --checkpoint_dir"))
+
+
+def _check_data(cfg, tokenizer, seq_len, world, micro, report: Report):
+    """Resolve the dataset and check the column and tokenization on a sample; exact counts from the cache if built."""
+    from .concat_dataset import DataError, cache_dir_for, resolve_source, tokenize_split
+
+    if cfg.dummy_data:
+        report.lines.append(f"data: dummy, {cfg.dummy_data} random blocks")
+        blocks = int(cfg.dummy_data * 0.9)
+    elif tokenizer is None:
+        return
+    else:
+        try:
+            source = resolve_source(cfg)
+            cache = cache_dir_for(cfg, source, tokenizer)
+            if (cache / "meta.json").exists():
+                meta = json.loads((cache / "meta.json").read_text())
+                tokens = meta["tokens"]["train"]
+                report.lines.append(f"data: {source.location}: {tokens:,} tokens (packed cache {cache})")
+                blocks = max(0, (tokens - 1) // seq_len)
+                if "validation" not in meta["tokens"]:
+                    blocks -= int(round(blocks * cfg.validation_fraction))
+            else:
+                sample, total_docs = _sample(source, cfg)
+                tokenized = tokenize_split(sample, tokenizer, cfg.text_column, 1, "train (sample)")
+                sample_tokens = sum(len(x) for x in tokenized["input_ids"])
+                if sample_tokens == 0:
+                    raise DataError(Problem("--text_column", cfg.text_column, "the sampled documents hold no text",
+                                            "check the column's contents"))
+                est = sample_tokens * (total_docs / len(sample)) if total_docs else None
+                report.lines.append(f"data: {source.location}: column '{cfg.text_column}' present; "
+                                    f"~{est:,.0f} tokens estimated from {len(sample)} documents" if est else
+                                    f"data: {source.location}: column '{cfg.text_column}' present (streamed sample)")
+                blocks = int(est // seq_len) if est else None
+        except DataError as e:
+            report.problems.append(e.problem)
+            return
+    if blocks is not None and blocks < world * micro:
+        report.problems.append(Problem("--seq_len", seq_len, f"the data gives ~{blocks} training blocks, fewer than one "
+                                       f"micro-batch per rank ({micro} x {world} ranks)",
+                                       "use more data, a smaller --seq_len or a smaller micro-batch"))
+
+
+def _sample(source, cfg):
+    import datasets
+
+    from .concat_dataset import DataError, load_splits
+
+    if source.kind == "hub":
+        try:
+            stream = datasets.load_dataset(source.location, cfg.dataset_config_name, split="train", streaming=True)
+            rows = list(stream.take(SAMPLE_DOCUMENTS))
+        except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
+            raise DataError(Problem("--dataset", source.location, f"could not be loaded from the hub: {e}".split("\n")[0],
+                                    "check the name, DATASET_CONFIG_NAME, network access and HF_TOKEN, or pass a local path")) from e
+        if not rows:
+            raise DataError(Problem("--dataset", source.location, "is empty", "point --dataset at data with documents"))
+        return datasets.Dataset.from_list(rows), None
+    train, _ = load_splits(source, cfg)
+    if len(train) == 0:
+        raise DataError(Problem("--dataset", source.location, "is empty", "point --dataset at data with documents"))
+    return train.select(range(min(SAMPLE_DOCUMENTS, len(train)))), len(train)
+
+
+def print_report(report: Report, stream=None) -> int:
+    import sys
+
+    out = stream or sys.stdout
+    for line in report.lines:
+        print(line, file=out)
+    for note in report.notes:
+        print(f"note: {note}", file=out)
+    if report.problems:
+        print(f"preflight: {len(report.problems)} problem(s):", file=out)
+        for p in report.problems:
+            print(f"  - {p}", file=out)
+        return 2
+    print("preflight: OK", file=out)
+    return 0
+
+
+def raise_on_problems(report: Report):
+    if report.problems:
+        raise ConfigError(report.problems)
