@@ -276,7 +276,7 @@ job_header() { # job_header WORLD_SIZE GPUS_PER_NODE
 # STEP: the srun command of the training step, TASKS_PER_NODE tasks on each
 # node of the allocation (CONTAINER=1 adds the Pyxis flags).
 compose_job_step() { # compose_job_step TASKS_PER_NODE CPUS_PER_TASK
-    STEP=(srun --ntasks-per-node="$1" ${2:+--cpus-per-task="$2"} --kill-on-bad-exit=1 --chdir="$PWD")
+    STEP=(srun --ntasks-per-node="$1" ${2:+--cpus-per-task="$2"} --chdir="$PWD")
     if [[ ${CONTAINER:-0} == 1 ]]; then
         container_args
         STEP+=("${CONTAINER_ARGS[@]}")
@@ -380,6 +380,7 @@ check_before_allocation() { # check_before_allocation CONTAINER(0|1)
 sbatch_main() { # sbatch_main SCRIPT CONTAINER(0|1) TRAINER_ARGS...
     local script=$1
     CONTAINER=$2
+    LAUNCHER=$(basename "$script")
     shift 2
     if in_batch_job; then
         run_job_step "$@"

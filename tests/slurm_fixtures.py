@@ -35,6 +35,7 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 
 SLURM_CONF = """\
 ClusterName=dslmtest
+FirstJobId={first_job_id}
 SlurmctldHost={host}
 SlurmctldPort={ctld_port}
 SlurmUser=root
@@ -224,7 +225,9 @@ def slurm_cluster():
         (BASE_DIR / sub).mkdir(parents=True)
     host = socket.gethostname().split(".")[0]
     conf = BASE_DIR / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=host, base=BASE_DIR, ctld_port=CTLD_PORT, cpus=os.cpu_count() or 1,
+    # Job ids differ between sessions, so that logs/ds-train_<id>.out of an earlier session is never appended to.
+    first_job_id = 1000 + int(time.time()) % 60_000_000
+    conf.write_text(SLURM_CONF.format(first_job_id=first_job_id, host=host, base=BASE_DIR, ctld_port=CTLD_PORT, cpus=os.cpu_count() or 1,
                                       port_lo=SLURMD_PORTS[0], port_hi=SLURMD_PORTS[1]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_"))}
     env["SLURM_CONF"] = str(conf)
