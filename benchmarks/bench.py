@@ -217,7 +217,9 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     from model_utils.tokenizer import load_tokenizer
 
     steps, warmup, mb = job["steps"], job["warmup"], job["micro_batch_size"]
-    seq_len = job["seq_len"]
+    from model_utils.models import default_seq_len
+
+    seq_len = job["seq_len"] or default_seq_len(job["model"])
     tokenizer = load_tokenizer(None)
     mconf = model_config(job["model"], tokenizer)
     data = dummy_packed(job["dummy_blocks"], seq_len, len(tokenizer), job.get("seed", 1234))

@@ -18,6 +18,7 @@ SRC = REPO / "src"
 TRAINER = SRC / "train_deepspeed.py"
 sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slurm_fixtures import *  # noqa: E402,F401,F403
 
 # Small and fast, but the real code path: 2 gloo ranks, the tiny Qwen3 preset, the embedded corpus.
 FAST_ARGS = ["--seq_len", "64", "--micro_batch_size", "2", "--eval_iters", "2", "--log_interval", "1",
