@@ -17,6 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
 TRAINER = SRC / "train_deepspeed.py"
 sys.path.insert(0, str(SRC))
+# Nothing may come from a hub during tests: fail fast instead of waiting on network timeouts.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_fixtures import *  # noqa: E402,F401,F403
 

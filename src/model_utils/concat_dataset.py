@@ -151,7 +151,7 @@ def tokenize_split(ds, tokenizer, text_column: str, num_proc: int | None, split:
     def encode(batch):
         texts = [t if isinstance(t, str) else "" for t in batch[text_column]]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids if x]}
+        return {"input_ids": [x + [eos] if x else [] for x in ids]}  # one row per document, even an empty one
 
     nproc = num_proc or min(16, len(os.sched_getaffinity(0)))
     nproc = max(1, min(nproc, len(ds) // 1000 or 1))  # process pools only pay off on large datasets
@@ -165,8 +165,9 @@ def write_token_file(tokenized, path: Path, dtype) -> int:
     total = 0
     with open(tmp, "wb") as f:
         for batch in tokenized.iter(batch_size=4096):
-            if batch["input_ids"]:
-                arr = np.concatenate([np.asarray(x, dtype=dtype) for x in batch["input_ids"]])
+            docs = [x for x in batch["input_ids"] if len(x)]
+            if docs:
+                arr = np.concatenate([np.asarray(x, dtype=dtype) for x in docs])
                 arr.tofile(f)
                 total += arr.size
     os.replace(tmp, path)

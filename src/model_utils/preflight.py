@@ -320,6 +320,10 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    if not probe.is_dir():
+        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, f"{probe} is a file, not a directory",
+                                       "choose a directory path (on a filesystem all nodes share)"))
+        return
     if not os.access(probe, os.W_OK):
         report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, f"{probe} is not writable",
                                        "choose a directory you can write to (on a filesystem all nodes share)"))

@@ -26,6 +26,10 @@ def load_tokenizer(name_or_path: str | None):
 
     source = str(DEFAULT_TOKENIZER_DIR) if name_or_path in (None, "", DEFAULT_TOKENIZER) else name_or_path
     tokenizer = AutoTokenizer.from_pretrained(source)
+    if len(tokenizer) < 2 or not tokenizer("a b c", add_special_tokens=False)["input_ids"]:
+        # transformers builds an empty tokenizer from a model directory that has a config but no tokenizer files
+        raise ValueError(f"--tokenizer {name_or_path or source}: {source} holds no usable tokenizer (vocabulary of "
+                         f"{len(tokenizer)}); pass --tokenizer with the tokenizer the model was trained with")
     if tokenizer.eos_token_id is None:
         raise ValueError(
             f"--tokenizer {name_or_path}: the tokenizer has no EOS token, which separates packed documents; "

@@ -1,0 +1,203 @@
+"""Preflight: one case per problem it must catch; each exits 2 in seconds naming the setting and the fix.
+
+The cases run `python src/train_deepspeed.py --preflight` as a user would (no process group, no model built).
+GPU memory cannot exist here, so its case gives the GPU size through GPU_MEMORY_GIB (the one stand-in).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, TRAINER, FAST_ARGS, assert_ok, run_trainer
+
+SHIPPED = json.loads((REPO / "ds_config.json").read_text())
+
+
+def ds_with(tmp_path, mutate):
+    cfg = copy.deepcopy(SHIPPED)
+    mutate(cfg)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _set(path, value):
+    def mutate(cfg):
+        node = cfg
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return mutate
+
+
+def _rename(section, old, new):
+    def mutate(cfg):
+        cfg[section]["params"][new] = cfg[section]["params"].pop(old)
+    return mutate
+
+
+def _saved_dataset(tmp_path, rows):
+    import datasets
+
+    datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "data")
+    return str(tmp_path / "data")
+
+
+def _checkpoint_of_other_model(tmp_path):
+    step = tmp_path / "ckpt" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"step": 10, "world_size": 1, "files": {}, "model": "qwen3-0.6b"}))
+    return ["--checkpoint_dir", str(tmp_path / "ckpt")]
+
+
+def _corrupt_checkpoint(tmp_path):
+    (tmp_path / "ckpt" / "step-00000010").mkdir(parents=True)
+    return ["--checkpoint_dir", str(tmp_path / "ckpt")]
+
+
+def _unwritable_checkpoint_dir(tmp_path):
+    target = tmp_path / "file-not-dir"
+    target.write_text("")
+    return ["--checkpoint_dir", str(target / "ckpt")]
+
+
+# (id, args builder(tmp_path) -> extra args, env, setting that must be named, words of the fix)
+CASES = [
+    ("invalid-json", lambda t: ["--ds_config", _write(t, "{\n 'a': 1,\n}")], {}, "--ds_config", "fix the JSON syntax"),
+    ("missing-ds-config", lambda t: ["--ds_config", str(t / "none.json")], {}, "--ds_config", "DeepSpeed JSON file"),
+    ("unknown-top-level-key", lambda t: ["--ds_config", ds_with(t, _set(["gradient_cliping"], 1.0))], {},
+     "ds_config gradient_cliping", "did you mean `gradient_clipping`?"),
+    ("misspelt-zero-key", lambda t: ["--ds_config", ds_with(t, _set(["zero_optimization", "overlap_com"], True))], {},
+     "ds_config zero_optimization.overlap_com", "`overlap_comm`"),
+    ("misspelt-offload-key", lambda t: ["--ds_config", ds_with(t, _set(["zero_optimization", "offload_optimizer"],
+                                                                        {"device": "cpu", "pin_memroy": True}))], {},
+     "ds_config zero_optimization.offload_optimizer.pin_memroy", "`pin_memory`"),
+    ("seed-scheduler-key", lambda t: ["--ds_config", ds_with(t, _rename("scheduler", "cos_min_ratio", "cosine_min_ratio"))],
+     {}, "scheduler.params.cosine_min_ratio", "`cos_min_ratio`"),
+    ("optimizer-param", lambda t: ["--ds_config", ds_with(t, _set(["optimizer", "params", "betas1"], 0.9))], {},
+     "optimizer.params.betas1", "`betas`"),
+    ("batch-vs-world", lambda t: ["--ds_config", ds_with(t, _set(["train_batch_size"], 64))], {"WORLD_SIZE": "4"},
+     "train_batch_size", "micro (8) x grad_acc (1) x world size (4) = 32"),
+    ("warmup-too-long", lambda t: ["--max_steps", "100", "--warmup_steps", "500"], {},
+     "scheduler.params.warmup_num_steps", "raise --max_steps"),
+    ("dataset-missing", lambda t: ["--dataset", str(t / "nope"), "--local_dataset", "true"], {}, "--dataset",
+     "fix the path"),
+    ("text-column-missing", lambda t: ["--dataset", _saved_dataset(t, {"body": ["some text"] * 5})], {},
+     "--text_column", "columns: body"),
+    ("empty-after-tokenization", lambda t: ["--dataset", _saved_dataset(t, {"text": [""] * 5})], {}, "--text_column",
+     "hold no text"),
+    ("too-little-data-per-rank", lambda t: ["--dataset", _saved_dataset(t, {"text": ["tiny doc"] * 5}), "--seq_len", "512"],
+     {"WORLD_SIZE": "2"}, "--seq_len", "fewer than one micro-batch per rank"),
+    ("tokenizer-larger-than-vocab", lambda t: ["--model", _small_pretrained(t), "--tokenizer", "default"], {},
+     "--tokenizer", "use the model's own tokenizer"),
+    ("model-dir-without-tokenizer", lambda t: ["--model", _small_pretrained(t)], {}, "--tokenizer",
+     "the tokenizer the model was trained with"),
+    ("tokenizer-missing", lambda t: ["--tokenizer", str(t / "no-tokenizer")], {}, "--tokenizer", "local tokenizer"),
+    ("seq-len-beyond-positions", lambda t: ["--seq_len", "4096"], {}, "--seq_len", "use --seq_len 2048 or less"),
+    ("checkpoint-dir-not-writable", _unwritable_checkpoint_dir, {}, "--checkpoint_dir", "choose a directory path"),
+    ("checkpoint-space", lambda t: ["--keep_last_checkpoints", "2", "--model", "qwen3-8b", "--fused_kernels", "off"],
+     {}, "--keep_last_checkpoints", "keep fewer checkpoints"),  # 3 x ~120 GiB: more than this disk has
+    ("checkpoint-of-other-model", _checkpoint_of_other_model, {}, "--model", "use --model qwen3-0.6b"),
+    ("checkpoint-corrupt", _corrupt_checkpoint, {}, "--checkpoint_dir", "remove the damaged checkpoints"),
+    ("checkpoint-world-size", lambda t: _checkpoint_world(t), {"WORLD_SIZE": "2"}, "world size", "ds_to_universal"),
+    ("gpu-memory", lambda t: ["--model", "qwen3-8b", "--fused_kernels", "off"], {"GPU_MEMORY_GIB": "80"},
+     "train_micro_batch_size_per_gpu / zero_optimization", "cheapest configuration that fits"),
+    ("fused-kernels-without-gpu", lambda t: ["--fused_kernels", "on"], {}, "--fused_kernels", "--fused_kernels auto"),
+]
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    return str(path)
+
+
+def _checkpoint_world(tmp_path):
+    step = tmp_path / "ckpt" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"step": 10, "world_size": 1, "files": {}, "model": "tiny"}))
+    return ["--checkpoint_dir", str(tmp_path / "ckpt")]
+
+
+def _small_pretrained(tmp_path):
+    """A pretrained model whose embedding (1000 rows) is smaller than the default tokenizer (8192)."""
+    from transformers import Qwen3Config
+
+    path = tmp_path / "small-model"
+    Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32).save_pretrained(path)
+    return str(path)
+
+
+def preflight(args, env, cwd):
+    """The command line, as a user runs it."""
+    full_env = dict(os.environ, **env)
+    full_env.setdefault("WORLD_SIZE", "1")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(TRAINER), "--preflight", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=120)
+    return proc, time.monotonic() - t0
+
+
+def preflight_in_process(args, env, monkeypatch, capsys):
+    """The same entry point called in this process: the table's cases skip a cold import of torch and DeepSpeed."""
+    import train_deepspeed
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    t0 = time.monotonic()
+    code = train_deepspeed.main(["--preflight", *args])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_preflight_catches(case, tmp_path, session_cache, monkeypatch, capsys):
+    _, build, env, setting, fix = case
+    args = build(tmp_path)
+    if "--checkpoint_dir" not in args:
+        args += ["--checkpoint_dir", str(tmp_path / "default-ckpt")]
+    monkeypatch.chdir(tmp_path)
+    proc, seconds = preflight_in_process(args, env, monkeypatch, capsys)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    problem_lines = [line for line in out.splitlines() if line.startswith("  - ")]
+    assert any(line.startswith(f"  - {setting}") for line in problem_lines), out
+    assert fix in out, out
+    assert "Traceback" not in out
+    assert seconds < 20  # seconds, not a model load
+
+
+def test_several_problems_are_reported_together(tmp_path, session_cache):
+    bad = ds_with(tmp_path, lambda c: (_rename("scheduler", "cos_min_ratio", "cosine_min_ratio")(c),
+                                       c["zero_optimization"].update(overlap_com=True), c.update(train_batch_size=12)))
+    proc, _ = preflight(["--ds_config", bad, "--checkpoint_dir", str(tmp_path / "c")], {}, tmp_path)
+    assert proc.returncode == 2
+    assert "preflight: 3 problem(s)" in proc.stdout
+
+
+def test_clean_configuration_passes_preflight_then_trains(tmp_path, session_cache):
+    args = [*FAST_ARGS, "--max_steps", "3", "--checkpoint_freq", "0", "--no-export"]
+    proc, seconds = preflight([*args, "--checkpoint_dir", str(tmp_path / "ckpt")], {"WORLD_SIZE": "2"}, REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for words in ("effective DeepSpeed config", "batch: micro 2 x grad_acc 1 x world 2 = 4 blocks", "plan: 3 steps",
+                  "model: tiny", "memory: ~", "preflight: OK"):
+        assert words in proc.stdout
+    assert_ok(run_trainer(tmp_path / "ckpt", args))
+
+
+def test_bf16_on_hardware_without_it_stops_the_run_before_the_model_is_built(tmp_path, session_cache):
+    """On a login node preflight cannot see the GPUs' bf16 support; the run's own start-up check does."""
+    bad = ds_with(tmp_path, _set(["bf16", "enabled"], True))
+    run = run_trainer(tmp_path / "ckpt", [*FAST_ARGS, "--ds_config", bad], nproc=1)
+    assert run.returncode == 2
+    assert "bf16.enabled = True: this hardware has no bf16 support" in run.output and '"auto"' in run.output
+    assert not (tmp_path / "ckpt" / "metrics.jsonl").exists()
