@@ -7,7 +7,8 @@ directory, and tears them down at the end of the session. It needs root. When
 the cluster cannot be brought up it skips the tests with the reason, except
 under CI (CI=true), where that is a failure.
 
-`slurm` (per test) gives the cluster and cancels the test's jobs afterwards.
+`slurm` (per test) gives the cluster, with the session's data cache (conftest's `session_cache`) in the jobs'
+environment, and cancels the test's jobs afterwards.
 """
 
 from __future__ import annotations
@@ -257,8 +258,9 @@ def slurm_cluster():
 
 
 @pytest.fixture
-def slurm(slurm_cluster):
-    """The session's cluster, with the jobs a test leaves cancelled afterwards."""
+def slurm(slurm_cluster, session_cache):
+    """The session's cluster, with the session's data cache, and the jobs a test leaves cancelled afterwards."""
+    slurm_cluster.env["DEEPSPEED_LM_CACHE"] = str(session_cache)
     before = slurm_cluster.last_job_id()
     yield slurm_cluster
     for job_id in slurm_cluster.job_ids():
