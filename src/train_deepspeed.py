@@ -226,7 +226,7 @@ def train(run: Run) -> int:
     import torch
     from tqdm import tqdm
 
-    from model_utils.train_utils import EXIT_STOPPED_BY_SIGNAL, StopSignal, Throughput, memory_stats
+    from model_utils.train_utils import EXIT_NONFINITE, EXIT_STOPPED_BY_SIGNAL, StopSignal, Throughput, memory_stats
 
     cfg, dist, engine, log = run.cfg, run.dist, run.engine, run.log
     stop = StopSignal()
@@ -234,6 +234,9 @@ def train(run: Run) -> int:
     tokens_per_step = run.micro_batch * run.grad_accum * dist.world_size * run.seq_len
     loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
     steps_in_interval = 0
+    bad_steps = 0  # consecutive steps whose loss or gradient was not finite
+    can_skip = bool(run.ds_config.get("bf16", {}).get("enabled") and run.ds_config["bf16"].get("check_grad_overflow")
+                    or run.ds_config.get("fp16", {}).get("enabled"))
     log.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="train", disable=not dist.is_main, dynamic_ncols=True)
     engine.train()
     while run.step < cfg.max_steps:
@@ -241,13 +244,15 @@ def train(run: Run) -> int:
         lr = engine.get_lr()[0]
 
         # --- forward, backward, update (DeepSpeed applies the optimizer at the accumulation boundary) ---
+        nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
         for _ in range(run.grad_accum):
             indices = run.order.rank_indices(run.position, dist.rank)
             loss = compute_loss(engine, to_device(run.data.train.batch(indices), dist.device))
             engine.backward(loss)
             engine.step()
             run.position = run.order.advance(run.position)
-            loss_sum += loss.detach().double()
+            nonfinite |= ~torch.isfinite(loss.detach())
+            loss_sum += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
         run.step += 1
         run.tokens_seen += tokens_per_step
         steps_in_interval += 1
@@ -277,9 +282,23 @@ def train(run: Run) -> int:
                 log.metrics({"step": run.step, **result})
                 log.info(f"eval step {run.step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
 
+        # --- non-finite loss or gradient: DeepSpeed skipped the update (bf16/fp16 overflow check) or, in fp32,
+        #     could not; after max_bad_steps in a row (at once in fp32) stop without saving: the last checkpoint is good ---
+        flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=dist.device), nonfinite.float()])
+        dist.all_reduce(flags, torch.distributed.ReduceOp.MAX)
+        stop_now, bad = flags[0].item() > 0, flags[1].item() > 0 or not engine.was_step_applied()
+        bad_steps = bad_steps + 1 if bad else 0
+        if bad:
+            log.warn(f"step {run.step}: non-finite loss or gradient norm; "
+                     + ("DeepSpeed skipped this update" if can_skip else "fp32 updates cannot be skipped"))
+            if bad_steps >= cfg.max_bad_steps or not can_skip:
+                log.bar.close()
+                log.warn(f"stopping after {bad_steps} consecutive non-finite step(s) (--max_bad_steps "
+                         f"{cfg.max_bad_steps}); no checkpoint written, the last saved one is intact. Lower the "
+                         "learning rate, raise warmup, or check the data")
+                return EXIT_NONFINITE
+
         # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
-        flag = torch.tensor([1.0 if stop.received else 0.0], device=dist.device)
-        stop_now = dist.all_reduce(flag, torch.distributed.ReduceOp.MAX).item() > 0
         if stop_now or (cfg.checkpoint_freq and run.step % cfg.checkpoint_freq == 0) or run.step == cfg.max_steps:
             save(run)
         if stop_now and run.step < cfg.max_steps:

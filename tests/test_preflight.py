@@ -87,6 +87,7 @@ CASES = [
      "train_batch_size", "micro (8) x grad_acc (1) x world size (4) = 32"),
     ("warmup-too-long", lambda t: ["--max_steps", "100", "--warmup_steps", "500"], {},
      "scheduler.params.warmup_num_steps", "raise --max_steps"),
+    ("warmup-zero", lambda t: ["--warmup_steps", "0"], {}, "scheduler.params.warmup_num_steps", "use 1"),
     ("dataset-missing", lambda t: ["--dataset", str(t / "nope"), "--local_dataset", "true"], {}, "--dataset",
      "fix the path"),
     ("text-column-missing", lambda t: ["--dataset", _saved_dataset(t, {"body": ["some text"] * 5})], {},

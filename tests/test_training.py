@@ -188,3 +188,19 @@ def test_bad_arguments_exit_2_before_any_work(tmp_path):
     assert run.returncode == 2
     assert "--max_steps" in run.output and "--ds_config" in run.output and "fix:" in run.output
     assert "Traceback" not in run.output
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(session_cache, tmp_path):
+    """A learning rate of 1e30 blows the weights up within a few steps. fp32 (CPU) updates cannot be skipped, so the
+    run stops at the first non-finite step with status 3, saving nothing: `latest` stays the step before."""
+    ckpt = tmp_path / "ckpt"
+    run = run_trainer(ckpt, [*FAST_ARGS, "--max_steps", "6", "--checkpoint_freq", "1", "--learning_rate", "1e30",
+                             "--warmup_steps", "1", "--no-export"])
+    import re
+
+    assert run.returncode == 3, run.output
+    assert "the last saved one is intact" in run.output
+    bad_step = int(re.search(r"step (\d+): non-finite loss or gradient norm", run.output).group(1))
+    assert 2 <= bad_step <= 6
+    assert (ckpt / "latest").read_text() == f"step-{bad_step - 1:08d}"  # every step before it was saved (freq 1)
+    assert not (ckpt / f"step-{bad_step:08d}").exists()

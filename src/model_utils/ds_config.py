@@ -148,7 +148,11 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, bf16_supported: bool,
             auto_warmup = max(1, math.ceil(0.05 * cfg.max_steps))
             warmup = setting(params, "warmup_num_steps", "warmup_steps", cfg.warmup_steps, auto_warmup,
                              "scheduler.params.warmup_num_steps")
-            if isinstance(warmup, int) and warmup >= cfg.max_steps:
+            if isinstance(warmup, int) and warmup < 1:
+                problems.append(Problem("scheduler.params.warmup_num_steps", warmup,
+                                        f"{sched.get('type')} needs at least one warmup step",
+                                        "use 1 for (almost) no warmup"))
+            elif isinstance(warmup, int) and warmup >= cfg.max_steps:
                 problems.append(Problem("scheduler.params.warmup_num_steps", warmup,
                                         f"warmup is not shorter than the run (--max_steps {cfg.max_steps})",
                                         'lower it, use "auto" (5% of max_steps), or raise --max_steps'))

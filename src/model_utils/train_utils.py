@@ -19,6 +19,7 @@ import torch
 from .arguments import Problem
 
 EXIT_STOPPED_BY_SIGNAL = 75  # EX_TEMPFAIL: a checkpoint was saved on a signal; the batch script requeues the job
+EXIT_NONFINITE = 3  # training diverged (non-finite loss/gradients); requeueing would not help
 
 
 # --------------------------------------------------------------------------------------------------------------------
