@@ -359,11 +359,12 @@ def make_jobs(a) -> list[dict]:
 
 def versions() -> dict:
     out = {"python": platform.python_version()}
-    for name in ("torch", "deepspeed", "transformers", "liger_kernel", "triton", "accelerate"):
+    from importlib import metadata
+
+    for name in ("torch", "deepspeed", "transformers", "liger-kernel", "triton", "accelerate"):
         try:
-            mod = __import__(name)
-            out[name] = getattr(mod, "__version__", "?")
-        except Exception:  # noqa: BLE001
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
             out[name] = "missing"
     try:
         import torch

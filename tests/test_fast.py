@@ -1,0 +1,140 @@
+"""CPU tests of the speed levers' fall-backs (src/model_utils/fast.py) and of benchmarks/bench.py's arithmetic,
+plus a CPU smoke run of the benchmark on the tiny preset (the same code path as on GPUs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from model_utils import fast  # noqa: E402
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("9.0a+PTX", "9.0+PTX"), ("10.0f 9.0a", "10.0;9.0"), ("9.0;9.0a", "9.0"),
+])
+def test_cuda_arch_list_is_normalised_for_deepspeed(monkeypatch, given, expected):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
+    assert fast.normalize_cuda_arch_list() == expected
+    for item in expected.split(";"):
+        major, minor = item.replace("+PTX", "").split(".")
+        int(major), int(minor)  # what DeepSpeed's op builder does
+
+
+def test_cuda_arch_list_unset_stays_unset(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert fast.normalize_cuda_arch_list() is None
+
+
+def test_lever_switches_validate(monkeypatch):
+    for var in ("DSLM_COMPILE", "DSLM_LIGER", "DSLM_SDPA"):
+        monkeypatch.delenv(var, raising=False)
+    assert fast.lever_settings() == {"compile": "auto", "liger": "auto", "sdpa": "auto"}
+    monkeypatch.setenv("DSLM_SDPA", "turbo")
+    with pytest.raises(ValueError, match="DSLM_SDPA"):
+        fast.lever_settings()
+    problem = fast.fused_kernels_problem("auto", cuda=False)
+    assert problem is not None and "DSLM_SDPA" in problem.message
+
+
+def test_compile_only_with_cuda_and_not_under_zero3():
+    on = {"compile": "auto", "liger": "auto", "sdpa": "auto"}
+    assert fast.use_compile(cuda=True, zero3=False, settings=on)
+    assert not fast.use_compile(cuda=False, zero3=False, settings=on)
+    assert not fast.use_compile(cuda=True, zero3=True, settings=on)
+    assert not fast.use_compile(cuda=True, zero3=False, settings=dict(on, compile="off"))
+
+
+def test_fused_kernels_fall_back_without_liger(monkeypatch):
+    monkeypatch.setattr(fast, "liger_available", lambda: False)
+    assert not fast.use_fused_kernels("auto", cuda=True)
+    assert fast.fused_kernels_problem("on", cuda=True) is not None
+    assert fast.fused_kernels_problem("auto", cuda=True) is None
+
+
+def _tiny_model():
+    from model_utils.models import build_model, model_config
+    from model_utils.tokenizer import load_tokenizer
+
+    return build_model("tiny", model_config("tiny", load_tokenizer(None)), __import__("torch").float32, "sdpa", False)
+
+
+def test_all_levers_are_no_ops_on_cpu(monkeypatch):
+    """Every switch on, but no GPU: the model is left exactly as built, so CI runs the default code path."""
+    import torch
+
+    monkeypatch.setenv("DSLM_COMPILE", "layers")
+    monkeypatch.setenv("DSLM_SDPA", "cudnn")
+    monkeypatch.setenv("DSLM_LIGER", "all")
+    model = _tiny_model()
+    forward = model.forward
+    layer_calls = [layer._compiled_call_impl for layer in model.model.layers]
+    messages = []
+    assert fast.apply_fused_kernels(model, "auto", cuda=False, log=messages.append) is False
+    assert messages == [] and model.forward == forward
+    assert [layer._compiled_call_impl for layer in model.model.layers] == layer_calls
+    ids = torch.randint(0, 100, (1, 16))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_throughput_arithmetic():
+    import bench
+
+    r = bench.throughput(8 * 4096, [0.5, 0.5, 0.5, 0.5], 6.0e9, 4.0e9, 989.0)
+    assert r["tokens_per_s_per_gpu"] == pytest.approx(65536.0)
+    assert r["tflops_per_gpu"] == pytest.approx(65536.0 * 6.0e9 / 1e12)
+    assert r["mfu"] == pytest.approx(65536.0 * 6.0e9 / 1e12 / 989.0)
+    assert r["mfu_6"] == pytest.approx(65536.0 * 4.0e9 / 1e12 / 989.0)
+    assert "mfu" not in bench.throughput(1, [1.0], 1.0, 1.0, None)
+
+
+def test_flops_per_token_conventions_for_qwen3_0_6b():
+    import bench
+    from model_utils.models import model_config
+
+    config = model_config("qwen3-0.6b")
+    params = 596_049_920  # Qwen3-0.6B with tied embeddings, as counted on the GPU run
+    f12, f6 = bench.flops_per_token(config, params, 4096)
+    attn = 28 * 16 * 128 * 4096
+    assert f12 == 6 * params + 12 * attn  # tied: the LM head counts once, the embedding lookup not at all
+    assert f6 == 6 * params + 6 * attn
+
+
+def test_loss_check_and_table():
+    import bench
+
+    lc = bench.loss_check({"losses": [10.0, 9.0, 8.0]}, {"losses": [10.0, 9.01, 7.98]}, 50)
+    assert lc["steps"] == 3 and lc["max_abs_diff"] == pytest.approx(0.02)
+    jobs = [{"name": "a", "micro_batch_size": 8}, {"name": "ref", "micro_batch_size": 8}, {"name": "x", "micro_batch_size": 8}]
+    res = [{"micro_batch_size": 8, "tokens_per_s_per_gpu": 120.0, "tflops_per_gpu": 1.0, "step_s_median": 0.1},
+           {"micro_batch_size": 8, "tokens_per_s_per_gpu": 100.0, "tflops_per_gpu": 1.0, "step_s_median": 0.1},
+           {"error": "out of memory"}]
+    text = bench.table(jobs, res, "ref")
+    assert "1.20x" in text and "out of memory" in text
+
+
+def test_hf_config_has_autos_for_trainer_owned_values(tmp_path):
+    import bench
+
+    ds = bench.hf_ds_config({"ds_config": "ds_config.json", "zero_stage": None}, tmp_path)
+    assert ds["train_micro_batch_size_per_gpu"] == "auto" and ds["optimizer"]["params"]["lr"] == "auto"
+    assert ds["zero_optimization"]["stage"] in (1, 2)
+    ds0 = bench.hf_ds_config({"ds_config": "ds_config.json", "zero_stage": 0}, tmp_path)
+    assert ds0["zero_optimization"] == {"stage": 0}
+
+
+def test_bench_cpu_smoke_run(tmp_path):
+    """The benchmark end to end on CPU: tiny preset, the trainer's setup/compute_loss, one timed step."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--model", "tiny", "--seq_len", "32",
+                          "--micro_batch_size", "1", "--steps", "1", "--warmup", "1", "--timeout", "240",
+                          "--write-doc", str(tmp_path / "perf.md")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "engine-default-mb1" in out.stdout
+    assert "| engine-default-mb1 | 1 |" in (tmp_path / "perf.md").read_text()
