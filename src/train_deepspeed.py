@@ -105,13 +105,11 @@ def setup(cfg: TrainConfig, dist) -> Run:
     elif list(ckpt_dir.glob("step-*")):
         raise ResumeError(f"--resume never, but {ckpt_dir} already holds checkpoints; choose another "
                           "--checkpoint_dir or move them away (nothing is deleted for you)")
+    resume_tag = resume_info.path.name if resume_info else None
     if resume_info and resume_info.manifest.get("world_size") != dist.world_size and dsc.zero_stage(ds) > 0:
-        raise ResumeError(
-            f"{resume_info.path} was saved by {resume_info.manifest['world_size']} ranks, this run has {dist.world_size}. "
-            "ZeRO partitions optimizer state by rank; convert it to a universal checkpoint first:\n"
-            f"  python -m deepspeed.checkpoint.ds_to_universal --input_folder {resume_info.path} "
-            f"--output_folder {resume_info.path}-universal\n"
-            "then resume with --resume_from_checkpoint and \"checkpoint\": {\"load_universal\": true} in the DeepSpeed config")
+        # ZeRO partitions optimizer state by rank: go through DeepSpeed's world-size-independent universal format.
+        resume_tag = convert_to_universal(resume_info, dist, log)
+        ds.setdefault("checkpoint", {})["load_universal"] = True
 
     micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
     data = prepare_data(cfg, tokenizer, seq_len, dist, log.info)
@@ -147,23 +145,52 @@ def setup(cfg: TrainConfig, dist) -> Run:
              f"tokens ({tokens_per_step * cfg.max_steps / max(data.train_tokens, 1):.2f} epochs)")
 
     if resume_info:
-        load_checkpoint(run, resume_info)
+        load_checkpoint(run, resume_info, resume_tag)
     return run
 
 
-def load_checkpoint(run: Run, info):
+def convert_to_universal(info, dist, log) -> str:
+    """Convert a checkpoint saved by another number of ranks (once; rank 0) and return the tag to load."""
+    import subprocess
+
+    from model_utils.checkpoint import ResumeError, atomic_write_text
+
+    target = info.path.parent / f"{info.path.name}-universal"
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(info.path),
+               "--output_folder", str(target)]
+    error = None
+    if dist.is_main and not (target / "converted").exists():
+        log.info(f"resume: {info.path.name} was saved by {info.manifest['world_size']} ranks, this run has "
+                 f"{dist.world_size}; converting it to a universal checkpoint: {' '.join(command)}")
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            error = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
+        else:
+            atomic_write_text(target / "converted", info.path.name)
+    error = dist.broadcast_object(error)
+    if error:
+        raise ResumeError(f"{info.path} was saved by {info.manifest['world_size']} ranks and this run has "
+                          f"{dist.world_size}; converting it failed ({error}). Run it by hand:\n  {' '.join(command)}\n"
+                          "or resume with the original number of ranks")
+    return target.name
+
+
+def load_checkpoint(run: Run, info, tag: str):
     import torch
 
     from model_utils.concat_dataset import DataPosition
     from model_utils.train_utils import set_rng_state
 
-    _, client = run.engine.load_checkpoint(str(info.path.parent), tag=info.path.name)
+    _, client = run.engine.load_checkpoint(str(info.path.parent), tag=tag)
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load {info.path}")
     run.step, run.tokens_seen = client["step"], client["tokens_seen"]
     run.position = DataPosition.from_state_dict(client["data_position"])
     rng_file = info.path / f"rng_state_rank{run.dist.rank:05d}.pt"
-    if rng_file.exists():
+    if info.manifest.get("world_size") != run.dist.world_size:
+        run.log.warn("resume: the world size changed, so each rank's RNG state starts fresh (data order and model "
+                     "state continue exactly)")
+    elif rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))
     run.log.info(f"resume: continuing from {info.path} at step {run.step} "
                  f"(epoch {run.position.epoch}, {run.position.blocks_consumed} blocks into it)")
@@ -208,6 +235,9 @@ def evaluate(run: Run) -> dict:
 
 
 def save(run: Run):
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
     from model_utils.checkpoint import SaveContext, save_checkpoint
     from model_utils.ds_config import zero_stage
     from model_utils.train_utils import rng_state
@@ -215,7 +245,9 @@ def save(run: Run):
     ctx = SaveContext(Path(run.cfg.checkpoint_dir), run.cfg.keep_last_checkpoints,
                       {"model": run.cfg.model, "seq_len": run.seq_len, "zero_stage": zero_stage(run.ds_config),
                        "ds_config": run.ds_config})
-    client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict()}
+    client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
+              # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)
+              UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
     save_checkpoint(run.engine, ctx, run.step, client, rng_state(), run.dist, run.log.info)
 
 

@@ -167,12 +167,22 @@ def test_corrupt_checkpoints_fall_back_or_stop_with_the_file_named(baseline, tmp
     assert not list(ckpt.glob("step-*/rng_state*.tmp*"))
 
 
-def test_different_world_size_stops_with_the_conversion_command(baseline, tmp_path):
+def test_different_world_size_resumes_through_a_universal_checkpoint(baseline, tmp_path):
+    """2 ranks saved step 10; 1 rank continues to step 14 from there (converted with ds_to_universal)."""
     ckpt = _copy_tree(baseline.checkpoint_dir, tmp_path / "ckpt")
-    run = run_trainer(ckpt, RESUME_ARGS, nproc=1)
-    assert run.returncode == 2
-    assert "saved by 2 ranks, this run has 1" in run.output
+    args = [a if a != "10" else "14" for a in RESUME_ARGS]  # --max_steps 14
+    run = run_trainer(ckpt, args, nproc=1)
+    assert_ok(run)
+    assert "saved by 2 ranks, this run has 1; converting it to a universal checkpoint" in run.output
     assert "deepspeed.checkpoint.ds_to_universal --input_folder" in run.output
+    assert "resume: continuing from" in run.output and "at step 10" in run.output
+    records = last_by_step(run.train_records())
+    assert sorted(s for s in records if s > 10) == [11, 12, 13, 14]
+    # The trained weights and optimizer came back: the loss continues from where it was, far below a fresh model's.
+    before = last_by_step(baseline.train_records())
+    assert abs(records[11]["loss"] - before[10]["loss"]) < 0.3 < before[1]["loss"] - records[11]["loss"]
+    assert (ckpt / "step-00000010-universal" / "converted").exists()
+    assert inspect_checkpoint(ckpt / "step-00000014").manifest["world_size"] == 1
 
 
 def test_resume_never_refuses_to_overwrite_existing_checkpoints(baseline, tmp_path):

@@ -202,6 +202,7 @@ def apply_retention(ckpt_dir: Path, keep_last: int, log):
     for c in found:
         if c.path not in keep and c.step < oldest_kept:
             shutil.rmtree(c.path, ignore_errors=True)
+            shutil.rmtree(c.path.with_name(f"{c.path.name}-universal"), ignore_errors=True)
             log(f"checkpoint: removed {c.path.name} (keeping the last {keep_last})")
 
 

@@ -281,10 +281,10 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
         m = info.manifest
         report.lines.append(f"resume: from {info.path} (step {m['step']})")
         if ds is not None and m.get("world_size") != world and dsc.zero_stage(ds) > 0:
-            report.problems.append(Problem("world size", world, f"{info.path} was saved by {m.get('world_size')} ranks",
-                                           f"run on {m.get('world_size')} ranks, or convert: python -m "
-                                           f"deepspeed.checkpoint.ds_to_universal --input_folder {info.path} "
-                                           f"--output_folder {info.path}-universal"))
+            report.notes.append(f"{info.path} was saved by {m.get('world_size')} ranks and this run has {world}: it "
+                                "will be converted to a universal checkpoint (python -m deepspeed.checkpoint."
+                                f"ds_to_universal --input_folder {info.path} --output_folder {info.path}-universal) "
+                                "and loaded with load_universal")
         if m.get("model") not in (None, cfg.model):
             report.problems.append(Problem("--model", cfg.model, f"{info.path} holds a checkpoint of {m.get('model')}",
                                            f"use --model {m.get('model')}, or another --checkpoint_dir"))
