@@ -411,6 +411,18 @@ def loss_check(results_a: dict, results_b: dict, n: int = 50) -> dict:
             "last": (a[k - 1], b[k - 1])}
 
 
+def assemble(folder: Path, out: Path) -> int:
+    """docs/PERFORMANCE.md = the hand-written summary + every section the device runs wrote (--write-doc)."""
+    parts = [(folder / "summary.md").read_text().rstrip(), "", "## Raw sections, as the benchmark wrote them", ""]
+    for section in sorted(folder.glob("*.md")):
+        if section.name != "summary.md":
+            parts += [section.read_text().rstrip(), ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(parts) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
@@ -437,11 +449,15 @@ def main(argv=None) -> int:
     p.add_argument("--log-dir", dest="log_dir", default=None, help="full log of every measurement")
     p.add_argument("--write-doc", dest="write_doc", default=None, help="write this markdown section file")
     p.add_argument("--title", default=None)
+    p.add_argument("--assemble", default=None, metavar="DIR",
+                   help="regenerate docs/PERFORMANCE.md from DIR/summary.md and the --write-doc sections in DIR")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         return worker_main(a.worker, a.result)
+    if a.assemble:
+        return assemble(Path(a.assemble), REPO / "docs" / "PERFORMANCE.md")
 
     normalize_env()
     a.nproc = a.nproc or max(gpu_count(), 1)
