@@ -42,6 +42,10 @@ case "${PLAN:-h100}" in
     bench h200_4gpu_z1 55 --nproc 4 --micro_batch_size 8 $C --zero_stage 1 --title "Qwen3-0.6B, 4 H200, ZeRO-1"
     bench hf_mb4 50 --nproc 1 --micro_batch_size 4 --steps 6 --warmup 3 --timeout 120 --variants --compare-hf --hf-skip liger --title "HF Trainer + DeepSpeed without Liger, micro-batch 4, 1 H200"
     ;;
+  size8b)  # the open 8B ZeRO-3 run, logs kept (tarred below)
+    bench q8b_zero3 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 240 --variants default nofused --title "Qwen3-8B, ZeRO-3, 4 H200"
+    ;;
   *) bash -c "$PLAN" ;;
 esac
 echo "=== done $(($(date +%s) - START))s"
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)  # only 8 files come back from $OUT
