@@ -243,7 +243,8 @@ def save(run: Run):
     from model_utils.train_utils import rng_state
 
     ctx = SaveContext(Path(run.cfg.checkpoint_dir), run.cfg.keep_last_checkpoints,
-                      {"model": run.cfg.model, "seq_len": run.seq_len, "zero_stage": zero_stage(run.ds_config),
+                      {"model": run.cfg.model, "tokenizer": run.cfg.tokenizer, "seq_len": run.seq_len,
+                       "zero_stage": zero_stage(run.ds_config),
                        "ds_config": run.ds_config})
     client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
               # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)

@@ -106,7 +106,7 @@ CASES = [
     ("checkpoint-space", lambda t: ["--keep_last_checkpoints", "2", "--model", "qwen3-8b", "--fused_kernels", "off"],
      {}, "--keep_last_checkpoints", "keep fewer checkpoints"),  # 3 x ~120 GiB: more than this disk has
     ("checkpoint-of-other-model", _checkpoint_of_other_model, {}, "--model", "use --model qwen3-0.6b"),
-    ("checkpoint-corrupt", _corrupt_checkpoint, {}, "--checkpoint_dir", "remove the damaged checkpoints"),
+    ("checkpoint-corrupt", _corrupt_checkpoint, {}, "--checkpoint_dir", "remove the damaged checkpoints listed"),
     ("gpu-memory", lambda t: ["--model", "qwen3-8b", "--fused_kernels", "off"], {"GPU_MEMORY_GIB": "80"},
      "train_micro_batch_size_per_gpu / zero_optimization", "cheapest configuration that fits"),
     ("fused-kernels-without-gpu", lambda t: ["--fused_kernels", "on"], {}, "--fused_kernels", "--fused_kernels auto"),

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from conftest import FAST_ARGS, REPO, Trainer, assert_ok, run_trainer
 from model_utils.checkpoint import find_resume_checkpoint, inspect_checkpoint, list_checkpoints
@@ -41,6 +42,18 @@ def test_zero_stage_trains_checkpoints_and_exports(config, session_cache, tmp_pa
     assert info.manifest["zero_stage"] == stage
     assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000004"
     assert (tmp_path / "ckpt" / "hf" / "model.safetensors").stat().st_size > 1_000_000  # never an empty export
+
+    # The standalone export of the same checkpoint, on CPU, equals the end-of-run export.
+    from transformers import AutoModelForCausalLM
+
+    from model_utils.export import export_checkpoint
+
+    exported = export_checkpoint(tmp_path / "ckpt", tmp_path / "exported", dtype="float32", log=lambda *_: None)
+    ours = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf").state_dict()
+    assert ours.keys() == final.keys()
+    for key in ours:
+        assert torch.equal(ours[key], final[key]), key
 
 
 @pytest.fixture(scope="module")

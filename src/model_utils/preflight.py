@@ -274,8 +274,10 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
         info = (resolve_explicit(Path(cfg.resume_from_checkpoint), report.notes.append) if cfg.resume_from_checkpoint
                 else find_resume_checkpoint(Path(cfg.checkpoint_dir), report.notes.append) if cfg.resume == "auto" else None)
     except ResumeError as e:
-        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, str(e).split("\n")[0],
-                                       "see the listed files; remove the damaged checkpoints or use another directory"))
+        lines = str(e).splitlines()
+        message = "\n      ".join(lines[:-1]) if len(lines) > 1 else lines[0]  # keep the list of damaged files
+        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, message,
+                                       "remove the damaged checkpoints listed, or use another --checkpoint_dir"))
         info = None
     if info is not None:
         m = info.manifest
