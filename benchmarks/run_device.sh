@@ -45,7 +45,7 @@ case "${PLAN:-h100}" in
   size8b)  # the open 8B ZeRO-3 run, logs kept (tarred below)
     bench q8b_zero3 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 240 --variants default nofused --title "Qwen3-8B, ZeRO-3, 4 H200"
     ;;
-  *) bash -c "$PLAN" ;;
+  *) eval "$PLAN" ;;  # a custom plan: shell commands that may call bench()
 esac
 echo "=== done $(($(date +%s) - START))s"
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)  # only 8 files come back from $OUT

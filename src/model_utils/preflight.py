@@ -330,14 +330,17 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
         report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, f"{probe} is not writable",
                                        "choose a directory you can write to (on a filesystem all nodes share)"))
         return
-    keep = cfg.keep_last_checkpoints or 10
-    need = ckpt_bytes * (keep + 1)
+    # Periodic saves keep K complete checkpoints plus the one being written; with --checkpoint_freq 0 the run saves
+    # only at the end (or on a stop signal): one checkpoint.
+    keep = (cfg.keep_last_checkpoints or max(1, cfg.max_steps // cfg.checkpoint_freq)) if cfg.checkpoint_freq else 0
+    count = keep + 1
+    need = ckpt_bytes * count
     free = shutil.disk_usage(probe).free
-    report.lines.append(f"checkpoints: ~{ckpt_bytes / GIB:.2f} GiB each, {keep} kept (+1 while saving); "
+    report.lines.append(f"checkpoints: ~{ckpt_bytes / GIB:.2f} GiB each, {count} on disk at most; "
                         f"{free / GIB:,.0f} GiB free in {probe}")
     if need > free:
         report.problems.append(Problem("--keep_last_checkpoints", cfg.keep_last_checkpoints,
-                                       f"{keep + 1} checkpoints need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free",
+                                       f"{count} checkpoint(s) need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free",
                                        "free space, keep fewer checkpoints, or use another --checkpoint_dir"))
 
 
