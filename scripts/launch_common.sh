@@ -208,6 +208,28 @@ check_node_count() { # check_node_count WANTED
     ((have >= $1)) || die "NODES=$1 but partition $name has $have nodes: set NODES<=$have or another PARTITION"
 }
 
+# The GPUs SLURM has configured (Gres=gpu[:type]:N) on NODE, or on every node of
+# the partition (the smallest count); 0 when it has none.
+configured_gpus() { # configured_gpus node NAME | configured_gpus partition [NAME]
+    local gres
+    if [[ $1 == node ]]; then
+        gres=$(scontrol show node "$2" -o 2>/dev/null | grep -o 'Gres=[^ ]*' || true)
+    else
+        gres=$(sinfo -h ${2:+--partition="$2"} -o %G 2>/dev/null || true)
+    fi
+    sed -n 's/.*gpu:\([^:(,]*:\)\{0,1\}\([0-9][0-9]*\).*/\2/p; t; s/.*/0/p' <<<"$gres" | sort -n | head -n1
+}
+
+# Ask for the GPUs: GPUS_PER_NODE, else those SLURM has configured on the nodes
+# (without a GPU request, nodes that constrain devices show a job none).
+GRES_ARGS=()
+request_gpus() { # request_gpus node NAME | request_gpus partition [NAME]
+    local gpus=${GPUS_PER_NODE:-$(configured_gpus "$@")}
+    GRES_ARGS=()
+    ((${gpus:-0} > 0)) && GRES_ARGS=(--gres=gpu:"$gpus")
+    return 0
+}
+
 # GPUs of one node of the job: GPUS_PER_NODE, else `nvidia-smi -L` on it (0 without nvidia-smi).
 detect_gpus_per_node() {
     if [[ -n $GPUS_PER_NODE ]]; then
@@ -338,8 +360,10 @@ run_job_step() {
 preview_job_step() {
     resolve_python
     build_trainer_args "$@"
-    compose_job_step "${GPUS_PER_NODE:-N}" ""
-    echo "# then in the allocation, with MASTER_ADDR its first node${GPUS_PER_NODE:+:}${GPUS_PER_NODE:- and N the GPUs nvidia-smi -L counts there (1 without GPU):}"
+    local gpus=${GRES_ARGS[*]:-}
+    gpus=${gpus#--gres=gpu:}
+    compose_job_step "${gpus:-N}" ""
+    echo "# then in the allocation, with MASTER_ADDR its first node${gpus:+:}${gpus:- and N the GPUs nvidia-smi -L counts there (1 without GPU):}"
     show_cmd "${STEP[@]}"
 }
 
@@ -389,8 +413,8 @@ sbatch_main() { # sbatch_main SCRIPT CONTAINER(0|1) TRAINER_ARGS...
     check_before_allocation "$CONTAINER"
     [[ $PREFLIGHT == 1 ]] && run_preflight "$@"
     check_node_count "${NODES:-$(sed -n 's/^#SBATCH --nodes=//p' "$script")}"
-    local submit=(sbatch ${PARTITION:+--partition="$PARTITION"} ${NODES:+--nodes="$NODES"})
-    ((${GPUS_PER_NODE:-0} > 0)) && submit+=(--gpus-per-node="$GPUS_PER_NODE")
+    request_gpus partition "$PARTITION"
+    local submit=(sbatch ${PARTITION:+--partition="$PARTITION"} ${NODES:+--nodes="$NODES"} "${GRES_ARGS[@]}")
     [[ $DRY_RUN == 1 ]] || mkdir -p logs
     run_cmd "${submit[@]}" "$script" "$@"
     [[ $DRY_RUN == 1 ]] && preview_job_step "$@"
@@ -419,9 +443,13 @@ single_node_main() { # single_node_main CONTAINER(0|1) [NODE] TRAINER_ARGS...
     [[ -z $node ]] || check_node_exists "$node"
     check_before_allocation "$CONTAINER"
     [[ $PREFLIGHT == 1 ]] && run_preflight "$@"
+    if [[ -n $node ]]; then
+        request_gpus node "$node"
+    else
+        request_gpus partition "$PARTITION"
+    fi
     local alloc=(salloc --nodes=1 --exclusive --job-name="${LAUNCHER%.sh}" ${node:+--nodelist="$node"}
-        ${PARTITION:+--partition="$PARTITION"})
-    ((${GPUS_PER_NODE:-0} > 0)) && alloc+=(--gpus-per-node="$GPUS_PER_NODE")
+        ${PARTITION:+--partition="$PARTITION"} "${GRES_ARGS[@]}")
     run_cmd "${alloc[@]}" "$PWD/$LAUNCHER" "$@"
     [[ $DRY_RUN == 1 ]] && preview_job_step "$@"
     return 0

@@ -43,6 +43,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# Credential lifetime; it is also how long a requeued job waits before it starts again (default 120 s).
+AuthInfo=cred_expire=10
 StateSaveLocation={base}/state
 SlurmdSpoolDir={base}/spool/%n
 SlurmctldPidFile={base}/slurmctld.pid
