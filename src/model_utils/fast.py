@@ -189,7 +189,7 @@ def _register_lm_head_for_zero3(model, log):
     head = getattr(model, "lm_head", None)
     if head is None or not hasattr(head.weight, "ds_id"):
         return
-    from deepspeed.zero import register_external_parameter
+    from deepspeed.runtime.zero import register_external_parameter
 
     register_external_parameter(model, head.weight)
     log("kernels: ZeRO-3 gathers the LM head weight for Liger's fused loss (external parameter of the model)")
