@@ -188,7 +188,7 @@ select_cuda() {
 check_node_exists() { # check_node_exists NODE
     need_cmd scontrol "running on node $1 needs SLURM's client tools"
     scontrol show node "$1" >/dev/null 2>&1 \
-        || die "unknown node '$1': pick one of $(sinfo -h -N -o %N 2>/dev/null | sort -u | paste -sd ' ') (sinfo -N lists them)"
+        || die "unknown node '$1': pick one of $(sinfo -h -o %N 2>/dev/null | sort -u | paste -sd ' ') (sinfo -N lists them)"
 }
 
 # "NAME NODE_COUNT" of PARTITION, or of the default partition.
@@ -337,7 +337,8 @@ run_job_step() {
     build_trainer_args "$@"
     gpus=$(detect_gpus_per_node)
     tasks=$((gpus > 0 ? gpus : 1))
-    cpus=${SLURM_JOB_CPUS_PER_NODE%%[(,]*}
+    cpus=${SLURM_JOB_CPUS_PER_NODE:-1}
+    cpus=${cpus%%[(,]*}
     mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
     export MASTER_ADDR=${hosts[0]}
     export MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}

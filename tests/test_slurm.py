@@ -112,7 +112,7 @@ def test_singlenode_runs_on_the_named_node(slurm, tmp_path):
 
 
 @pytest.mark.parametrize("launcher, env, message", [
-    ("./train-singlenode.sh node9", {}, "unknown node 'node9': pick one of node1 node2"),
+    ("./train-singlenode.sh node9", {}, "unknown node 'node9': pick one of node[1-2]"),
     ("./train-pyxis-singlenode.sh node9", {}, "unknown node 'node9'"),
     ("./train.sbatch", {"NODES": "3"}, "NODES=3 but partition debug has 2 nodes"),
     ("./train.sbatch", {"PARTITION": "gpu"}, "PARTITION=gpu not found: set PARTITION to one of debug"),
