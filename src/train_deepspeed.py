@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -271,6 +272,10 @@ def train(run: Run) -> int:
     can_skip = bool(run.ds_config.get("bf16", {}).get("enabled") and run.ds_config["bf16"].get("check_grad_overflow")
                     or run.ds_config.get("fp16", {}).get("enabled"))
     log.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="train", disable=not dist.is_main, dynamic_ncols=True)
+    trace = None
+    if cfg.trace_data:
+        (Path(cfg.checkpoint_dir) / "data_trace").mkdir(parents=True, exist_ok=True)
+        trace = open(Path(cfg.checkpoint_dir) / "data_trace" / f"rank-{dist.rank:05d}.jsonl", "a", encoding="utf-8")
     engine.train()
     while run.step < cfg.max_steps:
         # --- learning rate used by this step ---
@@ -278,8 +283,10 @@ def train(run: Run) -> int:
 
         # --- forward, backward, update (DeepSpeed applies the optimizer at the accumulation boundary) ---
         nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
+        step_blocks = []
         for _ in range(run.grad_accum):
             indices = run.order.rank_indices(run.position, dist.rank)
+            step_blocks += indices.tolist()
             loss = compute_loss(engine, to_device(run.data.train.batch(indices), dist.device))
             engine.backward(loss)
             engine.step()
@@ -288,6 +295,9 @@ def train(run: Run) -> int:
             loss_sum += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
         run.step += 1
         run.tokens_seen += tokens_per_step
+        if trace is not None:
+            trace.write(json.dumps({"step": run.step, "blocks": step_blocks}) + "\n")
+            trace.flush()
         steps_in_interval += 1
         throughput.add(tokens_per_step)
 

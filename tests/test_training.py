@@ -16,7 +16,7 @@ from model_utils.checkpoint import find_resume_checkpoint, inspect_checkpoint, l
 
 pytestmark = pytest.mark.slow
 
-RESUME_ARGS = [*FAST_ARGS, "--max_steps", "10", "--checkpoint_freq", "5", "--no-export", "--seed", "11"]
+RESUME_ARGS = [*FAST_ARGS, "--max_steps", "10", "--checkpoint_freq", "5", "--no-export", "--seed", "11", "--trace_data"]
 
 
 def last_by_step(records):
@@ -121,6 +121,15 @@ def _assert_continues_exactly(baseline, resumed, from_step):
         assert (got[step]["loss"], got[step]["lr"]) == (want[step]["loss"], want[step]["lr"]), f"step {step}"
 
 
+def _blocks_by_rank(ckpt):
+    """Each rank's blocks, one entry per step; a step redone after a crash counts once (its last record)."""
+    seen = {}
+    for trace in sorted((ckpt / "data_trace").glob("rank-*.jsonl")):
+        by_step = {r["step"]: r["blocks"] for r in map(json.loads, trace.read_text().splitlines())}
+        seen[trace.name] = sorted(b for step in sorted(by_step) for b in by_step[step])
+    return seen
+
+
 def test_resume_after_kill_9_is_exact(baseline, tmp_path):
     ckpt = tmp_path / "ckpt"
     first = Trainer(ckpt, RESUME_ARGS)
@@ -132,6 +141,11 @@ def test_resume_after_kill_9_is_exact(baseline, tmp_path):
     assert_ok(resumed)
     assert "resume: continuing from" in resumed.output and "step-00000005" in resumed.output
     _assert_continues_exactly(baseline, resumed, 5)
+    # Data position: each rank saw exactly the blocks (as a multiset) it sees in the uninterrupted run.
+    want = _blocks_by_rank(baseline.checkpoint_dir)
+    assert set(want) == {"rank-00000.jsonl", "rank-00001.jsonl"} and len(want["rank-00000.jsonl"]) == 10 * 2
+    assert _blocks_by_rank(ckpt) == want
+    assert not set(want["rank-00000.jsonl"]) & set(want["rank-00001.jsonl"])  # ranks never share a block
 
 
 def test_signal_to_one_rank_saves_exits_75_and_resume_is_exact(baseline, tmp_path):

@@ -72,6 +72,8 @@ class TrainConfig:
     export_dir: str | None = _f(None, "Where the final Hugging Face model is written. Default: CHECKPOINT_DIR/hf.")
     export: bool = _f(True, "Export a Hugging Face model (safetensors, config, tokenizer) at the end.")
     generate_prompt: str | None = _f(None, "After training, print text the model generates from this prompt.")
+    trace_data: bool = _f(False, "Audit the data order: every rank appends the block indices it reads each step to "
+                                 "CHECKPOINT_DIR/data_trace/rank-NNNNN.jsonl.")
     # ----- modes -----
     preflight: bool = _f(False, "Check configuration, data, tokenizer, model and checkpoints, print the plan, exit 0 or 2.")
     sanity_check: bool = _f(False, "Instead of training, all-reduce test tensors on every rank and report bus bandwidth.")
