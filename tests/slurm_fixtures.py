@@ -77,10 +77,15 @@ def _unavailable(reason: str):
 
 
 def _kill_pidfile(path: Path, timeout: float = 15.0):
-    """Stop the daemon whose pid the file holds (one this fixture started)."""
+    """Stop the daemon whose pid the file holds (one this fixture started), if that pid is still such a daemon."""
     try:
         pid = int(path.read_text().split()[0])
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
     except (OSError, ValueError, IndexError):
+        path.unlink(missing_ok=True)
+        return
+    if name not in ("slurmctld", "slurmd", "munged"):
+        path.unlink(missing_ok=True)
         return
     try:
         os.kill(pid, signal.SIGTERM)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -274,3 +276,26 @@ def test_setup_pyxis_checks_each_prerequisite(tmp_path):
     assert commands(dry) == ["+ podman build --tag me/trainer:1 .",
                              "+ enroot import --output deepspeed-lm-trainer.sqsh.partial podman://me/trainer:1",
                              "+ mv -f deepspeed-lm-trainer.sqsh.partial deepspeed-lm-trainer.sqsh"]
+
+
+# ------------------------------------------------------------------------------------------------ signals
+@pytest.mark.parametrize("sig, forwarded", [("USR1", "USR1"), ("TERM", "TERM"), ("INT", "TERM")])
+def test_batch_shell_forwards_stop_signals_and_returns_the_step_status(tmp_path, sig, forwarded):
+    """What the batch shell does with SLURM's signals: forward them to the step (INT as TERM), wait for it to exit,
+    return its status (the trainer's 75 after a checkpoint)."""
+    ready = tmp_path / "ready"
+    step = ("import signal, sys, time\n"
+            "for s in (signal.SIGUSR1, signal.SIGTERM):\n"
+            "    signal.signal(s, lambda n, f: (print('step got', signal.Signals(n).name, flush=True), sys.exit(75)))\n"
+            f"open({str(ready)!r}, 'w').close()\n"
+            "time.sleep(60)\n")
+    shell = subprocess.Popen(
+        ["bash", "-c", 'source scripts/launch_common.sh; run_forwarding_signals "$@" && s=0 || s=$?; echo "status $s"',
+         "_", sys.executable, "-c", step], cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shell.send_signal(getattr(signal, f"SIG{sig}"))
+    out, _ = shell.communicate(timeout=30)
+    assert f"{sig}: forwarding" in out and f"step got SIG{forwarded}" in out, out
+    assert out.rstrip().endswith("status 75") and shell.returncode == 0
