@@ -72,10 +72,12 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils.preflight import raise_on_problems, run_preflight
     from model_utils.models import (FlopsModel, build_model, check_vocab_covers_tokenizer, default_seq_len,
                                     gpu_peak_tflops, is_preset, model_config)
+    from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
     from model_utils.tokenizer import load_tokenizer
     from model_utils.train_utils import Logger, seed_everything
 
     log = Logger(dist, Path(cfg.checkpoint_dir) / "metrics.jsonl")
+    start_run_log(log, cfg, dist)  # job, nodes, world size, versions, effective flags
     # The preflight's checks (data aside: prepare_data checks it while building) before anything expensive.
     report = run_preflight(cfg, dist.world_size, check_data=False)
     raise_on_problems(report)
@@ -86,6 +88,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
     ds, notes = resolve_config(cfg, dist.world_size, mconf.hidden_size)
     for note in notes:
         log.info(f"config: {note}")
+    prepare_ds_monitor(ds, cfg.checkpoint_dir)
+    log.info(describe_ds_config(ds))
     seq_len = cfg.seq_len or default_seq_len(cfg.model)
     problems = [p for p in [check_vocab_covers_tokenizer(mconf, tokenizer, cfg.model, cfg.tokenizer),
                             fused_kernels_problem(cfg.fused_kernels, dist.device.type == "cuda")] if p]
@@ -147,6 +151,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
 
     if resume_info:
         load_checkpoint(run, resume_info, resume_tag)
+    log.sinks = Sinks(cfg, dist, ds, engine, run.step, log)  # TensorBoard / W&B (rank 0)
     return run
 
 
@@ -260,6 +265,7 @@ def train(run: Run) -> int:
     import torch
     from tqdm import tqdm
 
+    from model_utils.monitor import write_summary
     from model_utils.train_utils import EXIT_NONFINITE, EXIT_STOPPED_BY_SIGNAL, StopSignal, Throughput, memory_stats
 
     cfg, dist, engine, log = run.cfg, run.dist, run.engine, run.log
@@ -268,6 +274,7 @@ def train(run: Run) -> int:
     tokens_per_step = run.micro_batch * run.grad_accum * dist.world_size * run.seq_len
     loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
     steps_in_interval = 0
+    step_time = 0.0  # this rank's host wall time in forward/backward/step over the log interval
     bad_steps = 0  # consecutive steps whose loss or gradient was not finite
     can_skip = bool(run.ds_config.get("bf16", {}).get("enabled") and run.ds_config["bf16"].get("check_grad_overflow")
                     or run.ds_config.get("fp16", {}).get("enabled"))
@@ -280,6 +287,7 @@ def train(run: Run) -> int:
     while run.step < cfg.max_steps:
         # --- learning rate used by this step ---
         lr = engine.get_lr()[0]
+        t_step = time.perf_counter()
 
         # --- forward, backward, update (DeepSpeed applies the optimizer at the accumulation boundary) ---
         nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
@@ -293,6 +301,7 @@ def train(run: Run) -> int:
             run.position = run.order.advance(run.position)
             nonfinite |= ~torch.isfinite(loss.detach())
             loss_sum += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+        step_time += time.perf_counter() - t_step
         run.step += 1
         run.tokens_seen += tokens_per_step
         if trace is not None:
@@ -305,10 +314,14 @@ def train(run: Run) -> int:
         if run.step % cfg.log_interval == 0 or run.step == cfg.max_steps:
             dist.all_reduce(loss_sum)
             mean_loss = (loss_sum / (steps_in_interval * run.grad_accum * dist.world_size)).item()
+            # slowest and fastest rank's mean step time (max of t and of -t: one collective, at log steps only)
+            times = torch.tensor([step_time, -step_time], device=dist.device, dtype=torch.float64) / steps_in_interval
+            slowest, fastest = dist.all_reduce(times, torch.distributed.ReduceOp.MAX).tolist()
             grad_norm = engine.get_global_grad_norm()
             record = {"step": run.step, "loss": mean_loss, "lr": lr,
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                      "tokens_seen": run.tokens_seen, **throughput.read(), **memory_stats(dist.device)}
+                      "tokens_seen": run.tokens_seen, **throughput.read(), "step_time_s": slowest,
+                      "step_time_min_s": -fastest, **memory_stats(dist.device)}
             log.metrics(record)
             log.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             log.info(format_record(record))
@@ -316,6 +329,7 @@ def train(run: Run) -> int:
                 log.warn(f"non-finite loss {mean_loss} at step {run.step}")
             loss_sum.zero_()
             steps_in_interval = 0
+            step_time = 0.0
         log.bar.update(1)
 
         # --- evaluation ---
@@ -339,6 +353,7 @@ def train(run: Run) -> int:
                 log.warn(f"stopping after {bad_steps} consecutive non-finite step(s) (--max_bad_steps "
                          f"{cfg.max_bad_steps}); no checkpoint written, the last saved one is intact. Lower the "
                          "learning rate, raise warmup, or check the data")
+                write_summary(run, f"stopped: {bad_steps} consecutive non-finite step(s), exit {EXIT_NONFINITE}")
                 return EXIT_NONFINITE
 
         # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
@@ -348,6 +363,8 @@ def train(run: Run) -> int:
             log.bar.close()
             log.info(f"stop: {stop.received or 'a signal on another rank'} received; checkpoint saved at step "
                      f"{run.step}; exiting with status {EXIT_STOPPED_BY_SIGNAL} so the job can be requeued")
+            write_summary(run, f"preempted: {stop.received or 'signal on another rank'} at step {run.step}, "
+                               f"exit {EXIT_STOPPED_BY_SIGNAL} (requeue resumes)")
             return EXIT_STOPPED_BY_SIGNAL
     log.bar.close()
     log.bar = None
@@ -362,6 +379,8 @@ def format_record(r: dict) -> str:
     parts.append(f"tokens/s {r['tokens_per_s']:,.0f}")
     if "mfu" in r:
         parts.append(f"TFLOP/s/gpu {r['tflops_per_device']:.1f} MFU {100 * r['mfu']:.1f}%")
+    if r.get("step_time_s") is not None:
+        parts.append(f"step {r['step_time_s']:.3f}s")
     if "peak_mem_gib" in r:
         parts.append(f"peak_mem {r['peak_mem_gib']:.1f}GiB")
     return " | ".join(parts)
@@ -371,6 +390,7 @@ def finish(run: Run):
     """Final evaluation, export to a Hugging Face directory, optional generation sample."""
     from model_utils.checkpoint import export_hf
     from model_utils.ds_config import zero_stage
+    from model_utils.monitor import write_summary
 
     result = evaluate(run)
     if result:
@@ -382,6 +402,7 @@ def finish(run: Run):
         if run.cfg.generate_prompt and run.dist.is_main:
             from model_utils.generate import generate_text
             run.log.info(f"sample: {generate_text(out, run.cfg.generate_prompt)}")
+    write_summary(run, "completed", export=str(run.cfg.resolved_export_dir) if run.cfg.export else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -61,6 +61,12 @@ class TrainConfig:
     eval_interval: int = _f(100, "Evaluate every N steps (0: only at the end).")
     eval_iters: int = _f(20, "Validation micro-batches per rank per evaluation.")
     log_interval: int = _f(10, "Log loss, lr, grad norm and throughput every N steps.")
+    tensorboard: bool = _f(True, "Also write the metrics as TensorBoard events to CHECKPOINT_DIR/tensorboard (skipped, "
+                                 "with a warning, when tensorboard is not installed, or when ds_config enables "
+                                 "DeepSpeed's own tensorboard monitor).")
+    wandb: bool = _f(False, "Also log the metrics to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline "
+                            "works without network, `wandb sync` uploads later).")
+    wandb_project: str | None = _f(None, "W&B project. Default: $WANDB_PROJECT, else deepspeed-lm.")
     # ----- checkpoints -----
     checkpoint_dir: str = _f("checkpoints", "Directory for step-XXXXXXXX checkpoints, `latest`, metrics.jsonl.")
     checkpoint_freq: int = _f(100, "Save a checkpoint every N steps (0: only at the end and on preemption).")
@@ -193,6 +199,13 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     if cfg.resume_from_checkpoint and not os.path.isdir(cfg.resume_from_checkpoint):
         problems.append(Problem("--resume_from_checkpoint", cfg.resume_from_checkpoint, "directory not found",
                                 "pass a step-XXXXXXXX directory or a checkpoint directory holding `latest`"))
+    if cfg.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            problems.append(Problem("--wandb", True, "the wandb package is not installed",
+                                    "pip install wandb (or the project's `monitor` extra), or drop --wandb; "
+                                    "WANDB_MODE=offline logs without network"))
     if cfg.resume == "never" and cfg.resume_from_checkpoint:
         problems.append(Problem("--resume", cfg.resume, "conflicts with --resume_from_checkpoint",
                                 "drop one of the two"))

@@ -150,6 +150,8 @@ class Logger:
         self.dist = dist
         self.metrics_path = metrics_path
         self.bar = None
+        self.sinks = None  # monitor.Sinks (TensorBoard, W&B): set once the engine exists
+        self.start_time = time.time()
 
     def info(self, msg: str):
         if not self.dist.is_main:
@@ -169,6 +171,8 @@ class Logger:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.sinks is not None:
+                self.sinks.write(record)
 
 
 class Throughput:
@@ -196,8 +200,26 @@ class Throughput:
         return out
 
 
+def host_memory_gib() -> tuple[float | None, float | None]:
+    """This process's resident memory now and at its peak (Linux; None elsewhere). No device synchronisation."""
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return current / 1024**3, peak / 1024**3
+    except (OSError, ImportError, ValueError, IndexError):
+        return None, None
+
+
 def memory_stats(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {}
     gib = 1024**3
-    return {"mem_gib": torch.cuda.memory_allocated(device) / gib, "peak_mem_gib": torch.cuda.max_memory_allocated(device) / gib}
+    out = {}
+    if device.type == "cuda":
+        out = {"mem_gib": torch.cuda.memory_allocated(device) / gib,
+               "peak_mem_gib": torch.cuda.max_memory_allocated(device) / gib}
+    current, peak = host_memory_gib()
+    if current is not None:
+        out.update(host_mem_gib=current, host_peak_mem_gib=peak)
+    return out
