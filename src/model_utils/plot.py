@@ -83,6 +83,10 @@ def _loss(ax, runs, x="step"):
             ax.plot(ex, [r["eval_loss"] for r in run.evals], color=color, ls="--", marker="o", ms=4,
                     label=f"{run.label} validation")
     ax.set_xlabel("tokens" if x == "tokens" else "step")
+    if x == "tokens":
+        from matplotlib.ticker import EngFormatter
+
+        ax.xaxis.set_major_formatter(EngFormatter())  # 100k, 1.5M, 2G
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"loss against {'tokens' if x == 'tokens' else 'steps'}")
 
