@@ -241,3 +241,46 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(session_cache, 
     assert 2 <= bad_step <= 6
     assert (ckpt / "latest").read_text() == f"step-{bad_step - 1:08d}"  # every step before it was saved (freq 1)
     assert not (ckpt / f"step-{bad_step:08d}").exists()
+
+
+EPOCH_ARGS = [*FAST_ARGS, "--dummy_data", "40", "--max_steps", "14", "--no-export", "--seed", "3"]
+
+
+def test_resume_at_an_epoch_boundary_is_exact(session_cache, tmp_path):
+    """40 dummy blocks, 4 held out: 36 train blocks / (2 ranks x 2) = 9 steps per epoch; stop after step 9."""
+    full = run_trainer(tmp_path / "full", [*EPOCH_ARGS, "--checkpoint_freq", "0"])
+    assert_ok(full)
+    ckpt = tmp_path / "ckpt"
+    first = Trainer(ckpt, [*EPOCH_ARGS, "--checkpoint_freq", "9"])
+    assert first.wait_for(lambda: (ckpt / "step-00000009" / "manifest.json").exists())
+    for p in first.procs:
+        p.send_signal(signal.SIGKILL)
+    first.wait()
+    manifest = json.loads((ckpt / "step-00000009" / "manifest.json").read_text())
+    assert manifest["data_position"] == {"epoch": 1, "blocks_consumed": 0}  # exactly at the boundary
+    resumed = run_trainer(ckpt, [*EPOCH_ARGS, "--checkpoint_freq", "9"])
+    assert_ok(resumed)
+    want, got = last_by_step(full.train_records()), last_by_step(resumed.train_records())
+    for step in range(10, 15):
+        assert (got[step]["loss"], got[step]["lr"]) == (want[step]["loss"], want[step]["lr"]), f"step {step}"
+
+
+def test_kill_9_of_one_rank_during_a_save(baseline, tmp_path):
+    """Rank 1 dies while the step-7 checkpoint is being written; the other rank is then killed too (as srun does
+    when a task dies). The next run resumes from the newest complete checkpoint and continues exactly."""
+    ckpt = tmp_path / "ckpt"
+    args = [*RESUME_ARGS, "--checkpoint_freq", "1", "--keep_last_checkpoints", "0"]
+    first = Trainer(ckpt, args)
+    assert first.wait_for(lambda: (ckpt / "step-00000007").exists(), poll=0.001)
+    first.procs[1].send_signal(signal.SIGKILL)
+    time.sleep(2)
+    for p in first.procs:
+        p.send_signal(signal.SIGKILL)
+    first.wait()
+    step7_complete = (ckpt / "step-00000007" / "manifest.json").exists()
+    resumed = run_trainer(ckpt, args)
+    assert_ok(resumed)
+    if not step7_complete:  # the usual case: caught mid-save
+        assert "skipping incomplete checkpoint step-00000007" in resumed.output
+        assert "step-00000006" in resumed.output.split("resume: continuing from")[1].splitlines()[0]
+    _assert_continues_exactly(baseline, resumed, 7 if step7_complete else 6)
