@@ -172,6 +172,11 @@ select_cuda() {
     fi
     [[ -z $CUDA_VERSION ]] && return 0
     local dir=$CUDA_ROOT/cuda-$CUDA_VERSION
+    # NVIDIA's images (NGC PyTorch included) export CUDA_VERSION as major.minor.patch, while toolkits install as
+    # cuda-major.minor: accept that spelling for the installed toolkit.
+    if [[ ! -d $dir && $CUDA_VERSION =~ ^([0-9]+\.[0-9]+)\.[0-9]+$ && -d $CUDA_ROOT/cuda-${BASH_REMATCH[1]} ]]; then
+        dir=$CUDA_ROOT/cuda-${BASH_REMATCH[1]}
+    fi
     if [[ -d $dir ]]; then
         export CUDA_HOME=$dir
         export PATH=$dir/bin:$PATH
