@@ -205,7 +205,8 @@ def test_tensorboard_events_read_back_equal_the_metrics(monitored):
         assert [s for s, _ in scalars[tag]] == [r["step"] for r in records], tag
         assert [v for _, v in scalars[tag]] == pytest.approx([r[key] for r in records], rel=1e-6), tag
     evals = [r for r in monitored.metrics() if "eval_loss" in r]
-    assert scalars["eval/loss"] == pytest.approx([(r["step"], r["eval_loss"]) for r in evals], rel=1e-6)
+    assert [s for s, _ in scalars["eval/loss"]] == [r["step"] for r in evals] == [4, 8]
+    assert [v for _, v in scalars["eval/loss"]] == pytest.approx([r["eval_loss"] for r in evals], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -271,3 +272,24 @@ def test_preemption_writes_the_summary_and_resume_continues_the_events(session_c
     assert final["status"] == "completed" and final["steps"] == 40 and final["tokens"] == 40 * TOKENS_PER_STEP
     steps = [s for s, _ in _read_tb(ckpt / "tensorboard")["train/loss"]]
     assert steps == sorted(set(steps)) and steps[-1] == final["steps"]  # one value per step across the two runs
+
+
+def test_wandb_offline_logs_without_network_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = SimpleNamespace(info=lambda m: None, warn=lambda m: pytest.fail(m))
+    cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--wandb", "--no-tensorboard", "--wandb_project", "t"])
+    ids = []
+    for steps in ((1, 2), (3,)):
+        sinks = monitor.Sinks(cfg, _fake_dist(), {"train_batch_size": 4}, log=log)
+        for step in steps:
+            sinks.write({"step": step, "loss": 5.0 - step, "eval_loss": None})
+        ids.append(sinks.wandb.id)
+        assert "offline" in sinks.paths["wandb"]
+        if len(steps) > 1:  # W&B commits a step when the next one starts (or at finish)
+            assert sinks.wandb.summary["train/loss"] == 4.0
+        sinks.close()
+    assert ids[0] == ids[1] == (tmp_path / "wandb_run_id").read_text()
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{ids[0]}/run-{ids[0]}.wandb"))
+    assert len(runs) == 2 and all(r.stat().st_size > 0 for r in runs)  # `wandb sync` uploads these

@@ -10,7 +10,9 @@ import json
 import logging
 import os
 import platform
+import secrets
 import socket
+import string
 import sys
 import time
 import warnings
@@ -191,9 +193,14 @@ class Sinks:
                                         flush_secs=30)
                 self.paths["tensorboard"] = str(log_dir)
         if getattr(cfg, "wandb", False) and not _ds_enabled(ds, "wandb"):
-            self.wandb = _start_wandb(cfg, ds, ckpt)
-            self.paths["wandb"] = f"{self.wandb.project}/{self.wandb.id}" + (
-                " (offline: `wandb sync` uploads it)" if self.wandb.settings.mode == "offline" else "")
+            # Only rank 0 gets here: a failure must not stop it while the other ranks wait in the first collective.
+            try:
+                self.wandb = _start_wandb(cfg, ds, ckpt)
+            except Exception as e:  # noqa: BLE001 (network, login, version problems)
+                warn(f"W&B logging is off for this run: {type(e).__name__}: {e} (WANDB_MODE=offline needs no network)")
+            else:
+                self.paths["wandb"] = f"{self.wandb.project}/{self.wandb.id}" + (
+                    " (offline: `wandb sync` uploads it)" if self.wandb.settings.mode == "offline" else "")
         if self.paths:
             info("metrics: " + "; ".join(f"{k} {v}" for k, v in self.paths.items()) + f"; jsonl {ckpt / 'metrics.jsonl'}")
 
@@ -234,7 +241,8 @@ def _start_wandb(cfg, ds: dict, ckpt: Path):
         raise RuntimeError(wandb_missing_message()) from e
     ckpt.mkdir(parents=True, exist_ok=True)
     id_file = ckpt / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else "".join(
+        secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     id_file.write_text(run_id)  # a resumed run (same checkpoint dir) continues the same W&B run
     name = os.environ.get("WANDB_NAME") or (f"{ckpt.name}-{os.environ['SLURM_JOB_ID']}"
                                             if "SLURM_JOB_ID" in os.environ else ckpt.name)

@@ -207,8 +207,8 @@ def host_memory_gib() -> tuple[float | None, float | None]:
 
         with open("/proc/self/statm") as f:
             current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        return current / 1024**3, peak / 1024**3
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; the kernel updates it lazily
+        return current / 1024**3, max(peak, current) / 1024**3
     except (OSError, ImportError, ValueError, IndexError):
         return None, None
 
