@@ -11,7 +11,8 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # DeepSpeed's op builder cannot parse '9.0a'
-export TORCH_CUDA_ARCH_LIST=$(echo "${TORCH_CUDA_ARCH_LIST:-9.0}" | sed -E 's/([0-9])[a-z]+/\1/g')
+TORCH_CUDA_ARCH_LIST=$(echo "${TORCH_CUDA_ARCH_LIST:-9.0}" | sed -E 's/([0-9])[a-z]+/\1/g')
+export TORCH_CUDA_ARCH_LIST
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, deepspeed, liger_kernel, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 START=$(date +%s); BUDGET=${BUDGET:-540}
@@ -33,13 +34,13 @@ case "${PLAN:-h100}" in
     bench mb16 100 --model qwen3-0.6b --micro_batch_size 16 --steps 5 --warmup 3 --timeout 150 --variants compile liger --compare-hf --hf-skip noliger --title "micro-batch 16"
     ;;
   scale)
-    C="--steps 6 --warmup 3 --timeout 150 --variants default"
-    bench h200_1gpu 100 --nproc 1 --micro_batch_size 8 $C --compare-hf --hf-skip noliger --title "Qwen3-0.6B, 1 H200: default path vs HF Trainer + DeepSpeed + Liger"
-    bench h200_2gpu 50 --nproc 2 --micro_batch_size 8 $C --title "Qwen3-0.6B, 2 H200, default path"
-    bench h200_4gpu 55 --nproc 4 --micro_batch_size 8 $C --title "Qwen3-0.6B, 4 H200, default path"
+    C=(--steps 6 --warmup 3 --timeout 150 --variants default)
+    bench h200_1gpu 100 --nproc 1 --micro_batch_size 8 "${C[@]}" --compare-hf --hf-skip noliger --title "Qwen3-0.6B, 1 H200: default path vs HF Trainer + DeepSpeed + Liger"
+    bench h200_2gpu 50 --nproc 2 --micro_batch_size 8 "${C[@]}" --title "Qwen3-0.6B, 2 H200, default path"
+    bench h200_4gpu 55 --nproc 4 --micro_batch_size 8 "${C[@]}" --title "Qwen3-0.6B, 4 H200, default path"
     bench q8b_zero3 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 200 --variants default --title "Qwen3-8B, ZeRO-3, 4 H200"
     grep -q "exit\|out of memory" "$OUT/q8b_zero3.txt" && bench q8b_zero3_nofused 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 200 --variants nofused --title "Qwen3-8B, ZeRO-3, 4 H200, no fused kernels"
-    bench h200_4gpu_z1 55 --nproc 4 --micro_batch_size 8 $C --zero_stage 1 --title "Qwen3-0.6B, 4 H200, ZeRO-1"
+    bench h200_4gpu_z1 55 --nproc 4 --micro_batch_size 8 "${C[@]}" --zero_stage 1 --title "Qwen3-0.6B, 4 H200, ZeRO-1"
     bench hf_mb4 50 --nproc 1 --micro_batch_size 4 --steps 6 --warmup 3 --timeout 120 --variants --compare-hf --hf-skip liger --title "HF Trainer + DeepSpeed without Liger, micro-batch 4, 1 H200"
     ;;
   size8b)  # the open 8B ZeRO-3 run, logs kept (tarred below)

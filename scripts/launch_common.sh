@@ -30,6 +30,7 @@
 : "${CUDA_ROOT:=/usr/local}"
 : "${CONTAINER_IMAGE:=deepspeed-lm-trainer.sqsh}" # Pyxis image: a .sqsh file (relative: repository root) or a registry image
 : "${CONTAINER_MOUNTS:=}" # extra Pyxis mounts SRC:DST[,...], added to the repository and CHECKPOINT_DIR
+: "${CONTAINER_EDF:=}"    # CSCS Container Engine: an EDF (.toml path, or a name in ~/.edf) replacing image and mounts
 : "${CONTAINER_ENGINE:=}" # setup-pyxis.sh: docker or podman; empty: the first one found
 : "${IMAGE_TAG:=deepspeed-lm-trainer:latest}" # setup-pyxis.sh: the tag of the built image
 : "${BASE_IMAGE:=}"       # setup-pyxis.sh: empty keeps the Dockerfile's NGC PyTorch base
@@ -164,6 +165,14 @@ installed_cuda_versions() {
     echo "${versions[*]:-none}"
 }
 
+major_minor() { [[ $1 =~ ^([0-9]+\.[0-9]+) ]] && echo "${BASH_REMATCH[1]}"; }
+
+# The CUDA release of the nvcc on PATH (e.g. 12.9), empty without one.
+nvcc_release() {
+    command -v nvcc >/dev/null 2>&1 || return 0
+    nvcc --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p'
+}
+
 # Put CUDA_VERSION first on PATH (CUDA_ROOT/cuda-X, or Lmod's cuda/X module).
 select_cuda() {
     if [[ -n ${TORCH_CUDA_ARCH_LIST:-} ]]; then
@@ -183,6 +192,8 @@ select_cuda() {
         export LD_LIBRARY_PATH=$dir/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     elif [[ -n ${LMOD_CMD:-} ]] && "$LMOD_CMD" bash -t avail "cuda/$CUDA_VERSION" 2>&1 | grep -q "^cuda/$CUDA_VERSION"; then
         eval "$("$LMOD_CMD" bash load "cuda/$CUDA_VERSION")"
+    elif [[ $(nvcc_release) == "$(major_minor "$CUDA_VERSION")" ]]; then
+        log "CUDA_VERSION=$CUDA_VERSION: the toolkit already on PATH ($(command -v nvcc)) is that version"
     else
         die "CUDA_VERSION=$CUDA_VERSION is not installed ($dir missing, no cuda/$CUDA_VERSION module); installed: $(installed_cuda_versions)"
     fi
@@ -274,9 +285,22 @@ run_preflight() {
     exec "$PYTHON" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}"
 }
 
-# Pyxis flags: the image, mounts covering the repository and CHECKPOINT_DIR, workdir.
+# Pyxis flags: the image, mounts covering the repository and CHECKPOINT_DIR, workdir. With CONTAINER_EDF (CSCS
+# Alps), the Environment Definition File names the image, mounts and workdir instead: --environment=EDF.
 container_args() {
     local image=$CONTAINER_IMAGE mounts="$PWD:$PWD" ckpt
+    if [[ -n $CONTAINER_EDF ]]; then
+        local edf=$CONTAINER_EDF
+        if [[ $edf == */* || $edf == *.toml ]]; then
+            [[ -f $edf ]] || die "CONTAINER_EDF=$edf: no such file: copy configs/cscs-edf.toml, set its paths, and point CONTAINER_EDF at it"
+            edf=$(cd "$(dirname "$edf")" && pwd)/$(basename "$edf")
+            grep -qF "$PWD" "$edf" || log "warning: $edf does not mention $PWD: its mounts and workdir must cover the repository"
+        else
+            [[ -f $HOME/.edf/$edf.toml ]] || die "CONTAINER_EDF=$edf: no $HOME/.edf/$edf.toml: copy configs/cscs-edf.toml there, or give a path"
+        fi
+        CONTAINER_ARGS=(--environment="$edf")
+        return 0
+    fi
     if [[ $image == *.sqsh || $image == /* || $image == ./* ]]; then
         [[ -f $image ]] || die "CONTAINER_IMAGE=$image: no such file: build it with ./setup-pyxis.sh or set CONTAINER_IMAGE"
         image=$(cd "$(dirname "$image")" && pwd)/$(basename "$image")
