@@ -48,6 +48,8 @@ TASK_WRAPPER='[[ -z ${VENV:-} ]] || source "$VENV/bin/activate"; export RANK=$SL
 
 # Exit status with which the trainer reports "checkpoint saved after a signal, run me again".
 RESUME_STATUS=75
+# A TERM this close to the time limit (seconds) is the limit itself: the job is requeued as after USR1.
+REQUEUE_TERM_WITHIN=120
 
 die() {
     echo "$LAUNCHER: error: $*" >&2
@@ -340,9 +342,9 @@ compose_job_step() { # compose_job_step TASKS_PER_NODE CPUS_PER_TASK
 run_forwarding_signals() {
     "$@" &
     local pid=$! status
-    trap 'FORWARDED=1; log "USR1: forwarding to the training step (checkpoint, then stop)"; kill -USR1 "$pid"' USR1
-    trap 'FORWARDED=1; log "TERM: forwarding to the training step (checkpoint, then stop)"; kill -TERM "$pid"' TERM
-    trap 'FORWARDED=1; log "INT: forwarding TERM to the training step (checkpoint, then stop)"; kill -TERM "$pid"' INT
+    trap 'FORWARDED=1 FORWARDED_SIGNAL=USR1; log "USR1: forwarding to the training step (checkpoint, then stop)"; kill -USR1 "$pid"' USR1
+    trap 'FORWARDED=1 FORWARDED_SIGNAL=TERM; log "TERM: forwarding to the training step (checkpoint, then stop)"; kill -TERM "$pid"' TERM
+    trap 'FORWARDED=1 FORWARDED_SIGNAL=INT; log "INT: forwarding TERM to the training step (checkpoint, then stop)"; kill -TERM "$pid"' INT
     while :; do
         FORWARDED=0
         wait "$pid" && status=0 || status=$?
@@ -353,6 +355,29 @@ run_forwarding_signals() {
     done
     trap - USR1 TERM INT
     return "$status"
+}
+
+# Seconds this job has left (squeue's %L: [D-][HH:]MM:SS), 0 past its limit, -1 without a limit.
+job_seconds_left() {
+    local left days=0 seconds=0 part
+    left=$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n1)
+    case $left in
+        "" | UNLIMITED | NOT_SET) echo -1; return ;;
+        INVALID) echo 0; return ;;
+    esac
+    if [[ $left == *-* ]]; then days=${left%%-*}; left=${left#*-}; fi
+    IFS=: read -ra parts <<<"$left"
+    for part in "${parts[@]}"; do seconds=$((seconds * 60 + 10#$part)); done
+    echo $((days * 86400 + seconds))
+}
+
+# Whether the trainer stopped because the job's time is running out: SLURM's warning signal (USR1, from
+# --signal=B:USR1@N), or TERM at the time limit. TERM with time left is scancel or an administrator.
+stopped_for_time() {
+    [[ ${FORWARDED_SIGNAL:-} == USR1 ]] && return 0
+    local left
+    left=$(job_seconds_left)
+    ((left >= 0 && left <= REQUEUE_TERM_WITHIN))
 }
 
 # Inside an allocation (sbatch or salloc): one srun task per GPU, one per node
@@ -377,7 +402,10 @@ run_job_step() {
     [[ $DRY_RUN == 1 ]] && return 0
     run_forwarding_signals "${STEP[@]}" && status=0 || status=$?
     log "training step finished with status $status"
-    if ((status == RESUME_STATUS)) && in_batch_job; then
+    if ((status == RESUME_STATUS)) && in_batch_job && ! stopped_for_time; then
+        # scancel arrives as TERM too: the checkpoint is saved, but a job the user stopped stays stopped.
+        log "stopped by ${FORWARDED_SIGNAL:-a signal} with time left (scancel?): not requeueing; submitting the job again resumes from the checkpoint"
+    elif ((status == RESUME_STATUS)) && in_batch_job; then
         log "the trainer saved a checkpoint and stopped: requeueing job $SLURM_JOB_ID"
         run_cmd scontrol requeue "$SLURM_JOB_ID"
     elif ((status == RESUME_STATUS)); then

@@ -79,3 +79,24 @@ def test_cuda_version_of_the_toolkit_already_on_path_is_accepted(tmp_path):
 def test_other_shell_scripts_are_shellcheck_clean(path):
     result = subprocess.run(["shellcheck", path], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.parametrize("left, seconds, signal_name, requeue", [
+    ("1-02:03:04", 93784, "TERM", False),   # scancel a day before the limit: stays stopped
+    ("45:00", 2700, "TERM", False),
+    ("1:30", 90, "TERM", True),             # TERM at the time limit: requeued
+    ("INVALID", 0, "TERM", True),
+    ("UNLIMITED", -1, "TERM", False),
+    ("45:00", 2700, "USR1", True),          # SLURM's warning signal always requeues
+])
+def test_requeue_decision_after_a_signal(tmp_path, left, seconds, signal_name, requeue):
+    """squeue is a stand-in here (its time-left column is what the decision reads)."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho '{left}'\n")
+    (bin_dir / "squeue").chmod(0o755)
+    result = lib('echo "$(job_seconds_left)"; stopped_for_time && echo requeue || echo stay',
+                 PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="7", FORWARDED_SIGNAL=signal_name)
+    assert result.stdout.split() == [str(seconds), "requeue" if requeue else "stay"], result.stderr

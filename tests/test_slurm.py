@@ -98,6 +98,42 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
     log.unlink()
 
 
+def test_scancel_during_saves_leaves_a_resumable_state(slurm, tmp_path):
+    """A job saving every step (saves take most of its time) is cancelled as soon as its first checkpoints exist;
+    the next submission resumes from the newest complete checkpoint, skipping any half-written one, and finishes."""
+    from model_utils.checkpoint import list_checkpoints
+
+    ckpt = tmp_path / "ckpt"
+    env = {**FAST_ENV, "MAX_STEPS": "40", "CHECKPOINT_FREQ": "1", "CHECKPOINT_DIR": str(ckpt)}
+    args = [*FAST_ARGS, "--keep_last_checkpoints", "0", "--no-export"]
+    first = submitted_job(slurm.run("./train.sbatch", *args, env=env))
+    deadline = time.monotonic() + 180
+    while len(list(ckpt.glob("step-*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert slurm.run("scancel", str(first)).returncode == 0
+    info = slurm.wait_job(first, timeout=120)
+    assert info["JobState"] == "CANCELLED"
+    slurm.wait_nodes_idle(timeout=120)  # CANCELLED comes first; the tasks may still be finishing a save
+    first_log = job_log(first).read_text(errors="replace")
+    assert "not requeueing" in first_log or "training step finished" not in first_log, first_log[-3000:]
+    assert slurm.job(first).get("Restarts") == "0" and slurm.job(first).get("JobState") == "CANCELLED"  # stays cancelled
+    complete = [c for c in list_checkpoints(ckpt) if c.complete]
+    assert complete, "no complete checkpoint survived the cancellation"
+    newest = complete[0].step
+    incomplete = [c.path.name for c in list_checkpoints(ckpt) if not c.complete and c.step > newest]
+
+    second = submitted_job(slurm.run("./train.sbatch", *args, env=env))
+    info = slurm.wait_job(second, timeout=300)
+    text = job_log(second).read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED", text[-4000:]
+    assert re.search(rf"resume: continuing from \S*step-{newest:08d}", text), text[-3000:]
+    for name in incomplete:  # a save cut short is skipped, with a warning naming it
+        assert f"skipping incomplete checkpoint {name}" in text
+    assert (ckpt / "step-00000040" / "manifest.json").exists()
+    job_log(first).unlink(missing_ok=True)
+    job_log(second).unlink()
+
+
 def test_singlenode_runs_on_the_named_node(slurm, tmp_path):
     ckpt = tmp_path / "ckpt"
     result = slurm.run("./train-singlenode.sh", "node2", *FAST_ARGS,
