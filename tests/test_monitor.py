@@ -108,8 +108,11 @@ def test_header_names_the_slurm_job_nodes_world_versions_and_flags(monkeypatch):
         assert part in text, part
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is not None, reason="wandb is installed")
-def test_wandb_flag_without_the_package_is_refused_with_the_fix():
+def test_wandb_flag_without_the_package_is_refused_with_the_fix(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
     problems = validate_args(parse_args(["--wandb"]))
     assert [p.setting for p in problems] == ["--wandb"]
     assert "pip install wandb" in str(problems[0]) and "WANDB_MODE=offline" in str(problems[0])
