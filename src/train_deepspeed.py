@@ -103,10 +103,11 @@ def setup(cfg: TrainConfig, dist) -> Run:
     # Resume point first: a bad checkpoint directory must stop the run before any expensive work.
     resume_info = None
     ckpt_dir = Path(cfg.checkpoint_dir)
+    already_reported = lambda _: None  # noqa: E731  (the preflight above printed these warnings)
     if cfg.resume_from_checkpoint:
-        resume_info = resolve_explicit(Path(cfg.resume_from_checkpoint), log.warn)
+        resume_info = resolve_explicit(Path(cfg.resume_from_checkpoint), already_reported)
     elif cfg.resume == "auto":
-        resume_info = find_resume_checkpoint(ckpt_dir, log.warn)
+        resume_info = find_resume_checkpoint(ckpt_dir, already_reported)
     elif list(ckpt_dir.glob("step-*")):
         raise ResumeError(f"--resume never, but {ckpt_dir} already holds checkpoints; choose another "
                           "--checkpoint_dir or move them away (nothing is deleted for you)")
