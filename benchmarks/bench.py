@@ -72,7 +72,7 @@ def flops_per_token(config, num_params: int, seq_len: int) -> tuple[float, float
 
 
 def normalize_env():
-    from model_utils.fast import normalize_cuda_arch_list
+    from model_utils.train_utils import normalize_cuda_arch_list
 
     normalize_cuda_arch_list()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

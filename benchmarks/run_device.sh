@@ -10,9 +10,7 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# DeepSpeed's op builder cannot parse '9.0a'
-TORCH_CUDA_ARCH_LIST=$(echo "${TORCH_CUDA_ARCH_LIST:-9.0}" | sed -E 's/([0-9])[a-z]+/\1/g')
-export TORCH_CUDA_ARCH_LIST
+# TORCH_CUDA_ARCH_LIST (9.0a on the device image) is normalised by the trainer and bench.py themselves.
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, deepspeed, liger_kernel, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 START=$(date +%s); BUDGET=${BUDGET:-540}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from model_utils.arguments import ConfigError, Problem, TrainConfig, exit_on_problems, parse_args, validate_args  # noqa: E402
+from model_utils.arguments import ConfigError, TrainConfig, exit_on_problems, parse_args, validate_args  # noqa: E402
 
 
 @dataclass
@@ -40,77 +40,44 @@ class Run:
     grad_accum: int
     flops_per_token: float
     log: object
+    peak_tflops: float | None = None
     step: int = 0
     tokens_seen: int = 0
     position: object = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dist.world_size * self.seq_len
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Setup: configuration -> tokenizer -> data -> model -> engine -> resume
 # ----------------------------------------------------------------------------------------------------------------------
-def resolve_config(cfg: TrainConfig, world_size: int, hidden_size: int | None):
-    from model_utils import ds_config as dsc
-    from model_utils.train_utils import bf16_supported
-
-    raw, problems = dsc.load_json(cfg.resolved_ds_config_path())
-    if raw is None:
-        raise ConfigError(problems)
-    resolved, notes, problems = dsc.resolve(raw, cfg, world_size, bf16_supported(), hidden_size)
-    if problems:
-        raise ConfigError(problems)
-    return resolved, notes
-
-
 def setup(cfg: TrainConfig, dist) -> Run:
     import deepspeed
     import torch
 
     from model_utils import ds_config as dsc
-    from model_utils.checkpoint import ResumeError, find_resume_checkpoint, resolve_explicit
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
-    from model_utils.fast import apply_fused_kernels, fused_kernels_problem
-    from model_utils.preflight import raise_on_problems, run_preflight
-    from model_utils.models import (FlopsModel, build_model, check_vocab_covers_tokenizer, default_seq_len,
-                                    gpu_peak_tflops, is_preset, model_config)
+    from model_utils.fast import apply_fused_kernels
+    from model_utils.models import FlopsModel, build_model, gpu_peak_tflops
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
-    from model_utils.tokenizer import load_tokenizer
+    from model_utils.preflight import raise_on_problems, run_preflight
     from model_utils.train_utils import Logger, seed_everything
 
     log = Logger(dist, Path(cfg.checkpoint_dir) / "metrics.jsonl")
     start_run_log(log, cfg, dist)  # job, nodes, world size, versions, effective flags
-    # The preflight's checks (data aside: prepare_data checks it while building) before anything expensive.
-    report = run_preflight(cfg, dist.world_size, check_data=False)
+    # The preflight's checks (the data aside: prepare_data checks it while building) before anything expensive; what
+    # they loaded and resolved (tokenizer, model config, DeepSpeed config, resume point) is what the run uses.
+    report = run_preflight(cfg, dist.world_size, check_data=False, on_training_hardware=True)
     raise_on_problems(report)
     for note in report.notes:
         log.warn(note)
-    tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer or is_preset(cfg.model) else cfg.model)
-    mconf = model_config(cfg.model, tokenizer)
-    ds, notes = resolve_config(cfg, dist.world_size, mconf.hidden_size)
-    for note in notes:
-        log.info(f"config: {note}")
+    tokenizer, mconf, ds, seq_len, resume_info = (report.tokenizer, report.model_config, report.ds_config,
+                                                  report.seq_len, report.resume)
     prepare_ds_monitor(ds, cfg.checkpoint_dir)
     log.info(describe_ds_config(ds))
-    seq_len = cfg.seq_len or default_seq_len(cfg.model)
-    problems = [p for p in [check_vocab_covers_tokenizer(mconf, tokenizer, cfg.model, cfg.tokenizer),
-                            fused_kernels_problem(cfg.fused_kernels, dist.device.type == "cuda")] if p]
-    max_pos = getattr(mconf, "max_position_embeddings", None)
-    if max_pos and seq_len > max_pos:
-        problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings ({max_pos})",
-                                f"use --seq_len {max_pos} or less"))
-    if problems:
-        raise ConfigError(problems)
 
-    # Resume point first: a bad checkpoint directory must stop the run before any expensive work.
-    resume_info = None
-    ckpt_dir = Path(cfg.checkpoint_dir)
-    already_reported = lambda _: None  # noqa: E731  (the preflight above printed these warnings)
-    if cfg.resume_from_checkpoint:
-        resume_info = resolve_explicit(Path(cfg.resume_from_checkpoint), already_reported)
-    elif cfg.resume == "auto":
-        resume_info = find_resume_checkpoint(ckpt_dir, already_reported)
-    elif list(ckpt_dir.glob("step-*")):
-        raise ResumeError(f"--resume never, but {ckpt_dir} already holds checkpoints; choose another "
-                          "--checkpoint_dir or move them away (nothing is deleted for you)")
     resume_tag = resume_info.path.name if resume_info else None
     if resume_info and resume_info.manifest.get("world_size") != dist.world_size and dsc.zero_stage(ds) > 0:
         # ZeRO partitions optimizer state by rank: go through DeepSpeed's world-size-independent universal format.
@@ -132,18 +99,19 @@ def setup(cfg: TrainConfig, dist) -> Run:
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     flops = FlopsModel.from_config(model.config, num_params, seq_len)
 
-    # nanoGPT's grouping: weight decay on matrices (and embeddings), none on norms and biases.
-    decay = [p for p in model.parameters() if p.requires_grad and getattr(p, "ds_shape", p.shape).__len__() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and getattr(p, "ds_shape", p.shape).__len__() < 2]
+    # nanoGPT's grouping: weight decay on matrices (and embeddings), none on norms and biases. ZeRO-3 parameters are
+    # empty placeholders: their real shape is ds_shape.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": [p for p, m in zip(trainable, matrix) if m], "weight_decay": wd},
+              {"params": [p for p, m in zip(trainable, matrix) if not m], "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
 
-    run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, seq_len, micro, accum,
-              flops.per_token(), log, position=DataPosition())
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
-    run.peak_tflops = peak
-    tokens_per_step = micro * accum * dist.world_size * seq_len
+    run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, seq_len, micro, accum,
+              flops.per_token(), log, peak_tflops=peak, position=DataPosition())
+    tokens_per_step = run.tokens_per_step
     log.info(f"model: {cfg.model}, {num_params / 1e6:.1f}M parameters, {flops.per_token() / 1e9:.3f} GFLOP/token; "
              f"precision {'bf16' if ds.get('bf16', {}).get('enabled') else 'fp32'}, ZeRO stage {dsc.zero_stage(ds)}")
     log.info(f"batch: micro {micro} x grad_acc {accum} x world {dist.world_size} = {micro * accum * dist.world_size} "
@@ -241,6 +209,13 @@ def evaluate(run: Run) -> dict:
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
+def log_evaluation(run: Run, label: str):
+    result = evaluate(run)
+    if result:
+        run.log.metrics({"step": run.step, **result})
+        run.log.info(f"{label} step {run.step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+
+
 def save(run: Run):
     from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                 UNIVERSAL_CHECKPOINT_VERSION_VALUE)
@@ -272,7 +247,7 @@ def train(run: Run) -> int:
     cfg, dist, engine, log = run.cfg, run.dist, run.engine, run.log
     stop = StopSignal()
     throughput = Throughput(run.flops_per_token, run.peak_tflops, dist.world_size)
-    tokens_per_step = run.micro_batch * run.grad_accum * dist.world_size * run.seq_len
+    tokens_per_step = run.tokens_per_step
     loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
     steps_in_interval = 0
     step_time = 0.0  # this rank's host wall time in forward/backward/step over the log interval
@@ -326,8 +301,6 @@ def train(run: Run) -> int:
             log.metrics(record)
             log.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             log.info(format_record(record))
-            if not math.isfinite(mean_loss):
-                log.warn(f"non-finite loss {mean_loss} at step {run.step}")
             loss_sum.zero_()
             steps_in_interval = 0
             step_time = 0.0
@@ -335,10 +308,7 @@ def train(run: Run) -> int:
 
         # --- evaluation ---
         if cfg.eval_interval and run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps:
-            result = evaluate(run)
-            if result:
-                log.metrics({"step": run.step, **result})
-                log.info(f"eval step {run.step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+            log_evaluation(run, "eval")
 
         # --- non-finite loss or gradient: DeepSpeed skipped the update (bf16/fp16 overflow check) or, in fp32,
         #     could not; after max_bad_steps in a row (at once in fp32) stop without saving: the last checkpoint is good ---
@@ -393,10 +363,7 @@ def finish(run: Run):
     from model_utils.ds_config import zero_stage
     from model_utils.monitor import write_summary
 
-    result = evaluate(run)
-    if result:
-        run.log.metrics({"step": run.step, **result})
-        run.log.info(f"eval (final) step {run.step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+    log_evaluation(run, "eval (final)")
     if run.cfg.export:
         out = export_hf(run.engine, run.model, run.tokenizer, run.cfg.resolved_export_dir, zero_stage(run.ds_config),
                         run.dist, run.log.info)

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from model_utils import fast  # noqa: E402
+from model_utils import fast, train_utils  # noqa: E402
 
 
 @pytest.mark.parametrize("given, expected", [
@@ -21,7 +21,7 @@ from model_utils import fast  # noqa: E402
 ])
 def test_cuda_arch_list_is_normalised_for_deepspeed(monkeypatch, given, expected):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
-    assert fast.normalize_cuda_arch_list() == expected
+    assert train_utils.normalize_cuda_arch_list() == expected
     for item in expected.split(";"):
         major, minor = item.replace("+PTX", "").split(".")
         int(major), int(minor)  # what DeepSpeed's op builder does
@@ -29,7 +29,7 @@ def test_cuda_arch_list_is_normalised_for_deepspeed(monkeypatch, given, expected
 
 def test_cuda_arch_list_unset_stays_unset(monkeypatch):
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
-    assert fast.normalize_cuda_arch_list() is None
+    assert train_utils.normalize_cuda_arch_list() is None
 
 
 def test_lever_switches_validate(monkeypatch):

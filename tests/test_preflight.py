@@ -119,13 +119,6 @@ def _write(tmp_path, text):
     return str(path)
 
 
-def _checkpoint_world(tmp_path):
-    step = tmp_path / "ckpt" / "step-00000010"
-    step.mkdir(parents=True)
-    (step / "manifest.json").write_text(json.dumps({"step": 10, "world_size": 1, "files": {}, "model": "tiny"}))
-    return ["--checkpoint_dir", str(tmp_path / "ckpt")]
-
-
 def _small_pretrained(tmp_path):
     """A pretrained model whose embedding (1000 rows) is smaller than the default tokenizer (8192)."""
     from transformers import Qwen3Config

@@ -28,7 +28,6 @@ import functools
 import importlib.util
 import inspect
 import os
-import re
 
 from .arguments import Problem
 
@@ -53,24 +52,6 @@ def lever_settings() -> dict:
     return {"compile": _env_choice("DSLM_COMPILE", COMPILE_CHOICES),
             "liger": _env_choice("DSLM_LIGER", LIGER_CHOICES),
             "sdpa": _env_choice("DSLM_SDPA", SDPA_CHOICES)}
-
-
-def normalize_cuda_arch_list() -> str | None:
-    """DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST with int(); '9.0a' (Hopper's arch-specific target, set by
-    some images) breaks it. Strip letter suffixes ('9.0a' -> '9.0', '10.0f' -> '10.0'); keep '+PTX'."""
-    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    if not value:
-        return value
-    parts = []
-    for item in re.split(r"[;\s]+", value.strip()):
-        if not item:
-            continue
-        ptx = item.endswith("+PTX")
-        core = re.sub(r"[a-zA-Z]+$", "", item[:-4] if ptx else item)
-        if core and core not in parts:
-            parts.append(core + ("+PTX" if ptx else ""))
-    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(parts)
-    return os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 def fused_kernels_problem(setting: str, cuda: bool) -> Problem | None:
@@ -145,7 +126,6 @@ def _sdpa_wrap(model, backend: str, log) -> None:
 
 def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
     """Patch `model` in place with the enabled levers; return whether Liger's kernels are in use."""
-    normalize_cuda_arch_list()
     settings = lever_settings()
     zero3 = _is_zero3(model)
     compiled = use_compile(cuda, zero3, settings)

@@ -154,6 +154,12 @@ class Report:
     lines: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # What the checks loaded and resolved, for the run to use instead of doing it again.
+    tokenizer: object = None
+    model_config: object = None
+    ds_config: dict | None = None
+    seq_len: int | None = None
+    resume: object = None  # checkpoint.CheckpointInfo of the checkpoint to resume from, or None
 
 
 def gpu_memory_gib() -> tuple[float | None, str]:
@@ -171,7 +177,10 @@ def planned_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: bool = True) -> Report:
+def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: bool = True,
+                  on_training_hardware: bool = False) -> Report:
+    """Every check; `on_training_hardware` (the run's own start) decides bf16 "auto" by this machine, where a login
+    node without GPUs assumes the GPU nodes support it."""
     import torch
 
     from . import ds_config as dsc
@@ -220,11 +229,11 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     ds = None
     if raw is not None:
         report.problems += check_known_keys(raw)
-        bf16_ok = bf16_supported() if cuda else True  # on a login node the GPUs decide "auto"; assume they can
+        bf16_ok = bf16_supported() if cuda or on_training_hardware else True
         ds, notes, problems = dsc.resolve(raw, cfg, world, bf16_ok, mconf.hidden_size if mconf else None)
         report.notes += notes
         report.problems += problems
-        if not cuda and raw.get("bf16", {}).get("enabled") is True:
+        if not (cuda or on_training_hardware) and raw.get("bf16", {}).get("enabled") is True:
             report.notes.append("bf16 is on: the GPU nodes must support it (A100/H100 or newer); not checkable here")
 
     # --- model size, plan, memory ---
@@ -270,6 +279,9 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
             _check_data(cfg, tokenizer, seq_len, world, micro, report)
 
     # --- existing checkpoints ---
+    if cfg.resume == "never" and list(Path(cfg.checkpoint_dir).glob("step-*")):
+        report.problems.append(Problem("--resume", cfg.resume, f"{cfg.checkpoint_dir} already holds checkpoints",
+                                       "choose another --checkpoint_dir or move them away (nothing is deleted for you)"))
     try:
         info = (resolve_explicit(Path(cfg.resume_from_checkpoint), report.notes.append) if cfg.resume_from_checkpoint
                 else find_resume_checkpoint(Path(cfg.checkpoint_dir), report.notes.append) if cfg.resume == "auto" else None)
@@ -292,6 +304,8 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
                                            f"use --model {m.get('model')}, or another --checkpoint_dir"))
         if m.get("seq_len") not in (None, seq_len):
             report.notes.append(f"the checkpoint was trained with seq_len {m.get('seq_len')}, this run uses {seq_len}")
+    report.tokenizer, report.model_config, report.ds_config = tokenizer, mconf, ds
+    report.seq_len, report.resume = seq_len, info
     return report
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -79,7 +80,26 @@ def distributed_env_problems() -> list[Problem]:
     return []
 
 
+def normalize_cuda_arch_list() -> str | None:
+    """DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST with int(); '9.0a' (Hopper's arch-specific target, set by
+    some images) breaks it. Strip letter suffixes ('9.0a' -> '9.0', '10.0f' -> '10.0'); keep '+PTX'."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return value
+    parts = []
+    for item in re.split(r"[;\s]+", value.strip()):
+        if not item:
+            continue
+        ptx = item.endswith("+PTX")
+        core = re.sub(r"[a-zA-Z]+$", "", item[:-4] if ptx else item)
+        if core and core not in parts:
+            parts.append(core + ("+PTX" if ptx else ""))
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(parts)
+    return os.environ["TORCH_CUDA_ARCH_LIST"]
+
+
 def setup_distributed(timeout_minutes: int = 30) -> Dist:
+    normalize_cuda_arch_list()  # before DeepSpeed builds any op (fused/CPU Adam), whatever launched this process
     import deepspeed
 
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
