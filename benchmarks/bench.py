@@ -358,14 +358,11 @@ def make_jobs(a) -> list[dict]:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    from importlib import metadata
+    from model_utils.monitor import package_version
 
+    out = {"python": platform.python_version()}
     for name in ("torch", "deepspeed", "transformers", "liger-kernel", "triton", "accelerate"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "missing"
+        out[name] = package_version(name)
     try:
         import torch
 

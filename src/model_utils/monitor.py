@@ -38,7 +38,7 @@ TAGS = {
 # ----------------------------------------------------------------------------------------------------------------------
 # Header: who, where, with what (SLURM style: job id, nodes, world size, versions, effective configuration)
 # ----------------------------------------------------------------------------------------------------------------------
-def _version(dist_name: str) -> str:
+def package_version(dist_name: str) -> str:
     from importlib import metadata
 
     try:
@@ -66,8 +66,8 @@ def environment(dist) -> dict:
         "device": dist.device.type,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "deepspeed": _version("deepspeed"),
-        "transformers": _version("transformers"),
+        "deepspeed": package_version("deepspeed"),
+        "transformers": package_version("transformers"),
         "cuda": torch.version.cuda,
         "nccl": None,
         "gpu": None,
