@@ -38,13 +38,18 @@ GIB = 1024**3
 # Lever combinations: environment switches read by src/model_utils/fast.py plus trainer flags.
 VARIANTS = {
     "default": {},                                                     # whatever ds_config.json + fast.py defaults are
-    "liger": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto"}},
-    "nofused": {"fused_kernels": "off", "env": {"DSLM_COMPILE": "off", "DSLM_SDPA": "auto"}},
-    "compile": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "auto"}},
-    "compile_liger": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "all", "DSLM_SDPA": "auto"}},
-    "cudnn": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "cudnn"}},
-    "compile_cudnn": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "cudnn"}},
+    "liger": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa"}},
+    "nofused": {"fused_kernels": "off", "env": {"DSLM_COMPILE": "off", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa"}},
+    "compile": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa"}},
+    "compile_liger": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa"}},
+    "cudnn": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "cudnn", "DSLM_ATTN": "sdpa"}},
+    "compile_cudnn": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "cudnn", "DSLM_ATTN": "sdpa"}},
+    "fa4": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "auto", "DSLM_ATTN": "fa4"}},
+    "liger_fa4": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "fa4"}},
 }
+# Hugging Face Trainer peers (--compare-hf): Liger on/off, and (--hf-fa4) Liger with transformers' own FA4 path.
+HF_PEERS = {"noliger": {"liger": False, "attn": "sdpa"}, "liger": {"liger": True, "attn": "sdpa"},
+            "liger_fa4": {"liger": True, "attn": "flash_attention_4"}}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -93,6 +98,13 @@ def ds_config_for(job: dict, path_out: Path) -> Path:
                 zero.pop(key, None)
         if stage == 0:
             raw["zero_optimization"] = {"stage": 0}
+    for setting in job.get("ds_set", []):  # dotted.key=JSON value, e.g. zero_optimization.overlap_comm=false
+        key, _, value = setting.partition("=")
+        *parents, leaf = key.split(".")
+        node = raw
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = json.loads(value)
     path_out.write_text(json.dumps(raw, indent=2))
     return path_out
 
@@ -113,6 +125,45 @@ def _memory() -> dict:
     if not torch.cuda.is_available():
         return {}
     return {"peak_mem_gib": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
+
+
+def profile_steps(phases, is_main: bool, steps: int = 2) -> None:
+    """Where a step's time goes, printed by rank 0 into the measurement's log. `phases` is [(name, fn), ...], one
+    training step in order. First each phase alone, synchronised: the time until its call returns (host: Python,
+    launches) against the time until the GPU is done, so a phase whose host time is the larger starves the GPU. Then
+    `steps` steps under torch.profiler: kernels by GPU time and operators by host time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    host = {name: [] for name, _ in phases}
+    total = {name: [] for name, _ in phases}
+    for _ in range(3):
+        for name, fn in phases:
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            _sync()
+            host[name].append(t1 - t0)
+            total[name].append(time.perf_counter() - t0)
+    if is_main:
+        print("phase timing (median of 3 synchronised steps): host = until the call returns, total = until the GPU "
+              "is done", flush=True)
+        for name, _ in phases:
+            print(f"  {name:10s} host {1e3 * statistics.median(host[name]):8.1f} ms   "
+                  f"total {1e3 * statistics.median(total[name]):8.1f} ms", flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            for _, fn in phases:
+                fn()
+        _sync()
+    if is_main:
+        events = prof.key_averages()
+        keys = (["self_device_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total", "cpu_time_total"]
+        for key in keys:
+            print(f"profile over {steps} steps, sorted by {key}:", flush=True)
+            print(events.table(sort_by=key, row_limit=40, max_name_column_width=90), flush=True)
 
 
 def worker_engine(job: dict, workdir: Path) -> dict:
@@ -148,24 +199,40 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     setup_s = time.perf_counter() - t0
     engine = run.engine
     engine.train()
-    times, losses = [], []
-    for i in range(total):
-        _sync()
-        t = time.perf_counter()
+
+    state = {}
+
+    def forward():
         indices = run.order.rank_indices(run.position, dist.rank)
-        loss = compute_loss(engine, to_device(run.data.train.batch(indices), dist.device))
-        engine.backward(loss)
+        state["loss"] = compute_loss(engine, to_device(run.data.train.batch(indices), dist.device))
+
+    def backward():
+        engine.backward(state["loss"])
+
+    def step():
         engine.step()
         run.position = run.order.advance(run.position)
+
+    def train_step():
+        forward()
+        backward()
+        step()
+        return state["loss"]
+
+    times, losses = [], []
+    for i in range(total):  # peak memory is kept over the whole run: warm-up steps allocate the same buffers
+        _sync()
+        t = time.perf_counter()
+        loss = train_step()
         _sync()
         dt = time.perf_counter() - t
         losses.append(float(loss.detach().float().item()))
         if i >= warmup:
             times.append(dt)
-        if i == warmup - 1 and torch.cuda.is_available():
-            pass  # peak memory is kept over the whole run: warm-up steps allocate the same buffers
         if dist.is_main and job.get("verbose"):
             print(f"  step {i}: {dt * 1e3:.1f} ms, loss {losses[-1]:.4f}", flush=True)
+    if job.get("profile"):
+        profile_steps([("forward", forward), ("backward", backward), ("step", step)], dist.is_main)
     config = engine.module.config
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     f12, f6 = flops_per_token(config, num_params, run.seq_len)
@@ -244,7 +311,7 @@ def worker_hf(job: dict, workdir: Path) -> dict:
         use_liger_kernel=bool(job.get("liger")), logging_steps=10**6, save_strategy="no", report_to="none",
         disable_tqdm=True, seed=job.get("seed", 1234), dataloader_num_workers=2 if cuda else 0,
         use_cpu=not cuda)
-    model = build_model(job["model"], mconf, torch.float32, "sdpa", False)
+    model = build_model(job["model"], mconf, torch.float32, job.get("attn", "sdpa"), False)
 
     class Timer(TrainerCallback):
         def __init__(self):
@@ -266,7 +333,7 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     f12, f6 = flops_per_token(mconf, num_params, seq_len)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
     times = timer.times[warmup:]
-    result = {"kind": "hf", "liger": bool(job.get("liger")), "world_size": world, "num_params": num_params,
+    result = {"kind": "hf", "liger": bool(job.get("liger")), "attn": job.get("attn", "sdpa"), "world_size": world, "num_params": num_params,
               "micro_batch_size": mb, "seq_len": seq_len,
               **throughput(mb * seq_len, times, f12, f6, peak), **_memory()}
     rank = int(os.environ.get("RANK", "0"))
@@ -336,7 +403,8 @@ def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None) -> dict:
 
 def make_jobs(a) -> list[dict]:
     base = {"model": a.model, "seq_len": a.seq_len, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
-            "ds_config": a.ds_config, "zero_stage": a.zero_stage, "gradient_checkpointing": a.gradient_checkpointing}
+            "ds_config": a.ds_config, "zero_stage": a.zero_stage, "gradient_checkpointing": a.gradient_checkpointing,
+            "profile": a.profile, "ds_set": a.ds_set}
     jobs = []
     mbs = a.micro_batch_size or [None]
     for mb in mbs:
@@ -345,15 +413,16 @@ def make_jobs(a) -> list[dict]:
             spec = VARIANTS[v]
             job = dict(base, kind="engine", micro_batch_size=mb, dummy_blocks=blocks,
                        fused_kernels=spec.get("fused_kernels", "auto"), env=spec.get("env", {}),
-                       name=f"engine-{v}-mb{mb}" + (f"-z{a.zero_stage}" if a.zero_stage is not None else ""),
+                       name=f"engine-{v}-mb{mb}" + (f"-z{a.zero_stage}" if a.zero_stage is not None else "")
+                       + "".join(f"-{x.rsplit('.', 1)[-1].replace('=', '-')}" for x in a.ds_set),
                        variant=v)
             jobs.append(job)
         if a.compare_hf:
-            for liger in (False, True):
-                if (liger and "liger" in a.hf_skip) or (not liger and "noliger" in a.hf_skip):
+            for peer, spec in HF_PEERS.items():
+                if peer in a.hf_skip or (peer == "liger_fa4" and not a.hf_fa4):
                     continue
-                jobs.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks, liger=liger,
-                                 name=f"hf-{'liger' if liger else 'noliger'}-mb{mb}", variant="hf+liger" if liger else "hf"))
+                jobs.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks, **spec,
+                                 name=f"hf-{peer}-mb{mb}", variant="hf+" + peer.replace("_", "+")))
     return jobs
 
 
@@ -431,9 +500,15 @@ def main(argv=None) -> int:
     p.add_argument("--ds_config", default="ds_config.json")
     p.add_argument("--zero_stage", type=int, default=None, help="override the config's ZeRO stage")
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--ds-set", dest="ds_set", nargs="*", default=[], metavar="KEY=JSON",
+                   help="override DeepSpeed config values, e.g. zero_optimization.overlap_comm=false")
     p.add_argument("--variants", nargs="*", default=["default"], choices=list(VARIANTS))
     p.add_argument("--compare-hf", dest="compare_hf", action="store_true")
     p.add_argument("--hf-skip", dest="hf_skip", nargs="*", default=[], choices=["liger", "noliger"])
+    p.add_argument("--hf-fa4", dest="hf_fa4", action="store_true",
+                   help="also run HF Trainer + Liger with attn_implementation=flash_attention_4 (needs flash-attn-4)")
+    p.add_argument("--profile", action="store_true",
+                   help="engine runs: profile two steps after the timed ones and print the top kernels (in the log)")
     p.add_argument("--nproc", type=int, default=None, help="GPUs to use (default: all present; 1 on CPU)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
     p.add_argument("--loss-check", dest="loss_check", type=int, default=0,
@@ -485,7 +560,8 @@ def main(argv=None) -> int:
             with open(a.json, "a") as f:
                 f.write(json.dumps({"job": job, "result": r, "versions": vers, "nproc": a.nproc, "command": command}) + "\n")
     perf = [(j, r) for j, r in zip(jobs, results) if not j["name"].startswith("losscheck")]
-    ref_name = next((j["name"] for j, r in perf if j["kind"] == "hf" and j.get("liger") and "error" not in r), None)
+    ref_name = next((j["name"] for j, r in perf if j["kind"] == "hf" and j.get("liger") and j.get("attn") == "sdpa"
+                     and "error" not in r), None)
     text = table([j for j, _ in perf], [r for _, r in perf], ref_name)
     lc = None
     if a.loss_check:

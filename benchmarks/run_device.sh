@@ -10,6 +10,15 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# flash-attn-4 and its CuTe DSL libraries (~69 MB as .tar.xz, over one call's 64 MiB) travel as split parts in
+# .fa4/ over consecutive calls; they gather in /tmp/fa4-parts and are unpacked once all are there (see README.md).
+mkdir -p /tmp/fa4-parts
+if compgen -G ".fa4/part-*" >/dev/null; then cp .fa4/part-* /tmp/fa4-parts/; fi
+if [ ! -d /tmp/site-fa4 ] && [ -f /tmp/fa4-parts/part-aa ] && [ -f /tmp/fa4-parts/part-ab ]; then
+  mkdir -p /tmp/site-fa4 && cat /tmp/fa4-parts/part-* | xz -d | tar x -C /tmp/site-fa4 || exit 1
+fi
+# nvidia-cutlass-dsl adds its packages through a .pth file, which PYTHONPATH entries do not run.
+[ -d /tmp/site-fa4 ] && export PYTHONPATH=/tmp/site-fa4:/tmp/site-fa4/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 # TORCH_CUDA_ARCH_LIST (9.0a on the device image) is normalised by the trainer and bench.py themselves.
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, deepspeed, liger_kernel, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"

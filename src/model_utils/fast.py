@@ -14,6 +14,11 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  under ZeRO-3 (its parameter hooks live inside the layers) and never without CUDA.
   DSLM_LIGER=auto|all|flce       which Liger kernels `--fused_kernels` applies: all four, or only the fused linear
                                  cross-entropy. `auto`: flce when layers are compiled, else all.
+  DSLM_ATTN=auto|fa4|sdpa        attention kernel. `fa4`: FlashAttention-4's CuTe kernels (package flash-attn-4, the
+                                 project's [gpu] extra) for causal attention without a mask on Hopper/Blackwell
+                                 (compute capability 9.x/10.x), wrapped as a torch custom op so compiled layers call
+                                 it as one opaque kernel; anything else (a padding mask, fp32, another GPU) goes to
+                                 SDPA. `auto` = fa4 where it can run, else sdpa.
   DSLM_SDPA=auto|cudnn|flash|efficient|math
                                  SDPA backend tried first (the others stay as fall-backs, so an unsupported shape
                                  still runs). `auto` leaves PyTorch's order.
@@ -34,6 +39,8 @@ from .arguments import Problem
 COMPILE_CHOICES = ("auto", "layers", "off")
 LIGER_CHOICES = ("auto", "all", "flce")
 SDPA_CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
+ATTN_CHOICES = ("auto", "fa4", "sdpa")
+FA4_NAME = "dslm_fa4"  # the attention implementation name registered with transformers
 
 
 def liger_available() -> bool:
@@ -48,10 +55,11 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str = "auto") -> s
 
 
 def lever_settings() -> dict:
-    """The environment switches, validated: {'compile': ..., 'liger': ..., 'sdpa': ...}."""
+    """The environment switches, validated: {'compile': ..., 'liger': ..., 'sdpa': ..., 'attn': ...}."""
     return {"compile": _env_choice("DSLM_COMPILE", COMPILE_CHOICES),
             "liger": _env_choice("DSLM_LIGER", LIGER_CHOICES),
-            "sdpa": _env_choice("DSLM_SDPA", SDPA_CHOICES)}
+            "sdpa": _env_choice("DSLM_SDPA", SDPA_CHOICES),
+            "attn": _env_choice("DSLM_ATTN", ATTN_CHOICES)}
 
 
 def fused_kernels_problem(setting: str, cuda: bool) -> Problem | None:
@@ -62,9 +70,14 @@ def fused_kernels_problem(setting: str, cuda: bool) -> Problem | None:
         return Problem("--fused_kernels", setting, "liger-kernel is not installed",
                        "pip install liger-kernel (or the project's [gpu] extra), or use --fused_kernels auto/off")
     try:
-        lever_settings()
+        settings = lever_settings()
     except ValueError as e:
         return Problem("environment", None, str(e), "unset it or use one of the listed values")
+    if settings["attn"] == "fa4" and cuda:
+        reason = fa4_unavailable_reason()
+        if reason:
+            return Problem("DSLM_ATTN", "fa4", reason, "pip install flash-attn-4 on a Hopper/Blackwell GPU, or use "
+                           "DSLM_ATTN=auto (FlashAttention-4 where it can run, SDPA elsewhere)")
     return None
 
 
@@ -124,6 +137,108 @@ def _sdpa_wrap(model, backend: str, log) -> None:
     log(f"attention: SDPA backend order {[b.name for b in backends]}")
 
 
+def fa4_unavailable_reason() -> str | None:
+    """None when FlashAttention-4 can run here, else why not (package missing, no GPU, unsupported GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "FlashAttention-4 needs a CUDA GPU and there is none here"
+    major, minor = torch.cuda.get_device_capability()
+    if major not in (9, 10):
+        return f"FlashAttention-4 runs on compute capability 9.x/10.x; this GPU is {major}.{minor}"
+    # Keep the kernels FA4 JIT-compiles on disk (file-locked, per user), so ranks and restarts reuse them.
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    try:
+        importlib.import_module("flash_attn.cute.interface")
+    except ImportError as e:  # the package, or one of its CUDA libraries, is missing
+        return f"flash-attn-4 is not importable ({e})"
+    return None
+
+
+def use_fa4(cuda: bool, model, settings: dict | None = None) -> bool:
+    settings = settings or lever_settings()
+    if settings["attn"] == "sdpa" or not cuda or getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+        return False
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    return head_dim % 8 == 0 and 8 <= head_dim <= 256 and fa4_unavailable_reason() is None
+
+
+_fa4_kernel = None  # torch.ops.dslm.fa4_forward once registered: (q, k, v, scale) in (batch, seq, heads, dim)
+
+
+def fa4_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                  softcap=None, **kwargs):
+    """transformers' attention signature: (batch, heads, seq, head_dim) in, (batch, seq, heads, head_dim) out.
+    Causal self-attention without a mask goes to FlashAttention-4; anything else to SDPA."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if (attention_mask is not None or dropout or sliding_window or softcap or not causal
+            or query.dtype not in (torch.bfloat16, torch.float16) or query.shape[2] != key.shape[2]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, softcap=softcap, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # FA4 takes (batch, seq, heads, head_dim); the contiguous copies fuse into the producing kernels when compiled.
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+    out, _ = _fa4_kernel(q, k, v, float(scale))
+    return out, None
+
+
+@functools.cache
+def _register_fa4() -> None:
+    """Register FlashAttention-4 as a torch custom op (forward, backward, fake shapes) and as a transformers
+    attention implementation whose mask function is SDPA's, so anything FA4 does not cover falls back to SDPA."""
+    import torch
+    from flash_attn.cute import interface as fa
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    @torch.library.custom_op("dslm::fa4_forward", mutates_args=(), device_types="cuda")
+    def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
+        return out.contiguous(), lse.contiguous()
+
+    @fa4_forward.register_fake
+    def _(q, k, v, scale):
+        b, t, h, _ = q.shape
+        return q.new_empty(b, t, h, v.shape[-1]), q.new_empty(b, h, t, dtype=torch.float32)
+
+    @torch.library.custom_op("dslm::fa4_backward", mutates_args=(), device_types="cuda")
+    def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq, dk, dv = fa._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, True,
+                                        deterministic=torch.are_deterministic_algorithms_enabled())[:3]
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @fa4_backward.register_fake
+    def _(dout, q, k, v, out, lse, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, scale = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.scale = scale
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*torch.ops.dslm.fa4_backward(dout, q, k, v, out, lse, ctx.scale), None)
+
+    fa4_forward.register_autograd(backward, setup_context=setup_context)
+
+    global _fa4_kernel
+    _fa4_kernel = torch.ops.dslm.fa4_forward
+    AttentionInterface.register(FA4_NAME, fa4_attention)
+    AttentionMaskInterface.register(FA4_NAME, sdpa_mask)
+
+
+def enable_fa4(model, log) -> None:
+    _register_fa4()
+    model.config._attn_implementation = FA4_NAME
+    log("attention: FlashAttention-4 (flash-attn-4 CuTe kernels) for causal attention; SDPA for anything else")
+
+
 def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
     """Patch `model` in place with the enabled levers; return whether Liger's kernels are in use."""
     settings = lever_settings()
@@ -146,7 +261,9 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
     if compiled:
         _compile_layers(model, log)
     if cuda and settings["sdpa"] != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
-        _sdpa_wrap(model, settings["sdpa"], log)
+        _sdpa_wrap(model, settings["sdpa"], log)  # also the fall-back path of FlashAttention-4
+    if use_fa4(cuda, model, settings):
+        enable_fa4(model, log)
     return liger
 
 
