@@ -36,16 +36,27 @@ sys.path.insert(0, str(SRC))
 
 GIB = 1024**3
 # Lever combinations: environment switches read by src/model_utils/fast.py plus trainer flags.
+# "Off" for every lever a variant does not name, so each variant measures exactly its own levers.
+_OFF = {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa", "DSLM_OVERFLOW_CHECK": "scan"}
+
+
+def _variant(fused_kernels: str = "auto", **env) -> dict:
+    return {"fused_kernels": fused_kernels, "env": dict(_OFF, **{f"DSLM_{k.upper()}": v for k, v in env.items()})}
+
+
 VARIANTS = {
     "default": {},                                                     # whatever ds_config.json + fast.py defaults are
-    "liger": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa"}},
-    "nofused": {"fused_kernels": "off", "env": {"DSLM_COMPILE": "off", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa"}},
-    "compile": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa"}},
-    "compile_liger": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa"}},
-    "cudnn": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "cudnn", "DSLM_ATTN": "sdpa"}},
-    "compile_cudnn": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "cudnn", "DSLM_ATTN": "sdpa"}},
-    "fa4": {"env": {"DSLM_COMPILE": "layers", "DSLM_LIGER": "flce", "DSLM_SDPA": "auto", "DSLM_ATTN": "fa4"}},
-    "liger_fa4": {"env": {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "fa4"}},
+    "liger": _variant(),                                               # all Liger kernels, eager
+    "nofused": _variant(fused_kernels="off"),                          # the unoptimised path
+    "compile": _variant(compile="layers", liger="flce"),               # compiled layers + Liger fused linear CE
+    "compile_liger": _variant(compile="layers"),
+    "cudnn": _variant(sdpa="cudnn"),
+    "compile_cudnn": _variant(compile="layers", liger="flce", sdpa="cudnn"),
+    "fa4": _variant(compile="layers", liger="flce", attn="fa4"),
+    "liger_fa4": _variant(attn="fa4"),
+    "liger_norm": _variant(overflow_check="norm"),
+    "compile_norm": _variant(compile="layers", liger="flce", overflow_check="norm"),
+    "fa4_norm": _variant(compile="layers", liger="flce", attn="fa4", overflow_check="norm"),
 }
 # Hugging Face Trainer peers (--compare-hf): Liger on/off, and (--hf-fa4) Liger with transformers' own FA4 path.
 HF_PEERS = {"noliger": {"liger": False, "attn": "sdpa"}, "liger": {"liger": True, "attn": "sdpa"},

@@ -59,7 +59,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
 
     from model_utils import ds_config as dsc
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
-    from model_utils.fast import apply_fused_kernels
+    from model_utils.fast import apply_fused_kernels, streamline_zero_step
     from model_utils.models import FlopsModel, build_model, gpu_peak_tflops
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
     from model_utils.preflight import raise_on_problems, run_preflight
@@ -107,6 +107,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     groups = [{"params": [p for p, m in zip(trainable, matrix) if m], "weight_decay": wd},
               {"params": [p for p, m in zip(trainable, matrix) if not m], "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+    streamline_zero_step(engine, log.info)
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
     run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, seq_len, micro, accum,

@@ -33,14 +33,72 @@ def test_cuda_arch_list_unset_stays_unset(monkeypatch):
 
 
 def test_lever_switches_validate(monkeypatch):
-    for var in ("DSLM_COMPILE", "DSLM_LIGER", "DSLM_SDPA"):
+    for var in ("DSLM_COMPILE", "DSLM_LIGER", "DSLM_SDPA", "DSLM_ATTN", "DSLM_OVERFLOW_CHECK"):
         monkeypatch.delenv(var, raising=False)
-    assert fast.lever_settings() == {"compile": "auto", "liger": "auto", "sdpa": "auto"}
+    assert fast.lever_settings() == {"compile": "auto", "liger": "auto", "sdpa": "auto", "attn": "auto",
+                                     "overflow_check": "auto"}
     monkeypatch.setenv("DSLM_SDPA", "turbo")
     with pytest.raises(ValueError, match="DSLM_SDPA"):
         fast.lever_settings()
     problem = fast.fused_kernels_problem("auto", cuda=False)
     assert problem is not None and "DSLM_SDPA" in problem.message
+
+
+# Runs in a fresh process (DeepSpeed initialises torch.distributed): bf16 ZeRO-2 on CPU, the same optimizer class and
+# step() as on GPUs. A NaN loss, then an inf in one gradient tensor only (a hook on the last layer's bias), then a
+# finite step: both overflow checks must skip the same steps and leave bitwise-equal parameters.
+OVERFLOW_SCRIPT = r"""
+import json, os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+os.environ["DSLM_OVERFLOW_CHECK"] = sys.argv[1]
+sys.path.insert(0, sys.argv[3])
+import deepspeed
+from model_utils import fast
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+      "bf16": {"enabled": True, "check_grad_overflow": True},
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+      "zero_optimization": {"stage": 2}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+streamlined = fast.streamline_zero_step(engine, lambda message: None)
+poison = {"on": False}
+engine.module[2].bias.register_hook(lambda g: g.masked_fill(torch.ones_like(g, dtype=torch.bool), float("inf"))
+                                    if poison["on"] else g)
+x = torch.randn(2, 16, dtype=torch.bfloat16)
+steps = []
+for kind in ("finite", "nan_loss", "inf_in_one_tensor", "finite"):
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    poison["on"] = kind == "inf_in_one_tensor"
+    loss = engine(x).float().pow(2).mean() * (float("nan") if kind == "nan_loss" else 1.0)
+    engine.backward(loss)
+    engine.step()
+    updated = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    steps.append({"kind": kind, "updated": updated, "skipped_steps": engine.skipped_steps})
+params = [p.detach().float().flatten().tolist() for p in engine.module.parameters()]
+print("RESULT " + json.dumps({"streamlined": streamlined, "steps": steps, "params": params}))
+"""
+
+
+def test_norm_overflow_check_skips_the_same_steps_as_deepspeeds_scan():
+    import json
+    import socket
+
+    results = {}
+    for mode in ("norm", "scan"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-c", OVERFLOW_SCRIPT, mode, str(port), str(REPO / "src")],
+                             capture_output=True, text=True, timeout=240)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+        assert line, out.stdout[-2000:] + out.stderr[-3000:]
+        results[mode] = json.loads(line[len("RESULT "):])
+    assert results["norm"]["streamlined"] and not results["scan"]["streamlined"]
+    assert [s["updated"] for s in results["norm"]["steps"]] == [True, False, False, True]
+    assert results["norm"]["steps"] == results["scan"]["steps"]
+    assert results["norm"]["steps"][-1]["skipped_steps"] == 2
+    assert results["norm"]["params"] == results["scan"]["params"]
 
 
 def test_compile_only_with_cuda_and_not_under_zero3():

@@ -18,7 +18,17 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  project's [gpu] extra) for causal attention without a mask on Hopper/Blackwell
                                  (compute capability 9.x/10.x), wrapped as a torch custom op so compiled layers call
                                  it as one opaque kernel; anything else (a padding mask, fp32, another GPU) goes to
-                                 SDPA. `auto` = fa4 where it can run, else sdpa.
+                                 SDPA. `auto` = sdpa: on an H100 PyTorch 2.11's SDPA already runs cuDNN's attention,
+                                 which measured faster than FA4 4.0.0b36 (fwd+bwd at the Qwen3-0.6B shape: 4.0 against
+                                 4.4 ms; in training 72.6k against 71.0k tokens/s; docs/PERFORMANCE.md).
+  DSLM_OVERFLOW_CHECK=auto|norm|scan
+                                 how ZeRO-1/2 (bf16, `check_grad_overflow`) finds a non-finite gradient. DeepSpeed
+                                 scans every gradient tensor (amax, amin, isfinite...: ~7 kernel launches per tensor,
+                                 ~45 ms of host time per step for Qwen3-0.6B's 310 tensors, while the GPU idles) and
+                                 then computes the global gradient norm, whose non-finite value marks the step as
+                                 overflowed by itself (stage_1_and_2.step: is_invalid_grad_norm). `norm` skips the
+                                 scan wherever the norm is computed (gradient clipping on, no CPU offload), so the
+                                 step is still skipped, on every rank; `scan` keeps DeepSpeed's. `auto` = norm.
   DSLM_SDPA=auto|cudnn|flash|efficient|math
                                  SDPA backend tried first (the others stay as fall-backs, so an unsupported shape
                                  still runs). `auto` leaves PyTorch's order.
@@ -40,6 +50,7 @@ COMPILE_CHOICES = ("auto", "layers", "off")
 LIGER_CHOICES = ("auto", "all", "flce")
 SDPA_CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
 ATTN_CHOICES = ("auto", "fa4", "sdpa")
+OVERFLOW_CHECK_CHOICES = ("auto", "norm", "scan")
 FA4_NAME = "dslm_fa4"  # the attention implementation name registered with transformers
 
 
@@ -59,7 +70,8 @@ def lever_settings() -> dict:
     return {"compile": _env_choice("DSLM_COMPILE", COMPILE_CHOICES),
             "liger": _env_choice("DSLM_LIGER", LIGER_CHOICES),
             "sdpa": _env_choice("DSLM_SDPA", SDPA_CHOICES),
-            "attn": _env_choice("DSLM_ATTN", ATTN_CHOICES)}
+            "attn": _env_choice("DSLM_ATTN", ATTN_CHOICES),
+            "overflow_check": _env_choice("DSLM_OVERFLOW_CHECK", OVERFLOW_CHECK_CHOICES)}
 
 
 def fused_kernels_problem(setting: str, cuda: bool) -> Problem | None:
@@ -157,7 +169,7 @@ def fa4_unavailable_reason() -> str | None:
 
 def use_fa4(cuda: bool, model, settings: dict | None = None) -> bool:
     settings = settings or lever_settings()
-    if settings["attn"] == "sdpa" or not cuda or getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+    if settings["attn"] != "fa4" or not cuda or getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
         return False
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     return head_dim % 8 == 0 and 8 <= head_dim <= 256 and fa4_unavailable_reason() is None
@@ -195,8 +207,10 @@ def _register_fa4() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    @torch.library.custom_op("dslm::fa4_forward", mutates_args=(), device_types="cuda")
-    def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # Explicit schemas: this module's postponed annotations are strings that torch's schema inference cannot read.
+    @torch.library.custom_op("dslm::fa4_forward", mutates_args=(), device_types="cuda",
+                             schema="(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
+    def fa4_forward(q, k, v, scale):
         out, lse = fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)[:2]
         return out.contiguous(), lse.contiguous()
 
@@ -205,9 +219,10 @@ def _register_fa4() -> None:
         b, t, h, _ = q.shape
         return q.new_empty(b, t, h, v.shape[-1]), q.new_empty(b, h, t, dtype=torch.float32)
 
-    @torch.library.custom_op("dslm::fa4_backward", mutates_args=(), device_types="cuda")
-    def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @torch.library.custom_op("dslm::fa4_backward", mutates_args=(), device_types="cuda",
+                             schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale)"
+                                    " -> (Tensor, Tensor, Tensor)")
+    def fa4_backward(dout, q, k, v, out, lse, scale):
         dq, dk, dv = fa._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, True,
                                         deterministic=torch.are_deterministic_algorithms_enabled())[:3]
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -290,3 +305,24 @@ def _register_lm_head_for_zero3(model, log):
 
     register_external_parameter(model, head.weight)
     log("kernels: ZeRO-3 gathers the LM head weight for Liger's fused loss (external parameter of the model)")
+
+
+def streamline_zero_step(engine, log) -> bool:
+    """DSLM_OVERFLOW_CHECK=norm: let the global gradient norm, not a per-tensor scan, find non-finite gradients."""
+    if lever_settings()["overflow_check"] == "scan":
+        return False
+    try:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    except ImportError:
+        return False
+    opt = getattr(engine, "optimizer", None)
+    applicable = (isinstance(opt, DeepSpeedZeroOptimizer) and getattr(opt, "check_grad_overflow", False)
+                  and getattr(opt, "compute_grad_norm", False) and not getattr(opt, "cpu_offload", True)
+                  and callable(getattr(opt, "check_overflow", None)))
+    if not applicable:
+        return False
+    # DeepSpeedZeroOptimizer.step sets overflow = False, calls check_overflow, then marks the step overflowed when the
+    # (all-reduced) norm is inf/NaN; a no-op check leaves that second test as the only one.
+    opt.check_overflow = lambda partition_gradients=True: None
+    log("zero: non-finite gradients found through the global gradient norm (per-tensor overflow scan skipped)")
+    return True
