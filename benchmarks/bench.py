@@ -37,7 +37,8 @@ sys.path.insert(0, str(SRC))
 GIB = 1024**3
 # Lever combinations: environment switches read by src/model_utils/fast.py plus trainer flags.
 # "Off" for every lever a variant does not name, so each variant measures exactly its own levers.
-_OFF = {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa", "DSLM_OVERFLOW_CHECK": "scan"}
+_OFF = {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa", "DSLM_OVERFLOW_CHECK": "scan",
+        "DSLM_FLCE_CHUNK": "1", "DSLM_ACTIVATION_BUDGET": "1.0"}
 
 
 def _variant(fused_kernels: str = "auto", **env) -> dict:
@@ -57,6 +58,10 @@ VARIANTS = {
     "liger_norm": _variant(overflow_check="norm"),
     "compile_norm": _variant(compile="layers", liger="flce", overflow_check="norm"),
     "fa4_norm": _variant(compile="layers", liger="flce", attn="fa4", overflow_check="norm"),
+    "compile_norm_chunk4": _variant(compile="layers", liger="flce", overflow_check="norm", flce_chunk="4"),
+    "compile_norm_chunk8": _variant(compile="layers", liger="flce", overflow_check="norm", flce_chunk="8"),
+    "compile_norm_chunk8_budget90": _variant(compile="layers", liger="flce", overflow_check="norm", flce_chunk="8",
+                                             activation_budget="0.9"),
 }
 # Hugging Face Trainer peers (--compare-hf): Liger on/off, and (--hf-fa4) Liger with transformers' own FA4 path.
 HF_PEERS = {"noliger": {"liger": False, "attn": "sdpa"}, "liger": {"liger": True, "attn": "sdpa"},

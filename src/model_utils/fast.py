@@ -21,6 +21,16 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  SDPA. `auto` = sdpa: on an H100 PyTorch 2.11's SDPA already runs cuDNN's attention,
                                  which measured faster than FA4 4.0.0b36 (fwd+bwd at the Qwen3-0.6B shape: 4.0 against
                                  4.4 ms; in training 72.6k against 71.0k tokens/s; docs/PERFORMANCE.md).
+  DSLM_FLCE_CHUNK=auto|1|2|4|8|16
+                                 transient-logits budget of Liger's fused linear cross-entropy, in multiples of the
+                                 hidden states' size (Liger's chunk_mem_const; Liger's own default is 1). With a
+                                 151,936-token vocabulary, 1 means 128 chunks of 256 tokens for a 32k-token batch, and
+                                 the bf16 LM-head gradient is read and written once per chunk (~80 GB of memory
+                                 traffic per step on Qwen3-0.6B). `auto` = 8: 16 chunks of 2,048 tokens (~0.6 GB
+                                 of transient logits).
+  DSLM_ACTIVATION_BUDGET=1.0|<fraction>
+                                 torch.compile's activation memory budget for the compiled layers (a fraction of what
+                                 they would save for backward; the rest is recomputed). 1.0 = off.
   DSLM_OVERFLOW_CHECK=auto|norm|scan
                                  how ZeRO-1/2 (bf16, `check_grad_overflow`) finds a non-finite gradient. DeepSpeed
                                  scans every gradient tensor (amax, amin, isfinite...: ~7 kernel launches per tensor,
@@ -51,6 +61,8 @@ LIGER_CHOICES = ("auto", "all", "flce")
 SDPA_CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
 ATTN_CHOICES = ("auto", "fa4", "sdpa")
 OVERFLOW_CHECK_CHOICES = ("auto", "norm", "scan")
+FLCE_CHUNK_CHOICES = ("auto", "1", "2", "4", "8", "16")
+FLCE_CHUNK_AUTO = 8
 FA4_NAME = "dslm_fa4"  # the attention implementation name registered with transformers
 
 
@@ -71,7 +83,20 @@ def lever_settings() -> dict:
             "liger": _env_choice("DSLM_LIGER", LIGER_CHOICES),
             "sdpa": _env_choice("DSLM_SDPA", SDPA_CHOICES),
             "attn": _env_choice("DSLM_ATTN", ATTN_CHOICES),
-            "overflow_check": _env_choice("DSLM_OVERFLOW_CHECK", OVERFLOW_CHECK_CHOICES)}
+            "overflow_check": _env_choice("DSLM_OVERFLOW_CHECK", OVERFLOW_CHECK_CHOICES),
+            "flce_chunk": _env_choice("DSLM_FLCE_CHUNK", FLCE_CHUNK_CHOICES),
+            "activation_budget": _activation_budget()}
+
+
+def _activation_budget() -> float:
+    raw = os.environ.get("DSLM_ACTIVATION_BUDGET", "1.0").strip() or "1.0"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"DSLM_ACTIVATION_BUDGET={raw!r}: expected a fraction in (0, 1]")
+    return value
 
 
 def fused_kernels_problem(setting: str, cuda: bool) -> Problem | None:
@@ -123,9 +148,13 @@ def _compile_layers(model, log) -> bool:
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4 * len(layers) + 8))
+    budget = lever_settings()["activation_budget"]
+    if budget < 1.0:
+        torch._functorch.config.activation_memory_budget = budget
     for layer in layers:
         layer.compile()
-    log(f"compile: torch.compile on each of the {len(layers)} decoder layers")
+    log(f"compile: torch.compile on each of the {len(layers)} decoder layers"
+        + (f" (activation memory budget {budget})" if budget < 1.0 else ""))
     return True
 
 
@@ -271,6 +300,7 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
             log("kernels: Liger fused RoPE, RMSNorm, SwiGLU and linear cross-entropy enabled")
         else:
             _apply_liger_flce_only(model, log)
+        _set_flce_chunk_budget(settings["flce_chunk"], log)
         if zero3:
             _register_lm_head_for_zero3(model, log)
     if compiled:
@@ -295,6 +325,31 @@ def _apply_liger_flce_only(model, log):
         return
     fn(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model)
     log("kernels: Liger fused linear cross-entropy enabled (norms, RoPE, SwiGLU left to torch.compile)")
+
+
+@functools.cache
+def _liger_flce_original():
+    from liger_kernel.transformers import functional
+
+    return functional.liger_fused_linear_cross_entropy
+
+
+def _set_flce_chunk_budget(setting: str, log) -> None:
+    """Make `chunk_mem_const` the default of the function Liger's model losses call (looked up at call time)."""
+    from liger_kernel.transformers import functional
+
+    original = _liger_flce_original()
+    if "chunk_mem_const" not in inspect.signature(original).parameters:
+        log("kernels: this liger-kernel has no chunk_mem_const; its fused cross-entropy keeps its own chunking")
+        return
+    budget = FLCE_CHUNK_AUTO if setting == "auto" else int(setting)
+
+    @functools.wraps(original)  # keeps the signature, which Liger's loss inspects to filter its kwargs
+    def fused_linear_cross_entropy(*args, chunk_mem_const: int = budget, **kwargs):
+        return original(*args, chunk_mem_const=chunk_mem_const, **kwargs)
+
+    functional.liger_fused_linear_cross_entropy = fused_linear_cross_entropy
+    log(f"kernels: fused linear cross-entropy chunked for {budget}x the hidden states' size of transient logits")
 
 
 def _register_lm_head_for_zero3(model, log):
