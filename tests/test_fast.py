@@ -37,7 +37,7 @@ def test_lever_switches_validate(monkeypatch):
                 "DSLM_ACTIVATION_BUDGET"):
         monkeypatch.delenv(var, raising=False)
     assert fast.lever_settings() == {"compile": "auto", "liger": "auto", "sdpa": "auto", "attn": "auto",
-                                     "overflow_check": "auto", "flce_chunk": "auto", "activation_budget": 1.0}
+                                     "overflow_check": "auto", "flce_chunk": "auto", "activation_budget": 0.9}
     monkeypatch.setenv("DSLM_SDPA", "turbo")
     with pytest.raises(ValueError, match="DSLM_SDPA"):
         fast.lever_settings()
