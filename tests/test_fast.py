@@ -43,6 +43,104 @@ def test_lever_switches_validate(monkeypatch):
         fast.lever_settings()
     problem = fast.fused_kernels_problem("auto", cuda=False)
     assert problem is not None and "DSLM_SDPA" in problem.message
+    monkeypatch.delenv("DSLM_SDPA")
+    for bad in ("0", "1.5", "most"):
+        monkeypatch.setenv("DSLM_ACTIVATION_BUDGET", bad)
+        problem = fast.fused_kernels_problem("auto", cuda=False)
+        assert problem is not None and "DSLM_ACTIVATION_BUDGET" in problem.message and bad in problem.message
+    monkeypatch.setenv("DSLM_ACTIVATION_BUDGET", "0.75")
+    monkeypatch.setenv("DSLM_FLCE_CHUNK", "4")
+    assert fast.lever_settings()["activation_budget"] == 0.75 and fast.lever_settings()["flce_chunk"] == "4"
+
+
+def test_fa4_is_refused_by_name_without_a_gpu_and_off_by_default(monkeypatch):
+    monkeypatch.delenv("DSLM_ATTN", raising=False)
+    model = _tiny_model()
+    assert not fast.use_fa4(cuda=True, model=model)  # auto = SDPA (cuDNN measured faster on an H100)
+    monkeypatch.setenv("DSLM_ATTN", "fa4")
+    assert not fast.use_fa4(cuda=False, model=model)
+    assert "GPU" in fast.fa4_unavailable_reason()
+
+
+class _Attention:
+    is_causal = True
+
+
+def _reference_fa4(q, k, v, scale):
+    """Stand-in for the FlashAttention-4 custom op (its CuTe kernels need a Hopper/Blackwell GPU): the same contract,
+    (batch, seq, heads, head_dim) in, out and log-sum-exp out, computed by SDPA's math path."""
+    import torch
+    import torch.nn.functional as F
+
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+
+def test_fa4_attention_wrapper_layout_and_fallbacks(monkeypatch):
+    """fa4_attention's own logic on CPU: transposes in and out (GQA: 4 query heads on 2 KV heads), and SDPA for what
+    FA4 does not take (a mask, fp32, non-causal, a query shorter than the keys). The kernel is a stand-in."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+    monkeypatch.setattr(fast, "_fa4_kernel", lambda *a: calls.append(a) or _reference_fa4(*a))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    module = _Attention()
+    module.num_key_value_groups = 2
+    bq, bk, bv = (t.bfloat16() for t in (q, k, v))
+    out, weights = fast.fa4_attention(module, bq, bk, bv, None, scaling=0.25)
+    expected, _ = sdpa_attention_forward(module, bq, bk, bv, None, scaling=0.25)
+    assert len(calls) == 1 and weights is None
+    assert out.shape == (2, 8, 4, 16) and torch.allclose(out.float(), expected.float(), atol=1e-2)
+    assert all(t.is_contiguous() and t.shape[1] == 8 for t in calls[0][:3])  # (batch, seq, heads, dim)
+    assert calls[0][3] == 0.25
+
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    cases = {"mask": dict(query=bq, attention_mask=mask), "fp32": dict(query=q, key=k, value=v),
+             "non-causal": dict(query=bq, is_causal=False), "short query": dict(query=bq[:, :, -1:])}
+    for name, case in cases.items():
+        args = dict(query=bq, key=bk, value=bv, attention_mask=None) | case
+        out, _ = fast.fa4_attention(module, args.pop("query"), args.pop("key"), args.pop("value"),
+                                    args.pop("attention_mask"), scaling=0.25, **args)
+        assert len(calls) == 1, f"{name} went to FA4"
+        assert torch.isfinite(out.float()).all(), name
+
+
+def test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function(monkeypatch):
+    """Liger's Triton kernels cannot be imported without a GPU toolchain here, so its `functional` module is a
+    stand-in with the real function's signature; what is tested is the project's wrapper: the default it injects, an
+    explicit value still winning, and the signature Liger's loss inspects to filter its kwargs."""
+    import inspect
+    import types
+
+    seen = []
+
+    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, reduction="mean", chunk_mem_const=1):
+        seen.append(chunk_mem_const)
+        return 0.0
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    package = types.ModuleType("liger_kernel.transformers")
+    package.functional = functional
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
+    fast._liger_flce_original.cache_clear()
+    try:
+        fast._set_flce_chunk_budget("auto", log=lambda m: None)
+        wrapped = functional.liger_fused_linear_cross_entropy
+        wrapped(1, 2, 3)
+        wrapped(1, 2, 3, chunk_mem_const=2)
+        assert seen == [fast.FLCE_CHUNK_AUTO, 2]
+        assert "chunk_mem_const" in inspect.signature(wrapped).parameters
+        fast._set_flce_chunk_budget("4", log=lambda m: None)  # applied twice: wraps the original, not the wrapper
+        functional.liger_fused_linear_cross_entropy(1, 2, 3)
+        assert seen[-1] == 4
+    finally:
+        fast._liger_flce_original.cache_clear()
 
 
 # Runs in a fresh process (DeepSpeed initialises torch.distributed): bf16 ZeRO-2 on CPU, the same optimizer class and
