@@ -472,14 +472,30 @@ def fmt_row(job: dict, r: dict, ref: dict | None) -> str:
 
 
 def table(jobs: list[dict], results: list[dict], ref_name: str | None) -> str:
-    ref = None
-    for j, r in zip(jobs, results):
-        if j["name"] == ref_name:
-            ref = r
+    """One row per run; the ratio is to HF + Liger at the same micro-batch where it ran, else to `ref_name`."""
+    by_name = {j["name"]: r for j, r in zip(jobs, results)}
+    same_mb = {j.get("micro_batch_size"): r for j, r in zip(jobs, results)
+               if j.get("kind") == "hf" and j.get("liger") and j.get("attn", "sdpa") == "sdpa" and "error" not in r}
     lines = ["| run | micro-batch | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT) | MFU (6·LHQT) | peak GiB | step ms "
-             f"| vs {ref_name or '-'} |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [fmt_row(j, r, ref) for j, r in zip(jobs, results)]
+             f"| vs {'HF + Liger, same micro-batch' if same_mb else ref_name or '-'} |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [fmt_row(j, r, same_mb.get(j.get("micro_batch_size"), by_name.get(ref_name))) for j, r in zip(jobs, results)]
     return "\n".join(lines)
+
+
+def best_per_side(jobs: list[dict], results: list[dict]) -> str:
+    """With several micro-batches: each side at its fastest micro-batch that ran, and the ratio (the issue's measure)."""
+    def best(pick):
+        runs = [(r["tokens_per_s_per_gpu"], j) for j, r in zip(jobs, results) if pick(j) and "error" not in r]
+        return max(runs, key=lambda x: x[0]) if runs else None
+
+    ours = best(lambda j: j["kind"] == "engine" and j.get("variant") == "default")
+    peer = best(lambda j: j["kind"] == "hf" and j.get("liger") and j.get("attn", "sdpa") == "sdpa")
+    if not ours or not peer or len({j.get("micro_batch_size") for j in jobs}) < 2:
+        return ""
+    failed = sorted(j["micro_batch_size"] for j, r in zip(jobs, results) if "error" in r and j["kind"] == "hf")
+    return (f"Best micro-batch each: default path {ours[0]:,.0f} tokens/s at {ours[1]['micro_batch_size']}, HF + Liger "
+            f"{peer[0]:,.0f} at {peer[1]['micro_batch_size']}" + (f" (failed at {failed})" if failed else "")
+            + f": {ours[0] / peer[0]:.2f}x")
 
 
 def loss_check(results_a: dict, results_b: dict, n: int = 50) -> dict:
@@ -579,6 +595,9 @@ def main(argv=None) -> int:
     ref_name = next((j["name"] for j, r in perf if j["kind"] == "hf" and j.get("liger") and j.get("attn") == "sdpa"
                      and "error" not in r), None)
     text = table([j for j, _ in perf], [r for _, r in perf], ref_name)
+    best = best_per_side([j for j, _ in perf], [r for _, r in perf])
+    if best:
+        text += "\n\n" + best
     lc = None
     if a.loss_check:
         la = next(r for j, r in zip(jobs, results) if j["name"].startswith("losscheck-nofused"))

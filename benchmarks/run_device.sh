@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the device machine (repo root): install the carried wheels, normalise the environment, then run the
-# benchmark invocations named by PLAN (h100 | scale), each bounded, logs and JSON under $OUT.
+# benchmark invocations named by PLAN (h100 | scale | size8b | custom), each bounded, logs and JSON under $OUT.
 #   PLAN=h100 bash benchmarks/run_device.sh
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -32,13 +32,11 @@ bench() {  # bench NAME SECONDS_NEEDED ARGS...
     | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#)' | cut -c1-400
 }
 case "${PLAN:-h100}" in
-  h100)
-    bench levers 200 --model qwen3-0.6b --micro_batch_size 8 --steps 6 --warmup 3 --timeout 240 \
-      --variants liger cudnn compile compile_cudnn --compare-hf --hf-skip noliger --title "Qwen3-0.6B, seq 4096, 1 GPU: levers at micro-batch 8"
-    bench zero1 60 --model qwen3-0.6b --micro_batch_size 8 --steps 6 --warmup 3 --timeout 120 --zero_stage 1 --variants liger compile --title "ZeRO-1 on one GPU"
-    bench hf_mb4 60 --model qwen3-0.6b --micro_batch_size 4 --steps 6 --warmup 3 --timeout 120 --variants --compare-hf --hf-skip liger --title "HF Trainer + DeepSpeed without Liger, micro-batch 4"
-    bench losscheck 130 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants liger compile --timeout 150 --title "Loss check"
-    bench mb16 100 --model qwen3-0.6b --micro_batch_size 16 --steps 5 --warmup 3 --timeout 150 --variants compile liger --compare-hf --hf-skip noliger --title "micro-batch 16"
+  h100)  # the one-H100 evidence: each side at micro-batch 8, 12, 16 in one invocation, Qwen3-4B offloaded, loss
+    bench best 330 --model qwen3-0.6b --micro_batch_size 8 12 16 --steps 6 --warmup 3 --timeout 150 --variants default \
+      --compare-hf --hf-skip noliger --title "Qwen3-0.6B, 1 H100: default path vs HF Trainer + DeepSpeed + Liger at micro-batch 8, 12, 16"
+    bench q4b_offload 150 --model qwen3-4b --ds_config configs/zero2-offload.json --gradient_checkpointing --micro_batch_size 2 --steps 3 --warmup 1 --timeout 300 --variants default --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100"
+    bench losscheck 130 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 150 --title "Loss check"
     ;;
   scale)
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)

@@ -276,6 +276,24 @@ def test_loss_check_and_table():
     assert "1.20x" in text and "out of memory" in text
 
 
+def test_ratios_per_micro_batch_and_best_micro_batch_each():
+    import bench
+
+    def run(mb, tps):
+        return {"micro_batch_size": mb, "tokens_per_s_per_gpu": tps, "tflops_per_gpu": 1.0, "step_s_median": 0.1}
+
+    jobs = [{"name": "e8", "kind": "engine", "variant": "default", "micro_batch_size": 8},
+            {"name": "h8", "kind": "hf", "liger": True, "attn": "sdpa", "micro_batch_size": 8},
+            {"name": "e16", "kind": "engine", "variant": "default", "micro_batch_size": 16},
+            {"name": "h16", "kind": "hf", "liger": True, "attn": "sdpa", "micro_batch_size": 16}]
+    results = [run(8, 120.0), run(8, 100.0), run(16, 150.0), {"error": "out of memory"}]
+    rows = bench.table(jobs, results, "h8").splitlines()
+    assert rows[2].endswith("| 1.20x |") and rows[4].endswith("| 1.50x |")  # e16 against h8: h16 did not run
+    best = bench.best_per_side(jobs, results)
+    assert "150 tokens/s at 16" in best and "100 at 8" in best and "failed at [16]" in best and best.endswith("1.50x")
+    assert bench.best_per_side(jobs[:2], results[:2]) == ""  # one micro-batch: nothing to choose
+
+
 def test_hf_config_has_autos_for_trainer_owned_values(tmp_path):
     import bench
 

@@ -152,7 +152,7 @@ def _compile_layers(model, log) -> bool:
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4 * len(layers) + 8))
     budget = lever_settings()["activation_budget"]
-    if budget < 1.0:
+    if budget < 1.0 and hasattr(torch._functorch.config, "activation_memory_budget"):  # torch >= 2.4
         torch._functorch.config.activation_memory_budget = budget
     for layer in layers:
         layer.compile()
