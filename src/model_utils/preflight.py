@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .arguments import ConfigError, Problem, TrainConfig, validate_args
+from .fast import FLCE_CHUNK_AUTO
 
 GIB = 1024**3
 SAMPLE_DOCUMENTS = 200
@@ -145,8 +146,19 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     per_layer = micro * seq_len * h * (10 + 8 * mlp_ratio)
     scale = 1 if bf16 else 2
     acts = (layers * 2 * micro * seq_len * h + per_layer) if checkpointing else layers * per_layer
-    logits = 0 if fused_ce else micro * seq_len * config.vocab_size * (2 + 4 + 4)
+    # Fused: one chunk of transient 16-bit logits (the chunk budget, fast.py's DSLM_FLCE_CHUNK, in hidden-state sizes).
+    logits = (FLCE_CHUNK_AUTO * micro * seq_len * h * 2 if fused_ce
+              else micro * seq_len * config.vocab_size * (2 + 4 + 4))
     return acts * scale + logits
+
+
+def bucket_bytes(ds: dict) -> float:
+    """ZeRO-1/2 gradient reduction buckets: reduce_bucket_size 16-bit elements, doubled with overlap_comm."""
+    zero = ds.get("zero_optimization", {})
+    if zero.get("stage", 0) not in (1, 2) or zero.get("offload_optimizer"):
+        return 0.0
+    elements = zero.get("reduce_bucket_size", 5e8)
+    return float(elements) * 2 * (2 if zero.get("overlap_comm") else 1) if isinstance(elements, (int, float)) else 0.0
 
 
 @dataclass
@@ -260,19 +272,27 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
             report.lines.append(f"model: {cfg.model}, {num_params / 1e6:,.1f}M parameters, {flops / 1e9:.2f} GFLOP/token, "
                                 f"ZeRO stage {stage}{', optimizer offload' if off_opt else ''}"
                                 f"{', parameter offload' if off_par else ''}")
-            fused = use_fused_kernels(cfg.fused_kernels, True)
-            total = (model_state_bytes(num_params, world, stage, off_opt, off_par, bf16)
+            # Where the run starts, the fused loss is what this machine can run; on a login node, what the GPU nodes
+            # will run by default (the run's own start checks again with what they have).
+            here = cuda or on_training_hardware
+            fused = use_fused_kernels(cfg.fused_kernels, True) if here else cfg.fused_kernels != "off"
+            total = (model_state_bytes(num_params, world, stage, off_opt, off_par, bf16) + bucket_bytes(ds)
                      + activation_bytes(mconf, seq_len, micro, cfg.gradient_checkpointing, fused, bf16))
             memory, where = gpu_memory_gib()
             report.lines.append(f"memory: ~{total / GIB:.1f} GiB per GPU estimated (model states + activations); "
                                 f"GPU: {f'{memory:.0f} GiB' if memory else where}")
+            if fused and not here and not use_fused_kernels(cfg.fused_kernels, True):
+                logits = activation_bytes(mconf, seq_len, micro, False, False, bf16) - activation_bytes(
+                    mconf, seq_len, micro, False, True, bf16)
+                report.lines.append(f"memory: assumes Liger's fused cross-entropy on the GPU nodes (not installed "
+                                    f"here); without it the logits add ~{logits / GIB:.0f} GiB")
             if memory and 0.92 * memory * GIB < total <= memory * GIB:
                 report.notes.append(f"the memory estimate is within 8% of the GPU's {memory:.0f} GiB: expect little headroom")
             if memory and total > memory * GIB:
                 report.problems.append(Problem(
                     "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
                     f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
-                    _cheapest_fit(num_params, mconf, world, seq_len, micro, bf16, fused, memory)))
+                    _cheapest_fit(num_params, mconf, world, seq_len, micro, bf16, fused, memory, bucket_bytes(ds))))
             ckpt_bytes = num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
             _check_checkpoint_dir(cfg, ckpt_bytes, report)
         if check_data:
@@ -309,7 +329,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     return report
 
 
-def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, memory_gib) -> str:
+def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, memory_gib, buckets: float) -> str:
     """The first configuration, in order of speed, whose estimate fits in 92% of the GPU."""
     candidates = []
     m = micro
@@ -325,6 +345,7 @@ def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, memory_gib)
                               3, True, True, 1, True)]
     for plan in candidates:
         need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16)
+                + (buckets if plan.zero_stage == 2 and not plan.offload_optimizer else 0.0)
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16))
         if need <= 0.92 * memory_gib * GIB:
             return f"cheapest configuration that fits (~{need / GIB:.0f} GiB): {plan.label}"
