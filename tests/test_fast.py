@@ -130,13 +130,13 @@ def test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function(monkeypat
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
     fast._liger_flce_original.cache_clear()
     try:
-        fast._set_flce_chunk_budget("auto", log=lambda m: None)
+        fast._set_flce_chunk_budget(fast.flce_chunk_budget({"flce_chunk": "auto"}), log=lambda m: None)
         wrapped = functional.liger_fused_linear_cross_entropy
         wrapped(1, 2, 3)
         wrapped(1, 2, 3, chunk_mem_const=2)
         assert seen == [fast.FLCE_CHUNK_AUTO, 2]
         assert "chunk_mem_const" in inspect.signature(wrapped).parameters
-        fast._set_flce_chunk_budget("4", log=lambda m: None)  # applied twice: wraps the original, not the wrapper
+        fast._set_flce_chunk_budget(fast.flce_chunk_budget({"flce_chunk": "4"}), log=lambda m: None)  # applied twice: wraps the original, not the wrapper
         functional.liger_fused_linear_cross_entropy(1, 2, 3)
         assert seen[-1] == 4
     finally:

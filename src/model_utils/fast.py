@@ -15,7 +15,7 @@ variant and docs/PERFORMANCE.md records what each one measured):
   DSLM_LIGER=auto|all|flce       which Liger kernels `--fused_kernels` applies: all four, or only the fused linear
                                  cross-entropy. `auto`: flce when layers are compiled, else all.
   DSLM_ATTN=auto|fa4|sdpa        attention kernel. `fa4`: FlashAttention-4's CuTe kernels (package flash-attn-4, the
-                                 project's [gpu] extra) for causal attention without a mask on Hopper/Blackwell
+                                 project's [fa4] extra) for causal attention without a mask on Hopper/Blackwell
                                  (compute capability 9.x/10.x), wrapped as a torch custom op so compiled layers call
                                  it as one opaque kernel; anything else (a padding mask, fp32, another GPU) goes to
                                  SDPA. `auto` = sdpa: on an H100 PyTorch 2.11's SDPA already runs cuDNN's attention,
@@ -36,7 +36,7 @@ variant and docs/PERFORMANCE.md records what each one measured):
   DSLM_OVERFLOW_CHECK=auto|norm|scan
                                  how ZeRO-1/2 (bf16, `check_grad_overflow`) finds a non-finite gradient. DeepSpeed
                                  scans every gradient tensor (amax, amin, isfinite...: ~7 kernel launches per tensor,
-                                 ~45 ms of host time per step for Qwen3-0.6B's 310 tensors, while the GPU idles) and
+                                 ~43 ms of host time per step for Qwen3-0.6B's 310 tensors, while the GPU idles) and
                                  then computes the global gradient norm, whose non-finite value marks the step as
                                  overflowed by itself (stage_1_and_2.step: is_invalid_grad_norm). `norm` skips the
                                  scan wherever the norm is computed (gradient clipping on, no CPU offload), so the
@@ -81,7 +81,7 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str = "auto") -> s
 
 
 def lever_settings() -> dict:
-    """The environment switches, validated: {'compile': ..., 'liger': ..., 'sdpa': ..., 'attn': ...}."""
+    """The environment switches above, validated, by short name ('compile', 'liger', ..., 'activation_budget')."""
     return {"compile": _env_choice("DSLM_COMPILE", COMPILE_CHOICES),
             "liger": _env_choice("DSLM_LIGER", LIGER_CHOICES),
             "sdpa": _env_choice("DSLM_SDPA", SDPA_CHOICES),
@@ -117,7 +117,7 @@ def fused_kernels_problem(setting: str, cuda: bool) -> Problem | None:
         reason = fa4_unavailable_reason()
         if reason:
             return Problem("DSLM_ATTN", "fa4", reason, "pip install flash-attn-4 on a Hopper/Blackwell GPU, or use "
-                           "DSLM_ATTN=auto (FlashAttention-4 where it can run, SDPA elsewhere)")
+                           "DSLM_ATTN=auto (SDPA)")
     return None
 
 
@@ -139,7 +139,7 @@ def _decoder_layers(model):
     return getattr(base, "layers", None)
 
 
-def _compile_layers(model, log) -> bool:
+def _compile_layers(model, budget: float, log) -> bool:
     import torch
 
     layers = _decoder_layers(model)
@@ -151,7 +151,6 @@ def _compile_layers(model, log) -> bool:
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4 * len(layers) + 8))
-    budget = lever_settings()["activation_budget"]
     if budget < 1.0 and hasattr(torch._functorch.config, "activation_memory_budget"):  # torch >= 2.4
         torch._functorch.config.activation_memory_budget = budget
     for layer in layers:
@@ -303,11 +302,11 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
             log("kernels: Liger fused RoPE, RMSNorm, SwiGLU and linear cross-entropy enabled")
         else:
             _apply_liger_flce_only(model, log)
-        _set_flce_chunk_budget(settings["flce_chunk"], log)
+        _set_flce_chunk_budget(flce_chunk_budget(settings), log)
         if zero3:
             _register_lm_head_for_zero3(model, log)
     if compiled:
-        _compile_layers(model, log)
+        _compile_layers(model, settings["activation_budget"], log)
     if cuda and settings["sdpa"] != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
         _sdpa_wrap(model, settings["sdpa"], log)  # also the fall-back path of FlashAttention-4
     if use_fa4(cuda, model, settings):
@@ -337,7 +336,13 @@ def _liger_flce_original():
     return functional.liger_fused_linear_cross_entropy
 
 
-def _set_flce_chunk_budget(setting: str, log) -> None:
+def flce_chunk_budget(settings: dict | None = None) -> int:
+    """DSLM_FLCE_CHUNK as Liger's chunk_mem_const (also what preflight's memory estimate counts)."""
+    setting = (settings or lever_settings())["flce_chunk"]
+    return FLCE_CHUNK_AUTO if setting == "auto" else int(setting)
+
+
+def _set_flce_chunk_budget(budget: int, log) -> None:
     """Make `chunk_mem_const` the default of the function Liger's model losses call (looked up at call time)."""
     from liger_kernel.transformers import functional
 
@@ -345,7 +350,6 @@ def _set_flce_chunk_budget(setting: str, log) -> None:
     if "chunk_mem_const" not in inspect.signature(original).parameters:
         log("kernels: this liger-kernel has no chunk_mem_const; its fused cross-entropy keeps its own chunking")
         return
-    budget = FLCE_CHUNK_AUTO if setting == "auto" else int(setting)
 
     @functools.wraps(original)  # keeps the signature, which Liger's loss inspects to filter its kwargs
     def fused_linear_cross_entropy(*args, chunk_mem_const: int = budget, **kwargs):

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .arguments import ConfigError, Problem, TrainConfig, validate_args
-from .fast import FLCE_CHUNK_AUTO
 
 GIB = 1024**3
 SAMPLE_DOCUMENTS = 200
@@ -137,7 +136,8 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     return params_b + grads_b + opt_b
 
 
-def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool) -> float:
+def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
+                     chunk_budget: int) -> float:
     """Korthikanti et al. with flash attention: ~34·s·b·h bytes per layer (16-bit), sized up for Qwen3's 3h MLP and GQA;
     full recomputation keeps only each layer's input (2·s·b·h) plus one layer's working set. Logits: 16-bit logits,
     their fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
@@ -147,7 +147,7 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     scale = 1 if bf16 else 2
     acts = (layers * 2 * micro * seq_len * h + per_layer) if checkpointing else layers * per_layer
     # Fused: one chunk of transient 16-bit logits (the chunk budget, fast.py's DSLM_FLCE_CHUNK, in hidden-state sizes).
-    logits = (FLCE_CHUNK_AUTO * micro * seq_len * h * 2 if fused_ce
+    logits = (chunk_budget * micro * seq_len * h * 2 if fused_ce
               else micro * seq_len * config.vocab_size * (2 + 4 + 4))
     return acts * scale + logits
 
@@ -197,7 +197,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
 
     from . import ds_config as dsc
     from .checkpoint import ResumeError, find_resume_checkpoint, resolve_explicit
-    from .fast import fused_kernels_problem, use_fused_kernels
+    from .fast import FLCE_CHUNK_AUTO, flce_chunk_budget, fused_kernels_problem, use_fused_kernels
     from .models import (FlopsModel, check_vocab_covers_tokenizer, default_seq_len, is_preset, model_config)
     from .tokenizer import load_tokenizer
     from .train_utils import bf16_supported
@@ -276,14 +276,18 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
             # will run by default (the run's own start checks again with what they have).
             here = cuda or on_training_hardware
             fused = use_fused_kernels(cfg.fused_kernels, True) if here else cfg.fused_kernels != "off"
+            try:
+                chunk = flce_chunk_budget()
+            except ValueError:  # a bad DSLM_* value, already reported by fused_kernels_problem
+                chunk = FLCE_CHUNK_AUTO
             total = (model_state_bytes(num_params, world, stage, off_opt, off_par, bf16) + bucket_bytes(ds)
-                     + activation_bytes(mconf, seq_len, micro, cfg.gradient_checkpointing, fused, bf16))
+                     + activation_bytes(mconf, seq_len, micro, cfg.gradient_checkpointing, fused, bf16, chunk))
             memory, where = gpu_memory_gib()
             report.lines.append(f"memory: ~{total / GIB:.1f} GiB per GPU estimated (model states + activations); "
                                 f"GPU: {f'{memory:.0f} GiB' if memory else where}")
             if fused and not here and not use_fused_kernels(cfg.fused_kernels, True):
-                logits = activation_bytes(mconf, seq_len, micro, False, False, bf16) - activation_bytes(
-                    mconf, seq_len, micro, False, True, bf16)
+                logits = activation_bytes(mconf, seq_len, micro, False, False, bf16, chunk) - activation_bytes(
+                    mconf, seq_len, micro, False, True, bf16, chunk)
                 report.lines.append(f"memory: assumes Liger's fused cross-entropy on the GPU nodes (not installed "
                                     f"here); without it the logits add ~{logits / GIB:.0f} GiB")
             if memory and 0.92 * memory * GIB < total <= memory * GIB:
@@ -292,7 +296,8 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
                 report.problems.append(Problem(
                     "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
                     f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
-                    _cheapest_fit(num_params, mconf, world, seq_len, micro, bf16, fused, memory, bucket_bytes(ds))))
+                    _cheapest_fit(num_params, mconf, world, seq_len, micro, bf16, fused, chunk, memory,
+                                  bucket_bytes(ds))))
             ckpt_bytes = num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
             _check_checkpoint_dir(cfg, ckpt_bytes, report)
         if check_data:
@@ -329,7 +334,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     return report
 
 
-def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, memory_gib, buckets: float) -> str:
+def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, buckets: float) -> str:
     """The first configuration, in order of speed, whose estimate fits in 92% of the GPU."""
     candidates = []
     m = micro
@@ -346,7 +351,7 @@ def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, memory_gib,
     for plan in candidates:
         need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16)
                 + (buckets if plan.zero_stage == 2 and not plan.offload_optimizer else 0.0)
-                + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16))
+                + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk))
         if need <= 0.92 * memory_gib * GIB:
             return f"cheapest configuration that fits (~{need / GIB:.0f} GiB): {plan.label}"
     return "nothing fits on this many GPUs: use more GPUs (ZeRO-3 divides the model states by their number)"
