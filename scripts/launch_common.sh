@@ -278,9 +278,11 @@ build_trainer_args() {
 
 # PREFLIGHT=1: the trainer's checks with this machine's Python, no allocation.
 run_preflight() {
-    activate_venv
-    CONTAINER=0 resolve_python
-    check_python
+    if [[ $CONTAINER == 1 ]]; then  # the checks run on this host, outside the container: its Python
+        activate_venv
+        CONTAINER=0 resolve_python
+        check_python
+    fi
     build_trainer_args "$@"
     show_cmd "$PYTHON" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}"
     [[ $DRY_RUN == 1 ]] && exit 0
@@ -428,8 +430,7 @@ preview_job_step() {
 # Outside SLURM: torchrun --standalone over the local GPUs, or CPU_PROCS processes.
 run_standalone() {
     local gpus nproc
-    check_before_allocation 0
-    [[ $PREFLIGHT == 1 ]] && run_preflight "$@"
+    check_before_allocation "$@"
     build_trainer_args "$@"
     gpus=$(detect_gpus_per_node)
     nproc=$((gpus > 0 ? gpus : CPU_PROCS))
@@ -441,9 +442,9 @@ run_standalone() {
 }
 
 # Before anything is allocated: every check of the settings and the
-# environment; PREFLIGHT=1 then runs the trainer's own checks here and exits.
-check_before_allocation() { # check_before_allocation CONTAINER(0|1)
-    CONTAINER=$1
+# environment (CONTAINER says which); PREFLIGHT=1 then runs the trainer's own
+# checks here and exits.
+check_before_allocation() { # check_before_allocation TRAINER_ARGS...
     check_settings
     if [[ $CONTAINER == 1 ]]; then
         [[ -z $CUDA_VERSION ]] || log "CUDA_VERSION=$CUDA_VERSION ignored: the container image brings its CUDA"
@@ -454,6 +455,8 @@ check_before_allocation() { # check_before_allocation CONTAINER(0|1)
         resolve_python
         check_python
     fi
+    [[ $PREFLIGHT == 1 ]] && run_preflight "$@"
+    return 0
 }
 
 # The sbatch launchers: inside the batch job, run the training step; outside,
@@ -468,8 +471,7 @@ sbatch_main() { # sbatch_main SCRIPT CONTAINER(0|1) TRAINER_ARGS...
         run_job_step "$@"
         return
     fi
-    check_before_allocation "$CONTAINER"
-    [[ $PREFLIGHT == 1 ]] && run_preflight "$@"
+    check_before_allocation "$@"
     check_node_count "${NODES:-$(sed -n 's/^#SBATCH --nodes=//p' "$script")}"
     request_gpus partition "$PARTITION"
     local submit=(sbatch ${PARTITION:+--partition="$PARTITION"} ${NODES:+--nodes="$NODES"} "${GRES_ARGS[@]}")
@@ -499,8 +501,7 @@ single_node_main() { # single_node_main CONTAINER(0|1) [NODE] TRAINER_ARGS...
         run_standalone "$@"
     fi
     [[ -z $node ]] || check_node_exists "$node"
-    check_before_allocation "$CONTAINER"
-    [[ $PREFLIGHT == 1 ]] && run_preflight "$@"
+    check_before_allocation "$@"
     if [[ -n $node ]]; then
         request_gpus node "$node"
     else

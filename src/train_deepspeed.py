@@ -73,8 +73,9 @@ def setup(cfg: TrainConfig, dist) -> Run:
     raise_on_problems(report)
     for note in report.notes:
         log.warn(note)
-    tokenizer, mconf, ds, seq_len, resume_info = (report.tokenizer, report.model_config, report.ds_config,
-                                                  report.seq_len, report.resume)
+    tokenizer, mconf, ds, seq_len = report.tokenizer, report.model_config, report.ds_config, report.seq_len
+    # Rank 0's choice of checkpoint for all: a save or a retention delete in between must not split the ranks.
+    resume_info = dist.broadcast_object(report.resume)
     prepare_ds_monitor(ds, cfg.checkpoint_dir)
     log.info(describe_ds_config(ds))
 

@@ -31,6 +31,20 @@ CTLD_PORT = 16817  # not SLURM's 6817, so that a real installation is left alone
 SLURMD_PORTS = (17001, 17002)
 BASE_DIR = Path("/tmp") / f"dslm-slurm-{os.getuid()}"
 HOSTS_MARK = "# deepspeed-lm-trainer test cluster"
+# Every launcher setting, read from where it is defined (scripts/launch_common.sh: `: "${NAME:=default}"`), plus the
+# one the launchers normalise without defining.
+_LIBRARY = (REPO_ROOT / "scripts/launch_common.sh").read_text()
+LAUNCHER_SETTINGS = sorted(set(re.findall(r'^: "\$\{([A-Z_]+):=', _LIBRARY, re.M)) | {"TORCH_CUDA_ARCH_LIST"})
+
+
+def clean_env(**overrides) -> dict:
+    """This environment without launcher settings or SLURM job variables, plus overrides."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_SETTINGS and not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_"))}
+    env.update(overrides)
+    return env
+
+
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
                 "PREEMPTED"}
 
@@ -237,8 +251,7 @@ def slurm_cluster():
     first_job_id = 1000 + int(time.time()) % 60_000_000
     conf.write_text(SLURM_CONF.format(first_job_id=first_job_id, host=host, base=BASE_DIR, ctld_port=CTLD_PORT, cpus=os.cpu_count() or 1,
                                       port_lo=SLURMD_PORTS[0], port_hi=SLURMD_PORTS[1]))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_"))}
-    env["SLURM_CONF"] = str(conf)
+    env = clean_env(SLURM_CONF=str(conf))
     cluster = SlurmCluster(BASE_DIR, conf, env)
 
     started_munge = added_hosts = False

@@ -3,7 +3,6 @@ installed major.minor toolkit instead of failing."""
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
@@ -73,12 +72,6 @@ def test_cuda_version_of_the_toolkit_already_on_path_is_accepted(tmp_path):
     assert ok.returncode == 0 and "the toolkit already on PATH" in ok.stdout, ok.stderr
     bad = lib("select_cuda", CUDA_ROOT=str(tmp_path), CUDA_VERSION="12.8", PATH=path)
     assert bad.returncode == 1 and "CUDA_VERSION=12.8 is not installed" in bad.stderr
-
-
-@pytest.mark.parametrize("path", [".ci/run", "benchmarks/run_device.sh"])
-def test_other_shell_scripts_are_shellcheck_clean(path):
-    result = subprocess.run(["shellcheck", path], cwd=REPO_ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout
 
 
 @pytest.mark.parametrize("left, seconds, signal_name, requeue", [

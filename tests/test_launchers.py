@@ -16,22 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_fixtures import LAUNCHER_SETTINGS, REPO_ROOT, clean_env
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ["train.sbatch", "train-singlenode.sh", "train-pyxis.sbatch", "train-pyxis-singlenode.sh",
              "setup-pyxis.sh"]
-SHELL_FILES = [*LAUNCHERS, "scripts/launch_common.sh", ".ci/install-system.sh"]
-SETTINGS = ["DATASET", "DATASET_CONFIG_NAME", "LOCAL_DATASET", "MODEL", "TOKENIZER", "MAX_STEPS", "CHECKPOINT_FREQ",
-            "CHECKPOINT_DIR", "DS_CONFIG", "SEQ_LEN", "OUTPUT_DIR", "GPUS_PER_NODE", "CPU_PROCS", "NODES", "PARTITION",
-            "MASTER_PORT", "PYTHON", "VENV", "CUDA_VERSION", "CUDA_ROOT", "CONTAINER_IMAGE", "CONTAINER_MOUNTS",
-            "CONTAINER_ENGINE", "IMAGE_TAG", "BASE_IMAGE", "DRY_RUN", "PREFLIGHT", "TORCH_CUDA_ARCH_LIST"]
-
-
-def clean_env(**overrides) -> dict:
-    """This environment without launcher settings or SLURM job variables, plus overrides."""
-    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and not k.startswith(("SLURM_", "SBATCH_"))}
-    env.update(overrides)
-    return env
+SHELL_FILES = [*LAUNCHERS, "scripts/launch_common.sh", ".ci/install-system.sh", ".ci/run", "benchmarks/run_device.sh"]
 
 
 def launch(*cmd, cwd=REPO_ROOT, timeout=120, **env) -> subprocess.CompletedProcess:
@@ -79,7 +68,7 @@ def test_launchers_are_executable_and_strict(path):
 
 def test_every_setting_is_defined_once():
     text = (REPO_ROOT / "scripts/launch_common.sh").read_text()
-    for name in SETTINGS:
+    for name in LAUNCHER_SETTINGS:
         if name == "TORCH_CUDA_ARCH_LIST":
             continue
         assert text.count(f': "${{{name}:=') == 1, name

@@ -169,7 +169,6 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
             problems.append(Problem(f"--{name}", value, f"must be an integer {bound}", f"pass --{name} with a value {bound}"))
 
     positive("max_steps")
-    positive("seq_len", optional=True)
     positive("micro_batch_size", optional=True)
     positive("gradient_accumulation_steps", optional=True)
     positive("warmup_steps", allow_zero=True, optional=True)

@@ -177,13 +177,18 @@ def write_token_file(tokenized, path: Path, dtype) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 # Packed blocks and the order they are visited in
 # --------------------------------------------------------------------------------------------------------------------
+def block_count(num_tokens: int, seq_len: int) -> int:
+    """Blocks of seq_len + 1 tokens overlapping by one that num_tokens hold."""
+    return max(0, (num_tokens - 1) // seq_len)
+
+
 class PackedTokens:
     """A flat token array (memory-mapped or in memory) cut into blocks of seq_len + 1 with stride seq_len."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens = tokens
         self.seq_len = seq_len
-        self.num_blocks = max(0, (len(tokens) - 1) // seq_len)
+        self.num_blocks = block_count(len(tokens), seq_len)
 
     def block(self, i: int) -> np.ndarray:
         start = int(i) * self.seq_len
@@ -259,9 +264,14 @@ class PackedData:
         return len(self.train_ids) * self.train.seq_len
 
 
+def held_out_count(num_blocks: int, fraction: float) -> int:
+    """How many of `num_blocks` become validation blocks when the data has no validation split."""
+    return max(1, int(round(num_blocks * fraction))) if fraction > 0 and num_blocks > 1 else 0
+
+
 def _held_out_split(num_blocks: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     ids = np.random.default_rng(HELD_OUT_SEED).permutation(num_blocks)
-    n_val = max(1, int(round(num_blocks * fraction))) if fraction > 0 and num_blocks > 1 else 0
+    n_val = held_out_count(num_blocks, fraction)
     return np.sort(ids[n_val:]), np.sort(ids[:n_val])
 
 
@@ -278,9 +288,10 @@ def cache_dir_for(cfg: TrainConfig, source: DataSource, tokenizer) -> Path:
     return root / "packed" / key
 
 
-def build_token_files(cfg: TrainConfig, tokenizer, out_dir: Path, log=print) -> None:
+def build_token_files(cfg: TrainConfig, tokenizer, out_dir: Path, log=print,
+                      source: DataSource | None = None) -> None:
     """Load, tokenize and write train.bin (and validation.bin when the data has that split). One process only."""
-    source = resolve_source(cfg)
+    source = source or resolve_source(cfg)
     train_ds, val_ds = load_splits(source, cfg)
     dtype = token_dtype(len(tokenizer))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -316,12 +327,15 @@ def open_packed(cfg: TrainConfig, out_dir: Path, seq_len: int) -> PackedData:
     return PackedData(train, train_ids, val, val_ids, desc)
 
 
+DUMMY_VALIDATION_FRACTION = 0.1
+
+
 def dummy_packed(num_blocks: int, seq_len: int, vocab_size: int, seed: int) -> PackedData:
     """Random tokens: a smoke test that needs no dataset (the loss should sit near ln(vocab))."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab_size, size=num_blocks * seq_len + 1, dtype=np.int64).astype(token_dtype(vocab_size))
     packed = PackedTokens(tokens, seq_len)
-    train_ids, val_ids = _held_out_split(packed.num_blocks, 0.1)
+    train_ids, val_ids = _held_out_split(packed.num_blocks, DUMMY_VALIDATION_FRACTION)
     return PackedData(packed, train_ids, packed, val_ids, f"dummy data: {num_blocks} random blocks of {seq_len}")
 
 
@@ -333,9 +347,10 @@ def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print) -> 
     out_dir = None
     if dist.rank == 0:
         try:
-            out_dir = cache_dir_for(cfg, resolve_source(cfg), tokenizer)
+            source = resolve_source(cfg)
+            out_dir = cache_dir_for(cfg, source, tokenizer)
             if not (out_dir / "meta.json").exists():
-                build_token_files(cfg, tokenizer, out_dir, log)
+                build_token_files(cfg, tokenizer, out_dir, log, source)
         except DataError as e:
             error = e
     out_dir, message = dist.broadcast_object((str(out_dir) if out_dir else None, str(error) if error else None))

@@ -81,9 +81,10 @@ def build_model(name: str, config, dtype, attn_implementation: str, gradient_che
     from transformers import AutoModelForCausalLM
 
     if is_preset(name):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    else:  # the config preflight already loaded: no second fetch of config.json
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype,
+                                                     attn_implementation=attn_implementation)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

@@ -208,7 +208,8 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     report.problems += validate_args(cfg)
 
     # --- DeepSpeed config ---
-    raw, problems = dsc.load_json(cfg.resolved_ds_config_path())
+    ds_path = cfg.resolved_ds_config_path()
+    raw, problems = dsc.load_json(ds_path) if ds_path.is_file() else (None, [])  # a missing file: validate_args
     report.problems += problems
 
     # --- tokenizer and model ---
@@ -386,11 +387,12 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
 
 def _check_data(cfg, tokenizer, seq_len, world, micro, report: Report):
     """Resolve the dataset and check the column and tokenization on a sample; exact counts from the cache if built."""
-    from .concat_dataset import DataError, cache_dir_for, resolve_source, tokenize_split
+    from .concat_dataset import (DUMMY_VALIDATION_FRACTION, DataError, block_count, cache_dir_for, held_out_count,
+                                 resolve_source, tokenize_split)
 
     if cfg.dummy_data:
         report.lines.append(f"data: dummy, {cfg.dummy_data} random blocks")
-        blocks = int(cfg.dummy_data * 0.9)
+        blocks = cfg.dummy_data - held_out_count(cfg.dummy_data, DUMMY_VALIDATION_FRACTION)
     elif tokenizer is None:
         return
     else:
@@ -401,9 +403,9 @@ def _check_data(cfg, tokenizer, seq_len, world, micro, report: Report):
                 meta = json.loads((cache / "meta.json").read_text())
                 tokens = meta["tokens"]["train"]
                 report.lines.append(f"data: {source.location}: {tokens:,} tokens (packed cache {cache})")
-                blocks = max(0, (tokens - 1) // seq_len)
+                blocks = block_count(tokens, seq_len)
                 if "validation" not in meta["tokens"]:
-                    blocks -= int(round(blocks * cfg.validation_fraction))
+                    blocks -= held_out_count(blocks, cfg.validation_fraction)
             else:
                 sample, total_docs = _sample(source, cfg)
                 tokenized = tokenize_split(sample, tokenizer, cfg.text_column, 1, "train (sample)")

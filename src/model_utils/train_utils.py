@@ -82,18 +82,19 @@ def distributed_env_problems() -> list[Problem]:
 
 def normalize_cuda_arch_list() -> str | None:
     """DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST with int(); '9.0a' (Hopper's arch-specific target, set by
-    some images) breaks it. Strip letter suffixes ('9.0a' -> '9.0', '10.0f' -> '10.0'); keep '+PTX'."""
+    some images) breaks it. Strip letter suffixes ('9.0a' -> '9.0', '10.0f' -> '10.0'); keep '+PTX'; ';'-separated and
+    de-duplicated, as the launchers' normalize_arch_list (scripts/launch_common.sh) writes it."""
     value = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if not value:
         return value
     parts = []
-    for item in re.split(r"[;\s]+", value.strip()):
+    for item in re.split(r"[;,\s]+", value.strip()):
         if not item:
             continue
         ptx = item.endswith("+PTX")
-        core = re.sub(r"[a-zA-Z]+$", "", item[:-4] if ptx else item)
-        if core and core not in parts:
-            parts.append(core + ("+PTX" if ptx else ""))
+        entry = re.sub(r"[a-zA-Z]+$", "", item[:-4] if ptx else item) + ("+PTX" if ptx else "")
+        if entry and entry != "+PTX" and entry not in parts:
+            parts.append(entry)
     os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(parts)
     return os.environ["TORCH_CUDA_ARCH_LIST"]
 
