@@ -38,7 +38,7 @@ GIB = 1024**3
 # Lever combinations: environment switches read by src/model_utils/fast.py plus trainer flags.
 # "Off" for every lever a variant does not name, so each variant measures exactly its own levers.
 _OFF = {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa", "DSLM_OVERFLOW_CHECK": "scan",
-        "DSLM_FLCE_CHUNK": "1", "DSLM_ACTIVATION_BUDGET": "1.0"}
+        "DSLM_GRAD_NORM": "deepspeed", "DSLM_FLCE_CHUNK": "1", "DSLM_ACTIVATION_BUDGET": "1.0"}
 
 
 def _variant(fused_kernels: str = "auto", **env) -> dict:

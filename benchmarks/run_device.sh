@@ -28,7 +28,8 @@ bench() {  # bench NAME SECONDS_NEEDED ARGS...
   local left=$((BUDGET - ($(date +%s) - START)))
   if [ "$left" -lt "$need" ]; then echo "SKIP $name (left ${left}s < ${need}s)"; return; fi
   echo "=== $name ($(($(date +%s) - START))s)"
-  python3 benchmarks/bench.py --json "$OUT/results.jsonl" --log-dir "$OUT/logs" --write-doc "$OUT/$name.md" "$@" 2>&1 \
+  mkdir -p "$OUT/logs/$name"  # one folder per section: runs of the same name in two sections keep both logs
+  python3 benchmarks/bench.py --json "$OUT/results.jsonl" --log-dir "$OUT/logs/$name" --write-doc "$OUT/$name.md" "$@" 2>&1 \
     | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#)' | cut -c1-400
 }
 case "${PLAN:-h100}" in
@@ -54,4 +55,5 @@ case "${PLAN:-h100}" in
   *) eval "$PLAN" ;;  # a custom plan: shell commands that may call bench()
 esac
 echo "=== done $(($(date +%s) - START))s"
-(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)  # only 8 files come back from $OUT
+# Only 8 files come back from $OUT: everything travels as one archive.
+(cd "$OUT" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz .)

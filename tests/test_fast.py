@@ -37,7 +37,7 @@ def test_lever_switches_validate(monkeypatch):
                 "DSLM_ACTIVATION_BUDGET"):
         monkeypatch.delenv(var, raising=False)
     assert fast.lever_settings() == {"compile": "auto", "liger": "auto", "sdpa": "auto", "attn": "auto",
-                                     "overflow_check": "auto", "flce_chunk": "auto", "activation_budget": 0.9}
+                                     "overflow_check": "auto", "grad_norm": "auto", "flce_chunk": "auto", "activation_budget": 0.9}
     monkeypatch.setenv("DSLM_SDPA", "turbo")
     with pytest.raises(ValueError, match="DSLM_SDPA"):
         fast.lever_settings()
@@ -145,17 +145,18 @@ def test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function(monkeypat
 
 # Runs in a fresh process (DeepSpeed initialises torch.distributed): bf16 ZeRO-2 on CPU, the same optimizer class and
 # step() as on GPUs. A NaN loss, then an inf in one gradient tensor only (a hook on the last layer's bias), then a
-# finite step: both overflow checks must skip the same steps and leave bitwise-equal parameters.
+# finite step: both overflow checks must skip the same steps and leave bitwise-equal parameters; the multi-tensor
+# gradient norm must give DeepSpeed's norm (and the same clipped update) to fp32 rounding.
 OVERFLOW_SCRIPT = r"""
 import json, os, sys, torch
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-os.environ["DSLM_OVERFLOW_CHECK"] = sys.argv[1]
+os.environ["DSLM_OVERFLOW_CHECK"], os.environ["DSLM_GRAD_NORM"] = sys.argv[1].split("+")
 sys.path.insert(0, sys.argv[3])
 import deepspeed
 from model_utils import fast
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
       "bf16": {"enabled": True, "check_grad_overflow": True},
       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
       "zero_optimization": {"stage": 2}}
@@ -165,7 +166,7 @@ poison = {"on": False}
 engine.module[2].bias.register_hook(lambda g: g.masked_fill(torch.ones_like(g, dtype=torch.bool), float("inf"))
                                     if poison["on"] else g)
 x = torch.randn(2, 16, dtype=torch.bfloat16)
-steps = []
+steps, norms = [], []
 for kind in ("finite", "nan_loss", "inf_in_one_tensor", "finite"):
     before = [p.detach().clone() for p in engine.module.parameters()]
     poison["on"] = kind == "inf_in_one_tensor"
@@ -174,17 +175,20 @@ for kind in ("finite", "nan_loss", "inf_in_one_tensor", "finite"):
     engine.step()
     updated = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
     steps.append({"kind": kind, "updated": updated, "skipped_steps": engine.skipped_steps})
+    norms.append(float(engine.get_global_grad_norm()))
 params = [p.detach().float().flatten().tolist() for p in engine.module.parameters()]
-print("RESULT " + json.dumps({"streamlined": streamlined, "steps": steps, "params": params}))
+patched = sorted(k for k in ("check_overflow", "get_grad_norm_direct") if k in vars(engine.optimizer))
+print("RESULT " + json.dumps({"streamlined": streamlined, "patched": patched, "steps": steps, "params": params,
+                              "norms": norms}))
 """
 
 
-def test_norm_overflow_check_skips_the_same_steps_as_deepspeeds_scan():
+def test_streamlined_zero_step_skips_and_clips_like_deepspeed():
     import json
     import socket
 
     results = {}
-    for mode in ("norm", "scan"):
+    for mode in ("scan+deepspeed", "norm+deepspeed", "norm+foreach"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -193,11 +197,20 @@ def test_norm_overflow_check_skips_the_same_steps_as_deepspeeds_scan():
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         assert line, out.stdout[-2000:] + out.stderr[-3000:]
         results[mode] = json.loads(line[len("RESULT "):])
-    assert results["norm"]["streamlined"] and not results["scan"]["streamlined"]
-    assert [s["updated"] for s in results["norm"]["steps"]] == [True, False, False, True]
-    assert results["norm"]["steps"] == results["scan"]["steps"]
-    assert results["norm"]["steps"][-1]["skipped_steps"] == 2
-    assert results["norm"]["params"] == results["scan"]["params"]
+    scan, norm, foreach = results["scan+deepspeed"], results["norm+deepspeed"], results["norm+foreach"]
+    assert (scan["patched"], norm["patched"]) == ([], ["check_overflow"])
+    assert foreach["patched"] == ["check_overflow", "get_grad_norm_direct"]
+    assert [s["updated"] for s in norm["steps"]] == [True, False, False, True]
+    assert norm["steps"] == scan["steps"] == foreach["steps"]
+    assert norm["steps"][-1]["skipped_steps"] == 2
+    assert norm["params"] == scan["params"]
+    # The clipping threshold (0.05) is below the norms, so the update depends on the norm's value.
+    finite = [i for i, s in enumerate(scan["steps"]) if s["updated"]]
+    assert all(scan["norms"][i] > 0.05 for i in finite)
+    for i in finite:
+        assert abs(foreach["norms"][i] - scan["norms"][i]) <= 1e-5 * scan["norms"][i]
+    flat = lambda r: [x for p in r["params"] for x in p]  # noqa: E731
+    assert max(abs(a - b) for a, b in zip(flat(foreach), flat(scan))) <= 1e-2 * max(abs(x) for x in flat(scan))
 
 
 def test_compile_only_with_cuda_and_not_under_zero3():

@@ -41,6 +41,13 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  overflowed by itself (stage_1_and_2.step: is_invalid_grad_norm). `norm` skips the
                                  scan wherever the norm is computed (gradient clipping on, no CPU offload), so the
                                  step is still skipped, on every rank; `scan` keeps DeepSpeed's. `auto` = norm.
+  DSLM_GRAD_NORM=auto|foreach|deepspeed
+                                 how ZeRO-1/2 computes the global gradient norm. DeepSpeed casts each gradient tensor
+                                 to fp64 and takes its norm one tensor at a time (two launches and an fp64 copy per
+                                 tensor, while the GPU waits at the start of the step); `foreach` takes all norms in
+                                 one multi-tensor launch (torch._foreach_norm, fp32 accumulation, fp64 result) and
+                                 keeps DeepSpeed's all-reduce and inf/NaN marking. Only without model or pipeline
+                                 parallelism. `auto` = foreach.
   DSLM_SDPA=auto|cudnn|flash|efficient|math
                                  SDPA backend tried first (the others stay as fall-backs, so an unsupported shape
                                  still runs). `auto` leaves PyTorch's order.
@@ -63,6 +70,7 @@ LIGER_CHOICES = ("auto", "all", "flce")
 SDPA_CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
 ATTN_CHOICES = ("auto", "fa4", "sdpa")
 OVERFLOW_CHECK_CHOICES = ("auto", "norm", "scan")
+GRAD_NORM_CHOICES = ("auto", "foreach", "deepspeed")
 FLCE_CHUNK_CHOICES = ("auto", "1", "2", "4", "8", "16")
 FLCE_CHUNK_AUTO = 8
 ACTIVATION_BUDGET_DEFAULT = 0.9
@@ -87,6 +95,7 @@ def lever_settings() -> dict:
             "sdpa": _env_choice("DSLM_SDPA", SDPA_CHOICES),
             "attn": _env_choice("DSLM_ATTN", ATTN_CHOICES),
             "overflow_check": _env_choice("DSLM_OVERFLOW_CHECK", OVERFLOW_CHECK_CHOICES),
+            "grad_norm": _env_choice("DSLM_GRAD_NORM", GRAD_NORM_CHOICES),
             "flce_chunk": _env_choice("DSLM_FLCE_CHUNK", FLCE_CHUNK_CHOICES),
             "activation_budget": _activation_budget()}
 
@@ -370,21 +379,62 @@ def _register_lm_head_for_zero3(model, log):
 
 
 def streamline_zero_step(engine, log) -> bool:
-    """DSLM_OVERFLOW_CHECK=norm: let the global gradient norm, not a per-tensor scan, find non-finite gradients."""
-    if lever_settings()["overflow_check"] == "scan":
-        return False
+    """The ZeRO-1/2 step's host-bound parts: DSLM_OVERFLOW_CHECK=norm and DSLM_GRAD_NORM=foreach (both `auto`).
+    Returns whether either was applied."""
     try:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     except ImportError:
         return False
     opt = getattr(engine, "optimizer", None)
-    applicable = (isinstance(opt, DeepSpeedZeroOptimizer) and getattr(opt, "check_grad_overflow", False)
-                  and getattr(opt, "compute_grad_norm", False) and not getattr(opt, "cpu_offload", True)
-                  and callable(getattr(opt, "check_overflow", None)))
+    if not isinstance(opt, DeepSpeedZeroOptimizer):
+        return False
+    settings = lever_settings()
+    applied = False
+    if settings["grad_norm"] != "deepspeed":
+        applied |= _foreach_grad_norm(opt, engine.module, log)
+    if settings["overflow_check"] != "scan":
+        applied |= _norm_overflow_check(opt, log)
+    return applied
+
+
+def _norm_overflow_check(opt, log) -> bool:
+    """Let the global gradient norm, not a per-tensor scan, find non-finite gradients."""
+    applicable = (getattr(opt, "check_grad_overflow", False) and getattr(opt, "compute_grad_norm", False)
+                  and not getattr(opt, "cpu_offload", True) and callable(getattr(opt, "check_overflow", None)))
     if not applicable:
         return False
     # DeepSpeedZeroOptimizer.step sets overflow = False, calls check_overflow, then marks the step overflowed when the
     # (all-reduced) norm is inf/NaN; a no-op check leaves that second test as the only one.
     opt.check_overflow = lambda partition_gradients=True: None
     log("zero: non-finite gradients found through the global gradient norm (per-tensor overflow scan skipped)")
+    return True
+
+
+def _foreach_grad_norm(opt, module, log) -> bool:
+    """Replace get_grad_norm_direct (an fp64 copy and a norm per gradient tensor) by one multi-tensor norm, keeping
+    its all-reduce and its -1 marking of an inf/NaN norm. Only where every rank counts every gradient it holds: no
+    model parallel group and no pipeline-replicated parameters (DeepSpeed's filters for those are not repeated)."""
+    import torch
+
+    original = getattr(opt, "get_grad_norm_direct", None)
+    if (original is None or not hasattr(torch, "_foreach_norm") or getattr(opt, "model_parallel_group", None) is not None
+            or any(getattr(p, "ds_pipe_replicated", False) for p in module.parameters())):
+        return False
+    from deepspeed import comm as dist
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        grads = [g.detach() for g in gradients if not getattr(g, "_zero_padding", False)]
+        if float(norm_type) != 2.0 or not grads:
+            return original(gradients, params, norm_type)
+        norms = torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype())
+        total = torch.stack(norms).pow(2).sum().float()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
+        total = total.pow(0.5)
+        mask_nan_or_inf_with_val_inplace(total, device=opt.device)
+        return total
+
+    opt.get_grad_norm_direct = get_grad_norm_direct
+    log("zero: global gradient norm in one multi-tensor launch (torch._foreach_norm)")
     return True
