@@ -417,6 +417,20 @@ def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None) -> dict:
     return {"error": reason, "tail": tail, "wall_s": wall}
 
 
+def run_jobs(jobs: list[dict], run, report) -> list[dict]:
+    """Run the jobs in order; once a run goes out of memory at a micro-batch, that run's larger micro-batches are
+    skipped (they cannot fit either), so a sweep spends no device time on them."""
+    results, out_of_memory_at = [], {}  # variant -> the smallest micro-batch that ran out of memory
+    for job in jobs:
+        mb, oom_mb = job.get("micro_batch_size") or 0, out_of_memory_at.get(job["variant"])
+        r = {"error": f"skipped (out of memory at {oom_mb})"} if oom_mb is not None and mb > oom_mb else run(job)
+        if r.get("error") == "out of memory" and mb:
+            out_of_memory_at[job["variant"]] = min(mb, oom_mb or mb)
+        results.append(r)
+        report(job, r)
+    return results
+
+
 def make_jobs(a) -> list[dict]:
     base = {"model": a.model, "seq_len": a.seq_len, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
             "ds_config": a.ds_config, "zero_stage": a.zero_stage, "gradient_checkpointing": a.gradient_checkpointing,
@@ -488,11 +502,14 @@ def best_per_side(jobs: list[dict], results: list[dict]) -> str:
         runs = [(r["tokens_per_s_per_gpu"], j) for j, r in zip(jobs, results) if pick(j) and "error" not in r]
         return max(runs, key=lambda x: x[0]) if runs else None
 
+    def is_peer(j):
+        return j["kind"] == "hf" and j.get("liger") and j.get("attn", "sdpa") == "sdpa"
+
     ours = best(lambda j: j["kind"] == "engine" and j.get("variant") == "default")
-    peer = best(lambda j: j["kind"] == "hf" and j.get("liger") and j.get("attn", "sdpa") == "sdpa")
+    peer = best(is_peer)
     if not ours or not peer or len({j.get("micro_batch_size") for j in jobs}) < 2:
         return ""
-    failed = sorted(j["micro_batch_size"] for j, r in zip(jobs, results) if "error" in r and j["kind"] == "hf")
+    failed = sorted(j["micro_batch_size"] for j, r in zip(jobs, results) if "error" in r and is_peer(j))
     return (f"Best micro-batch each: default path {ours[0]:,.0f} tokens/s at {ours[1]['micro_batch_size']}, HF + Liger "
             f"{peer[0]:,.0f} at {peer[1]['micro_batch_size']}" + (f" (failed at {failed})" if failed else "")
             + f": {ours[0] / peer[0]:.2f}x")
@@ -580,10 +597,8 @@ def main(argv=None) -> int:
     vers = versions()
     command = "python benchmarks/bench.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
     print(f"# {command}\n# {json.dumps(vers)}", flush=True)
-    results = []
-    for job in jobs:
-        r = run_job(job, a.nproc, a.timeout, log_dir)
-        results.append(r)
+
+    def report(job, r):
         short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("losses", "tail")}
         print(f"{job['name']}: {json.dumps(short)}", flush=True)
         if "tail" in r:
@@ -591,6 +606,8 @@ def main(argv=None) -> int:
         if a.json:
             with open(a.json, "a") as f:
                 f.write(json.dumps({"job": job, "result": r, "versions": vers, "nproc": a.nproc, "command": command}) + "\n")
+
+    results = run_jobs(jobs, lambda job: run_job(job, a.nproc, a.timeout, log_dir), report)
     perf = [(j, r) for j, r in zip(jobs, results) if not j["name"].startswith("losscheck")]
     ref_name = next((j["name"] for j, r in perf if j["kind"] == "hf" and j.get("liger") and j.get("attn") == "sdpa"
                      and "error" not in r), None)

@@ -33,11 +33,11 @@ bench() {  # bench NAME SECONDS_NEEDED ARGS...
     | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#)' | cut -c1-400
 }
 case "${PLAN:-h100}" in
-  h100)  # the one-H100 evidence: each side at micro-batch 8, 12, 16 in one invocation, Qwen3-4B offloaded, loss
-    bench best 330 --model qwen3-0.6b --micro_batch_size 8 12 16 --steps 6 --warmup 3 --timeout 150 --variants default \
-      --compare-hf --hf-skip noliger --title "Qwen3-0.6B, 1 H100: default path vs HF Trainer + DeepSpeed + Liger at micro-batch 8, 12, 16"
-    bench q4b_offload 150 --model qwen3-4b --ds_config configs/zero2-offload.json --gradient_checkpointing --micro_batch_size 2 --steps 3 --warmup 1 --timeout 300 --variants default --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100"
+  h100)  # the one-H100 table: each side at every micro-batch that fits (4-16), both HF peers, one invocation
+    bench best 480 --model qwen3-0.6b --micro_batch_size 4 8 12 14 16 --steps 6 --warmup 3 --timeout 150 --variants default \
+      --compare-hf --title "Qwen3-0.6B, 1 H100: default path vs HF Trainer + DeepSpeed (with and without Liger), micro-batch 4 to 16"
     bench losscheck 130 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 150 --title "Loss check"
+    bench q4b_offload 150 --model qwen3-4b --ds_config configs/zero2-offload.json --gradient_checkpointing --micro_batch_size 2 --steps 3 --warmup 1 --timeout 300 --variants default --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100"
     ;;
   scale)
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)
@@ -48,6 +48,7 @@ case "${PLAN:-h100}" in
     grep -q "exit\|out of memory" "$OUT/q8b_zero3.txt" && bench q8b_zero3_nofused 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 200 --variants nofused --title "Qwen3-8B, ZeRO-3, 4 H200, no fused kernels"
     bench h200_4gpu_z1 55 --nproc 4 --micro_batch_size 8 "${C[@]}" --zero_stage 1 --title "Qwen3-0.6B, 4 H200, ZeRO-1"
     bench hf_mb4 50 --nproc 1 --micro_batch_size 4 --steps 6 --warmup 3 --timeout 120 --variants --compare-hf --hf-skip liger --title "HF Trainer + DeepSpeed without Liger, micro-batch 4, 1 H200"
+    bench losscheck 130 --nproc 1 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 150 --title "Loss check, 1 H200"
     ;;
   size8b)  # the open 8B ZeRO-3 run, logs kept (tarred below)
     bench q8b_zero3 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 240 --variants default nofused --title "Qwen3-8B, ZeRO-3, 4 H200"

@@ -305,6 +305,26 @@ def test_ratios_per_micro_batch_and_best_micro_batch_each():
     best = bench.best_per_side(jobs, results)
     assert "150 tokens/s at 16" in best and "100 at 8" in best and "failed at [16]" in best and best.endswith("1.50x")
     assert bench.best_per_side(jobs[:2], results[:2]) == ""  # one micro-batch: nothing to choose
+    no_liger = {"name": "n16", "kind": "hf", "liger": False, "attn": "sdpa", "micro_batch_size": 16}
+    assert "failed at [16]" in bench.best_per_side(jobs + [no_liger], results + [{"error": "out of memory"}])
+
+
+def test_sweep_skips_larger_micro_batches_after_out_of_memory():
+    import bench
+
+    jobs = [{"name": f"{v}-{mb}", "variant": v, "micro_batch_size": mb} for mb in (4, 8, 12, 16) for v in ("a", "b")]
+    ran = []
+
+    def run(job):
+        ran.append(job["name"])
+        fits = job["micro_batch_size"] <= (12 if job["variant"] == "a" else 4)
+        return {"tokens_per_s_per_gpu": 1.0} if fits else {"error": "out of memory"}
+
+    results = bench.run_jobs(jobs, run, lambda job, r: None)
+    assert ran == ["a-4", "b-4", "a-8", "b-8", "a-12", "a-16"]
+    assert [r.get("error") for r in results] == [None, None, None, "out of memory", None,
+                                                 "skipped (out of memory at 8)", "out of memory",
+                                                 "skipped (out of memory at 8)"]
 
 
 def test_hf_config_has_autos_for_trainer_owned_values(tmp_path):
