@@ -486,13 +486,15 @@ def fmt_row(job: dict, r: dict, ref: dict | None) -> str:
 
 
 def table(jobs: list[dict], results: list[dict], ref_name: str | None) -> str:
-    """One row per run; the ratio is to HF + Liger at the same micro-batch where it ran, else to `ref_name`."""
+    """One row per run. The ratio is to HF + Liger at the same micro-batch ("-" where that did not run: the best
+    micro-batch each is best_per_side's line); without any HF + Liger run, to `ref_name`."""
     by_name = {j["name"]: r for j, r in zip(jobs, results)}
     same_mb = {j.get("micro_batch_size"): r for j, r in zip(jobs, results)
                if j.get("kind") == "hf" and j.get("liger") and j.get("attn", "sdpa") == "sdpa" and "error" not in r}
     lines = ["| run | micro-batch | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT) | MFU (6·LHQT) | peak GiB | step ms "
              f"| vs {'HF + Liger, same micro-batch' if same_mb else ref_name or '-'} |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [fmt_row(j, r, same_mb.get(j.get("micro_batch_size"), by_name.get(ref_name))) for j, r in zip(jobs, results)]
+    lines += [fmt_row(j, r, same_mb.get(j.get("micro_batch_size")) if same_mb else by_name.get(ref_name))
+              for j, r in zip(jobs, results)]
     return "\n".join(lines)
 
 

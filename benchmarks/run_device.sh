@@ -39,16 +39,15 @@ case "${PLAN:-h100}" in
     bench losscheck 130 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 150 --title "Loss check"
     bench q4b_offload 150 --model qwen3-4b --ds_config configs/zero2-offload.json --gradient_checkpointing --micro_batch_size 2 --steps 3 --warmup 1 --timeout 300 --variants default --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100"
     ;;
-  scale)
+  scale)  # per-GPU scaling on 1/2/4 H200 (default path), Qwen3-8B ZeRO-3, the loss check, then the peers if time
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)
-    bench h200_1gpu 100 --nproc 1 --micro_batch_size 8 "${C[@]}" --compare-hf --hf-skip noliger --title "Qwen3-0.6B, 1 H200: default path vs HF Trainer + DeepSpeed + Liger"
+    bench h200_1gpu 60 --nproc 1 --micro_batch_size 8 "${C[@]}" --title "Qwen3-0.6B, 1 H200, default path"
     bench h200_2gpu 50 --nproc 2 --micro_batch_size 8 "${C[@]}" --title "Qwen3-0.6B, 2 H200, default path"
     bench h200_4gpu 55 --nproc 4 --micro_batch_size 8 "${C[@]}" --title "Qwen3-0.6B, 4 H200, default path"
     bench q8b_zero3 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 200 --variants default --title "Qwen3-8B, ZeRO-3, 4 H200"
-    grep -q "exit\|out of memory" "$OUT/q8b_zero3.txt" && bench q8b_zero3_nofused 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 200 --variants nofused --title "Qwen3-8B, ZeRO-3, 4 H200, no fused kernels"
-    bench h200_4gpu_z1 55 --nproc 4 --micro_batch_size 8 "${C[@]}" --zero_stage 1 --title "Qwen3-0.6B, 4 H200, ZeRO-1"
-    bench hf_mb4 50 --nproc 1 --micro_batch_size 4 --steps 6 --warmup 3 --timeout 120 --variants --compare-hf --hf-skip liger --title "HF Trainer + DeepSpeed without Liger, micro-batch 4, 1 H200"
     bench losscheck 130 --nproc 1 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 150 --title "Loss check, 1 H200"
+    bench h200_1gpu_hf 90 --nproc 1 --micro_batch_size 8 --steps 6 --warmup 3 --timeout 150 --variants --compare-hf --title "HF Trainer + DeepSpeed (with and without Liger), micro-batch 8, 1 H200"
+    bench h200_4gpu_z1 55 --nproc 4 --micro_batch_size 8 "${C[@]}" --zero_stage 1 --title "Qwen3-0.6B, 4 H200, ZeRO-1"
     ;;
   size8b)  # the open 8B ZeRO-3 run, logs kept (tarred below)
     bench q8b_zero3 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 240 --variants default nofused --title "Qwen3-8B, ZeRO-3, 4 H200"
