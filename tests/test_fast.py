@@ -33,11 +33,12 @@ def test_cuda_arch_list_unset_stays_unset(monkeypatch):
 
 
 def test_lever_switches_validate(monkeypatch):
-    for var in ("DSLM_COMPILE", "DSLM_LIGER", "DSLM_SDPA", "DSLM_ATTN", "DSLM_OVERFLOW_CHECK", "DSLM_FLCE_CHUNK",
-                "DSLM_ACTIVATION_BUDGET"):
+    for var in ("DSLM_COMPILE", "DSLM_LIGER", "DSLM_SDPA", "DSLM_ATTN", "DSLM_OVERFLOW_CHECK", "DSLM_GRAD_NORM",
+                "DSLM_FLCE_CHUNK", "DSLM_ACTIVATION_BUDGET"):
         monkeypatch.delenv(var, raising=False)
     assert fast.lever_settings() == {"compile": "auto", "liger": "auto", "sdpa": "auto", "attn": "auto",
-                                     "overflow_check": "auto", "grad_norm": "auto", "flce_chunk": "auto", "activation_budget": 0.9}
+                                     "overflow_check": "auto", "grad_norm": "auto", "flce_chunk": "auto",
+                                     "activation_budget": 0.9}
     monkeypatch.setenv("DSLM_SDPA", "turbo")
     with pytest.raises(ValueError, match="DSLM_SDPA"):
         fast.lever_settings()
