@@ -13,17 +13,17 @@ ENV TORCH_CUDA_ARCH_LIST=${CUDA_ARCHS} \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# Pin the image's torch build (and its companions) so that pip keeps them, then install the trainer's
-# dependencies and build DeepSpeed's CPU Adam and fused Adam ops ahead of time (the configs use them).
-RUN pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio|triton|pytorch-triton)==' > /tmp/base-constraints.txt \
- && PIP_CONSTRAINT=/tmp/base-constraints.txt DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 \
-    pip install --no-cache-dir --no-build-isolation \
-        deepspeed==0.19.8 transformers==5.23.0 datasets==5.2.0 tqdm==4.70.1 safetensors==0.8.0 \
- && ds_report
-
-# The project itself, without dependencies: the image's torch stays.
+# The project with its dependencies from pyproject.toml (one list; the [gpu] extra brings Liger's fused kernels), the
+# image's torch build and its companions held by a constraint so pip keeps them, the versions this project was tested
+# with held the same way, and DeepSpeed's CPU Adam and fused Adam ops built ahead of time (the configs use them).
 WORKDIR /opt/deepspeed-lm-trainer
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip install --no-cache-dir --no-deps . \
- && rm -rf /tmp/base-constraints.txt
+# The versions are pinned through the constraint file, which hadolint cannot see.
+# hadolint ignore=DL3013
+RUN pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio|triton|pytorch-triton)==' > /tmp/constraints.txt \
+ && printf '%s\n' deepspeed==0.19.8 transformers==5.23.0 datasets==5.2.0 liger-kernel==0.8.5 >> /tmp/constraints.txt \
+ && PIP_CONSTRAINT=/tmp/constraints.txt DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 \
+    pip install --no-cache-dir --no-build-isolation ".[gpu]" \
+ && rm -f /tmp/constraints.txt \
+ && ds_report
