@@ -328,6 +328,11 @@ job_header() { # job_header WORLD_SIZE GPUS_PER_NODE
     done
 }
 
+# One task per GPU; one (CPU, gloo) on a node without GPUs.
+tasks_per_node() { # tasks_per_node GPUS
+    echo $(($1 > 0 ? $1 : 1))
+}
+
 # STEP: the srun command of the training step, TASKS_PER_NODE tasks on each
 # node of the allocation (CONTAINER=1 adds the Pyxis flags).
 compose_job_step() { # compose_job_step TASKS_PER_NODE CPUS_PER_TASK
@@ -392,7 +397,7 @@ run_job_step() {
     resolve_python
     build_trainer_args "$@"
     gpus=$(detect_gpus_per_node)
-    tasks=$((gpus > 0 ? gpus : 1))
+    tasks=$(tasks_per_node "$gpus")
     cpus=${SLURM_JOB_CPUS_PER_NODE:-1}
     cpus=${cpus%%[(,]*}
     mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -420,10 +425,15 @@ run_job_step() {
 preview_job_step() {
     resolve_python
     build_trainer_args "$@"
-    local gpus=${GRES_ARGS[*]:-}
-    gpus=${gpus#--gres=gpu:}
-    compose_job_step "${gpus:-N}" ""
-    echo "# then in the allocation, with MASTER_ADDR its first node${gpus:+:}${gpus:- and N the GPUs nvidia-smi -L counts there (1 without GPU):}"
+    local gpus=${GPUS_PER_NODE:-}  # what the job will use; else the GPUs requested, or N: counted on the node
+    [[ -n $gpus || ${#GRES_ARGS[@]} -eq 0 ]] || gpus=${GRES_ARGS[0]#--gres=gpu:}
+    if [[ -n $gpus ]]; then
+        compose_job_step "$(tasks_per_node "$gpus")" ""
+        echo "# then in the allocation, with MASTER_ADDR its first node:"
+    else
+        compose_job_step N ""
+        echo "# then in the allocation, with MASTER_ADDR its first node and N the GPUs nvidia-smi -L counts there (1 without GPU):"
+    fi
     show_cmd "${STEP[@]}"
 }
 

@@ -186,6 +186,12 @@ def test_dry_run_prints_commands_and_submits_nothing(slurm, tmp_path):
     for launcher in ("./train-pyxis.sbatch", "./train-pyxis-singlenode.sh node1"):
         assert f"--container-image={image} --container-mounts={REPO_ROOT}:{REPO_ROOT} " \
                f"--container-workdir={REPO_ROOT} bash -c" in out[launcher]
+    # A GPU count that is set previews the step the job will run: one task per GPU, one on a node without GPUs.
+    for gpus, tasks in (("0", "1"), ("2", "2")):
+        result = slurm.run("./train.sbatch", env=dict(env, GPUS_PER_NODE=gpus))
+        assert result.returncode == 0, result.stderr
+        assert f"+ srun --ntasks-per-node={tasks} --chdir=" in result.stdout
+    assert slurm.last_job_id() == before
 
 
 def test_job_composes_the_same_training_command_with_and_without_container(slurm, tmp_path):
