@@ -58,6 +58,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     import torch
 
     from model_utils import ds_config as dsc
+    from model_utils.checkpoint import convert_to_universal, needs_universal
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
     from model_utils.fast import apply_fused_kernels, streamline_zero_step
     from model_utils.models import FlopsModel, build_model, gpu_peak_tflops
@@ -80,9 +81,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
     log.info(describe_ds_config(ds))
 
     resume_tag = resume_info.path.name if resume_info else None
-    if resume_info and resume_info.manifest.get("world_size") != dist.world_size and dsc.zero_stage(ds) > 0:
-        # ZeRO partitions optimizer state by rank: go through DeepSpeed's world-size-independent universal format.
-        resume_tag = convert_to_universal(resume_info, dist, log)
+    if resume_info and needs_universal(resume_info, dist.world_size, dsc.zero_stage(ds)):
+        resume_tag = convert_to_universal(resume_info, dist, log.info)
         ds.setdefault("checkpoint", {})["load_universal"] = True
 
     micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
@@ -126,35 +126,10 @@ def setup(cfg: TrainConfig, dist) -> Run:
     return run
 
 
-def convert_to_universal(info, dist, log) -> str:
-    """Convert a checkpoint saved by another number of ranks (once; rank 0) and return the tag to load."""
-    import subprocess
-
-    from model_utils.checkpoint import ResumeError, atomic_write_text
-
-    target = info.path.parent / f"{info.path.name}-universal"
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(info.path),
-               "--output_folder", str(target)]
-    error = None
-    if dist.is_main and not (target / "converted").exists():
-        log.info(f"resume: {info.path.name} was saved by {info.manifest['world_size']} ranks, this run has "
-                 f"{dist.world_size}; converting it to a universal checkpoint: {' '.join(command)}")
-        proc = subprocess.run(command, capture_output=True, text=True)
-        if proc.returncode != 0:
-            error = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
-        else:
-            atomic_write_text(target / "converted", info.path.name)
-    error = dist.broadcast_object(error)
-    if error:
-        raise ResumeError(f"{info.path} was saved by {info.manifest['world_size']} ranks and this run has "
-                          f"{dist.world_size}; converting it failed ({error}). Run it by hand:\n  {' '.join(command)}\n"
-                          "or resume with the original number of ranks")
-    return target.name
-
-
 def load_checkpoint(run: Run, info, tag: str):
     import torch
 
+    from model_utils.checkpoint import rng_state_file
     from model_utils.concat_dataset import DataPosition
     from model_utils.train_utils import set_rng_state
 
@@ -163,7 +138,7 @@ def load_checkpoint(run: Run, info, tag: str):
         raise RuntimeError(f"DeepSpeed could not load {info.path}")
     run.step, run.tokens_seen = client["step"], client["tokens_seen"]
     run.position = DataPosition.from_state_dict(client["data_position"])
-    rng_file = info.path / f"rng_state_rank{run.dist.rank:05d}.pt"
+    rng_file = rng_state_file(info.path, run.dist.rank)
     if info.manifest.get("world_size") != run.dist.world_size:
         run.log.warn("resume: the world size changed, so each rank's RNG state starts fresh (data order and model "
                      "state continue exactly)")

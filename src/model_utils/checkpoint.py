@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +156,45 @@ def resolve_explicit(path: Path, warn) -> CheckpointInfo:
 # --------------------------------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------------------------------
+def rng_state_file(path: Path, rank: int) -> Path:
+    return path / f"rng_state_rank{rank:05d}.pt"
+
+
+# ZeRO partitions the optimizer state by rank, so a checkpoint saved by another number of ranks is loaded through
+# DeepSpeed's world-size-independent universal format, converted once into a sibling directory.
+def universal_dir(path: Path) -> Path:
+    return path.with_name(f"{path.name}-universal")
+
+
+def needs_universal(info: CheckpointInfo, world_size: int, zero_stage: int) -> bool:
+    return info.manifest.get("world_size") != world_size and zero_stage > 0
+
+
+def universal_command(info: CheckpointInfo) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(info.path),
+            "--output_folder", str(universal_dir(info.path))]
+
+
+def convert_to_universal(info: CheckpointInfo, dist, log) -> str:
+    """Convert a checkpoint saved by another number of ranks (once; rank 0) and return the tag to load."""
+    target, command = universal_dir(info.path), universal_command(info)
+    error = None
+    if dist.is_main and not (target / "converted").exists():
+        log(f"resume: {info.path.name} was saved by {info.manifest['world_size']} ranks, this run has "
+            f"{dist.world_size}; converting it to a universal checkpoint: {' '.join(command)}")
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            error = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
+        else:
+            atomic_write_text(target / "converted", info.path.name)
+    error = dist.broadcast_object(error)
+    if error:
+        raise ResumeError(f"{info.path} was saved by {info.manifest['world_size']} ranks and this run has "
+                          f"{dist.world_size}; converting it failed ({error}). Run it by hand:\n  {' '.join(command)}\n"
+                          "or resume with the original number of ranks")
+    return target.name
+
+
 @dataclass
 class SaveContext:
     ckpt_dir: Path
@@ -171,7 +211,7 @@ def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng
         shutil.rmtree(path)  # a leftover from a crash at this same step
     dist.barrier()
     engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    torch.save(rng, path / f"rng_state_rank{dist.rank:05d}.pt")
+    torch.save(rng, rng_state_file(path, dist.rank))
     for f in path.iterdir():
         if f.is_file():
             _fsync_file(f)
@@ -202,7 +242,7 @@ def apply_retention(ckpt_dir: Path, keep_last: int, log):
     for c in found:
         if c.path not in keep and c.step < oldest_kept:
             shutil.rmtree(c.path, ignore_errors=True)
-            shutil.rmtree(c.path.with_name(f"{c.path.name}-universal"), ignore_errors=True)
+            shutil.rmtree(universal_dir(c.path), ignore_errors=True)
             log(f"checkpoint: removed {c.path.name} (keeping the last {keep_last})")
 
 

@@ -196,7 +196,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     import torch
 
     from . import ds_config as dsc
-    from .checkpoint import ResumeError, find_resume_checkpoint, resolve_explicit
+    from .checkpoint import ResumeError, find_resume_checkpoint, needs_universal, resolve_explicit, universal_command
     from .fast import FLCE_CHUNK_AUTO, flce_chunk_budget, fused_kernels_problem, use_fused_kernels
     from .models import (FlopsModel, check_vocab_covers_tokenizer, default_seq_len, is_preset, model_config)
     from .tokenizer import load_tokenizer
@@ -320,10 +320,9 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     if info is not None:
         m = info.manifest
         report.lines.append(f"resume: from {info.path} (step {m['step']})")
-        if ds is not None and m.get("world_size") != world and dsc.zero_stage(ds) > 0:
+        if ds is not None and needs_universal(info, world, dsc.zero_stage(ds)):
             report.notes.append(f"{info.path} was saved by {m.get('world_size')} ranks and this run has {world}: it "
-                                "will be converted to a universal checkpoint (python -m deepspeed.checkpoint."
-                                f"ds_to_universal --input_folder {info.path} --output_folder {info.path}-universal) "
+                                f"will be converted to a universal checkpoint ({' '.join(universal_command(info))}) "
                                 "and loaded with load_universal")
         if m.get("model") not in (None, cfg.model):
             report.problems.append(Problem("--model", cfg.model, f"{info.path} holds a checkpoint of {m.get('model')}",
