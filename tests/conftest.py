@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_fixtures import *  # noqa: E402,F401,F403
+from model_utils.train_utils import free_port  # noqa: E402
 
 # Small and fast, but the real code path: 2 gloo ranks, the tiny Qwen3 preset, the embedded corpus.
 FAST_ARGS = ["--seq_len", "64", "--micro_batch_size", "2", "--eval_iters", "2", "--log_interval", "1",
@@ -42,12 +42,6 @@ def session_cache(tmp_path_factory) -> Path:
     out = cache_dir_for(cfg, resolve_source(cfg), tokenizer)
     build_token_files(cfg, tokenizer, out, log=lambda *_: None)
     return cache
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

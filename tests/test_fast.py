@@ -186,14 +186,12 @@ print("RESULT " + json.dumps({"streamlined": streamlined, "patched": patched, "s
 
 def test_streamlined_zero_step_skips_and_clips_like_deepspeed():
     import json
-    import socket
+
+    from model_utils.train_utils import free_port
 
     results = {}
     for mode in ("scan+deepspeed", "norm+deepspeed", "norm+foreach"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        out = subprocess.run([sys.executable, "-c", OVERFLOW_SCRIPT, mode, str(port), str(REPO / "src")],
+        out = subprocess.run([sys.executable, "-c", OVERFLOW_SCRIPT, mode, str(free_port()), str(REPO / "src")],
                              capture_output=True, text=True, timeout=240)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         assert line, out.stdout[-2000:] + out.stderr[-3000:]

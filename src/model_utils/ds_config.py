@@ -32,9 +32,10 @@ def load_json(path: Path) -> tuple[dict | None, list[Problem]]:
     return data, []
 
 
-def _suggest(key: str, valid) -> str:
+def suggest(key: str, valid, otherwise: str | None = None) -> str:
+    """The fix for an unknown key: the nearest valid one, else `otherwise` (default: the valid keys)."""
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-    return f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(sorted(valid))}"
+    return f"did you mean `{close[0]}`?" if close else otherwise or f"valid keys: {', '.join(sorted(valid))}"
 
 
 def _accepted_params(cls, skip=("self", "optimizer", "params", "last_batch_iteration")) -> dict[str, inspect.Parameter]:
@@ -49,12 +50,12 @@ def check_scheduler(sched: dict, where: str = "scheduler") -> list[Problem]:
     name = sched.get("type")
     if name not in lr_schedules.VALID_LR_SCHEDULES:
         return [Problem(f"{where}.type", name, "is not a DeepSpeed scheduler",
-                        _suggest(str(name), lr_schedules.VALID_LR_SCHEDULES))]
+                        suggest(str(name), lr_schedules.VALID_LR_SCHEDULES))]
     accepted = _accepted_params(getattr(lr_schedules, name))
     for key in sched.get("params", {}):
         if key not in accepted:
             problems.append(Problem(f"{where}.params.{key}", sched["params"][key], f"is not a parameter of {name}",
-                                    _suggest(key, accepted)))
+                                    suggest(key, accepted)))
     for key, p in accepted.items():
         if p.default is inspect.Parameter.empty and key not in sched.get("params", {}):
             problems.append(Problem(f"{where}.params.{key}", None, f"is required by {name}",
@@ -77,7 +78,7 @@ def check_optimizer(opt: dict, where: str = "optimizer") -> list[Problem]:
                                     'move it to the top level as "gradient_clipping"'))
         elif key not in accepted:
             problems.append(Problem(f"{where}.params.{key}", params[key], f"is not a parameter of {name}",
-                                    _suggest(key, accepted)))
+                                    suggest(key, accepted)))
     return problems
 
 

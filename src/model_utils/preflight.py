@@ -8,7 +8,6 @@ the data is checked on a sample (or read from the packed cache when it exists).
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import json
 import os
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .arguments import ConfigError, Problem, TrainConfig, validate_args
+from .ds_config import suggest
 
 GIB = 1024**3
 SAMPLE_DOCUMENTS = 200
@@ -65,8 +65,7 @@ def known_top_level_keys() -> set[str]:
 
 
 def _nearest(key: str, valid) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-    return f"did you mean `{close[0]}`?" if close else "remove it (see https://www.deepspeed.ai/docs/config-json/)"
+    return suggest(key, valid, "remove it (see https://www.deepspeed.ai/docs/config-json/)")
 
 
 def _model_keys(model) -> set[str]:

@@ -58,7 +58,7 @@ class Dist:
         return tensor
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -75,7 +75,7 @@ def distributed_env_problems() -> list[Problem]:
                             "(the project's launchers do this)")]
         env.setdefault("MASTER_PORT", "29500")
     if "RANK" not in env:
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.setdefault("LOCAL_RANK", "0")
     return []
 
