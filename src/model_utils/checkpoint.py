@@ -249,6 +249,14 @@ def apply_retention(ckpt_dir: Path, keep_last: int, log):
 # --------------------------------------------------------------------------------------------------------------------
 # Export to a Hugging Face model directory
 # --------------------------------------------------------------------------------------------------------------------
+def write_hf_model(model, tokenizer, out_dir: Path, state_dict: dict | None = None):
+    """safetensors + config (generation-ready: use_cache on) + tokenizer, for `from_pretrained`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.use_cache = True
+    model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
 def export_hf(engine, model, tokenizer, out_dir: Path, zero_stage: int, dist, log) -> Path | None:
     """Write safetensors + config + tokenizer that `AutoModelForCausalLM.from_pretrained` loads.
 
@@ -262,10 +270,7 @@ def export_hf(engine, model, tokenizer, out_dir: Path, zero_stage: int, dist, lo
     if dist.is_main:
         if not state_dict:
             raise RuntimeError("export produced an empty state dict; refusing to write an empty model")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.config.use_cache = True
-        model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
+        write_hf_model(model, tokenizer, out_dir, state_dict)
         log(f"export: Hugging Face model written to {out_dir}")
     dist.barrier()
     return out_dir

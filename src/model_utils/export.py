@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import ResumeError, resolve_explicit
+from .checkpoint import ResumeError, resolve_explicit, write_hf_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,7 +25,7 @@ def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str =
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from .models import is_preset, model_config
+    from .models import model_config, tokenizer_source
     from .tokenizer import load_tokenizer
 
     info = resolve_explicit(Path(checkpoint), lambda msg: log(f"warning: {msg}"))
@@ -33,8 +33,7 @@ def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str =
     model_name = manifest.get("model")
     if not model_name:
         raise ResumeError(f"{info.path / 'manifest.json'} does not name the model; it was not written by this project")
-    tokenizer_name = manifest.get("tokenizer")
-    tokenizer = load_tokenizer(tokenizer_name if tokenizer_name or is_preset(model_name) else model_name)
+    tokenizer = load_tokenizer(tokenizer_source(manifest.get("tokenizer"), model_name))
     config = model_config(model_name, tokenizer)
     out = Path(output) if output else info.path.parent / "hf"
 
@@ -53,10 +52,7 @@ def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str =
     if missing or unexpected:
         raise RuntimeError(f"{info.path}: weights do not match {model_name}: missing {missing[:5]}, unexpected "
                            f"{unexpected[:5]}")
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.use_cache = True
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    write_hf_model(model, tokenizer, out)
     log(f"export: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({dtype}) written to {out}")
     return out
 

@@ -36,6 +36,11 @@ def is_preset(name: str) -> bool:
     return name.lower() in PRESETS
 
 
+def tokenizer_source(tokenizer: str | None, model: str) -> str | None:
+    """What --tokenizer resolves to: the one given, else the pretrained model's own (a preset has none: the default)."""
+    return tokenizer if tokenizer or is_preset(model) else model
+
+
 def default_seq_len(model: str) -> int:
     if is_preset(model):
         return DEFAULT_SEQ_LEN.get(model.lower(), DEFAULT_SEQ_LEN_QWEN3)
@@ -77,7 +82,6 @@ def check_vocab_covers_tokenizer(config, tokenizer, model_name: str, tokenizer_n
 def build_model(name: str, config, dtype, attn_implementation: str, gradient_checkpointing: bool):
     """Random-init preset (pretraining) or `from_pretrained` (continued training). Under ZeRO-3 the caller enters
     `deepspeed.zero.Init` (through HfDeepSpeedConfig) so parameters are partitioned as they are created."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     if is_preset(name):

@@ -197,7 +197,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     from . import ds_config as dsc
     from .checkpoint import ResumeError, find_resume_checkpoint, needs_universal, resolve_explicit, universal_command
     from .fast import FLCE_CHUNK_AUTO, flce_chunk_budget, fused_kernels_problem, use_fused_kernels
-    from .models import (FlopsModel, check_vocab_covers_tokenizer, default_seq_len, is_preset, model_config)
+    from .models import FlopsModel, check_vocab_covers_tokenizer, default_seq_len, model_config, tokenizer_source
     from .tokenizer import load_tokenizer
     from .train_utils import bf16_supported
 
@@ -214,7 +214,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     # --- tokenizer and model ---
     tokenizer = mconf = None
     try:
-        tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer or is_preset(cfg.model) else cfg.model)
+        tokenizer = load_tokenizer(tokenizer_source(cfg.tokenizer, cfg.model))
     except (OSError, ValueError) as e:
         report.problems.append(Problem("--tokenizer", cfg.tokenizer or cfg.model, f"could not be loaded: {e}".split("\n")[0],
                                        "pass a local tokenizer directory or a hub id reachable from here"))
