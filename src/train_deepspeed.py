@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -63,14 +64,18 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils.fast import apply_fused_kernels, streamline_zero_step
     from model_utils.models import FlopsModel, build_model, gpu_peak_tflops
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
-    from model_utils.preflight import raise_on_problems, run_preflight
+    from model_utils.preflight import merge_rank_problems, raise_on_problems, run_preflight
     from model_utils.train_utils import Logger, seed_everything
 
     log = Logger(dist, Path(cfg.checkpoint_dir) / "metrics.jsonl")
     start_run_log(log, cfg, dist)  # job, nodes, world size, versions, effective flags
     # The preflight's checks (the data aside: prepare_data checks it while building) before anything expensive; what
     # they loaded and resolved (tokenizer, model config, DeepSpeed config, resume point) is what the run uses.
-    report = run_preflight(cfg, dist.world_size, check_data=False, on_training_hardware=True)
+    # Rank 0 alone reads the existing checkpoints; every rank checks its own node, and all stop together on any
+    # rank's problem, which rank 0 reports.
+    report = run_preflight(cfg, dist.world_size, check_data=False, on_training_hardware=True,
+                           scan_checkpoints=dist.is_main)
+    report.problems = merge_rank_problems(dist.all_gather_object((socket.gethostname(), report.problems)))
     raise_on_problems(report)
     for note in report.notes:
         log.warn(note)

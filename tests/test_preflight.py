@@ -216,3 +216,31 @@ def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(t
     proc, _ = preflight_in_process([*base, "--micro_batch_size", "8", "--fused_kernels", "off"],
                                    {"GPU_MEMORY_GIB": "80"}, monkeypatch, capsys)
     assert proc.returncode == 2 and "train_micro_batch_size_per_gpu 4" in proc.stdout
+
+
+def test_problems_of_all_ranks_merge_once_each_with_the_rank_that_found_them():
+    from model_utils.arguments import Problem
+    from model_utils.preflight import merge_rank_problems
+
+    shared = Problem("--model", "x", "unknown model", "pick a preset")
+    disk = Problem("--checkpoint_dir", "/ckpt", "only 3 GiB free", "free space")
+    merged = merge_rank_problems([("node1", [shared]), ("node1", [shared]), ("node2", [shared, disk]),
+                                  ("node2", [disk])])
+    assert [str(p) for p in merged] == [str(shared), str(Problem(disk.setting, disk.value,
+                                                                   "only 3 GiB free (rank 2 on node2)", disk.fix))]
+    assert merge_rank_problems([("node1", []), ("node2", [])]) == []
+
+
+def test_only_the_scanning_rank_reads_checkpoints(tmp_path):
+    """A run's ranks other than 0 skip the checkpoint scan: no resume point and no checkpoint problem of their own."""
+    from model_utils.arguments import parse_args
+    from model_utils.preflight import run_preflight
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-00000004").mkdir(parents=True)  # no manifest: damaged
+    cfg = parse_args(["--model", "tiny", "--checkpoint_dir", str(ckpt), "--dummy_data", "64"])
+    scanned = run_preflight(cfg, 1, check_data=False, on_training_hardware=True)
+    skipped = run_preflight(cfg, 1, check_data=False, on_training_hardware=True, scan_checkpoints=False)
+    assert any(p.setting == "--checkpoint_dir" for p in scanned.problems)
+    assert not any(p.setting == "--checkpoint_dir" for p in skipped.problems) and skipped.resume is None
+    assert skipped.ds_config == scanned.ds_config and skipped.seq_len == scanned.seq_len

@@ -213,10 +213,11 @@ def test_different_world_size_resumes_through_a_universal_checkpoint(baseline, t
 
 
 def test_resume_never_refuses_to_overwrite_existing_checkpoints(baseline, tmp_path):
+    """Two ranks: only rank 0 reads the checkpoints, and both stop on what it found, reported once."""
     ckpt = _copy_tree(baseline.checkpoint_dir, tmp_path / "ckpt")
     before = sorted(os.listdir(ckpt))
-    run = run_trainer(ckpt, [*RESUME_ARGS, "--resume", "never"], nproc=1)
-    assert run.returncode == 2 and "already holds checkpoints" in run.output
+    run = run_trainer(ckpt, [*RESUME_ARGS, "--resume", "never"], nproc=2)
+    assert run.returncodes == [2, 2] and run.output.count("already holds checkpoints") == 1, run.output[-3000:]
     assert sorted(os.listdir(ckpt)) == before
 
 

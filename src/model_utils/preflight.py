@@ -189,13 +189,13 @@ def planned_world_size() -> int:
 
 
 def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: bool = True,
-                  on_training_hardware: bool = False) -> Report:
+                  on_training_hardware: bool = False, scan_checkpoints: bool = True) -> Report:
     """Every check; `on_training_hardware` (the run's own start) decides bf16 "auto" by this machine, where a login
-    node without GPUs assumes the GPU nodes support it."""
+    node without GPUs assumes the GPU nodes support it. `scan_checkpoints` False skips reading the existing
+    checkpoints (a run's ranks other than 0: rank 0 chooses the resume point for all)."""
     import torch
 
     from . import ds_config as dsc
-    from .checkpoint import ResumeError, find_resume_checkpoint, needs_universal, resolve_explicit, universal_command
     from .fast import FLCE_CHUNK_AUTO, flce_chunk_budget, fused_kernels_problem, use_fused_kernels
     from .models import FlopsModel, check_vocab_covers_tokenizer, default_seq_len, model_config, tokenizer_source
     from .tokenizer import load_tokenizer
@@ -304,30 +304,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
             _check_data(cfg, tokenizer, seq_len, world, micro, report)
 
     # --- existing checkpoints ---
-    if cfg.resume == "never" and list(Path(cfg.checkpoint_dir).glob("step-*")):
-        report.problems.append(Problem("--resume", cfg.resume, f"{cfg.checkpoint_dir} already holds checkpoints",
-                                       "choose another --checkpoint_dir or move them away (nothing is deleted for you)"))
-    try:
-        info = (resolve_explicit(Path(cfg.resume_from_checkpoint), report.notes.append) if cfg.resume_from_checkpoint
-                else find_resume_checkpoint(Path(cfg.checkpoint_dir), report.notes.append) if cfg.resume == "auto" else None)
-    except ResumeError as e:
-        lines = str(e).splitlines()
-        message = "\n      ".join(lines[:-1]) if len(lines) > 1 else lines[0]  # keep the list of damaged files
-        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, message,
-                                       "remove the damaged checkpoints listed, or use another --checkpoint_dir"))
-        info = None
-    if info is not None:
-        m = info.manifest
-        report.lines.append(f"resume: from {info.path} (step {m['step']})")
-        if ds is not None and needs_universal(info, world, dsc.zero_stage(ds)):
-            report.notes.append(f"{info.path} was saved by {m.get('world_size')} ranks and this run has {world}: it "
-                                f"will be converted to a universal checkpoint ({' '.join(universal_command(info))}) "
-                                "and loaded with load_universal")
-        if m.get("model") not in (None, cfg.model):
-            report.problems.append(Problem("--model", cfg.model, f"{info.path} holds a checkpoint of {m.get('model')}",
-                                           f"use --model {m.get('model')}, or another --checkpoint_dir"))
-        if m.get("seq_len") not in (None, seq_len):
-            report.notes.append(f"the checkpoint was trained with seq_len {m.get('seq_len')}, this run uses {seq_len}")
+    info = _check_resume(cfg, ds, world, seq_len, report) if scan_checkpoints else None
     report.tokenizer, report.model_config, report.ds_config = tokenizer, mconf, ds
     report.seq_len, report.resume = seq_len, info
     return report
@@ -461,6 +438,51 @@ def print_report(report: Report, stream=None) -> int:
         return 2
     print("preflight: OK", file=out)
     return 0
+
+
+def _check_resume(cfg: TrainConfig, ds: dict | None, world: int, seq_len: int, report: Report):
+    """The checkpoint this run resumes from (None: a fresh start), and what is wrong with it or with --resume."""
+    from . import ds_config as dsc
+    from .checkpoint import ResumeError, find_resume_checkpoint, needs_universal, resolve_explicit, universal_command
+
+    if cfg.resume == "never" and list(Path(cfg.checkpoint_dir).glob("step-*")):
+        report.problems.append(Problem("--resume", cfg.resume, f"{cfg.checkpoint_dir} already holds checkpoints",
+                                       "choose another --checkpoint_dir or move them away (nothing is deleted for you)"))
+    try:
+        info = (resolve_explicit(Path(cfg.resume_from_checkpoint), report.notes.append) if cfg.resume_from_checkpoint
+                else find_resume_checkpoint(Path(cfg.checkpoint_dir), report.notes.append) if cfg.resume == "auto" else None)
+    except ResumeError as e:
+        lines = str(e).splitlines()
+        message = "\n      ".join(lines[:-1]) if len(lines) > 1 else lines[0]  # keep the list of damaged files
+        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, message,
+                                       "remove the damaged checkpoints listed, or use another --checkpoint_dir"))
+        return None
+    if info is not None:
+        m = info.manifest
+        report.lines.append(f"resume: from {info.path} (step {m['step']})")
+        if ds is not None and needs_universal(info, world, dsc.zero_stage(ds)):
+            report.notes.append(f"{info.path} was saved by {m.get('world_size')} ranks and this run has {world}: it "
+                                f"will be converted to a universal checkpoint ({' '.join(universal_command(info))}) "
+                                "and loaded with load_universal")
+        if m.get("model") not in (None, cfg.model):
+            report.problems.append(Problem("--model", cfg.model, f"{info.path} holds a checkpoint of {m.get('model')}",
+                                           f"use --model {m.get('model')}, or another --checkpoint_dir"))
+        if m.get("seq_len") not in (None, seq_len):
+            report.notes.append(f"the checkpoint was trained with seq_len {m.get('seq_len')}, this run uses {seq_len}")
+    return info
+
+
+def merge_rank_problems(per_rank: list[tuple[str, list[Problem]]]) -> list[Problem]:
+    """Every rank's problems as one list, from (host, problems) per rank: rank 0's first, then each one that only
+    other ranks found (a node's GPU, disk or environment), once, named by the first rank and host that found it."""
+    merged, seen = [], set()
+    for rank, (host, problems) in enumerate(per_rank):
+        for p in problems:
+            if str(p) in seen:
+                continue
+            seen.add(str(p))
+            merged.append(p if rank == 0 else Problem(p.setting, p.value, f"{p.message} (rank {rank} on {host})", p.fix))
+    return merged
 
 
 def raise_on_problems(report: Report):

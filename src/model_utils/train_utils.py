@@ -52,6 +52,13 @@ class Dist:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather_object(self, obj) -> list:
+        if not torch.distributed.is_initialized() or self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
     def all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
         if torch.distributed.is_initialized() and self.world_size > 1:
             torch.distributed.all_reduce(tensor, op=op or torch.distributed.ReduceOp.SUM)
