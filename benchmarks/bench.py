@@ -143,13 +143,60 @@ def _memory() -> dict:
     return {"peak_mem_gib": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
 
 
-def profile_steps(phases, is_main: bool, steps: int = 2) -> None:
+GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_idle_report(events: list[dict], min_gap_us: float = 20.0, top: int = 15) -> str:
+    """Where the GPU waited, from a torch.profiler (Kineto) trace's events: idle time between GPU activity, summed by
+    the phase (`phase:NAME` annotation) the host was in when the GPU ran dry, and the longest gaps with the host
+    operator running at their start (what the GPU waited for) and the one that launched the kernel ending them."""
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e) for e in events
+                 if e.get("ph") == "X" and e.get("cat") in GPU_EVENT_CATEGORIES)
+    if not gpu:
+        return "gpu idle: no GPU events in the trace"
+    cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    phases = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+              and str(e.get("name", "")).startswith("phase:")]
+    launches = {e.get("args", {}).get("correlation"): e for e in events
+                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")}  # Triton: cuLaunchKernelEx
+
+    def active(pool, t):  # the innermost (latest-starting) event of `pool` running at time t
+        running = [e for e in pool if e["ts"] <= t < e["ts"] + e.get("dur", 0)]
+        return max(running, key=lambda e: e["ts"]) if running else None
+
+    gaps, end = [], gpu[0][1]
+    for start, stop, event in gpu[1:]:
+        if start - end >= min_gap_us:
+            gaps.append((end, start, event))
+        end = max(end, stop)
+    window = end - gpu[0][0]
+    by_phase: dict[str, float] = {}
+    for t0, t1, _ in gaps:
+        phase = active(phases, t0)
+        name = phase["name"][len("phase:"):] if phase else "between phases"
+        by_phase[name] = by_phase.get(name, 0.0) + (t1 - t0)
+    idle = sum(t1 - t0 for t0, t1, _ in gaps)
+    lines = [f"gpu idle: {idle / 1e3:.1f} ms of {window / 1e3:.1f} ms ({100 * idle / window:.1f}%) in {len(gaps)} gaps "
+             f">= {min_gap_us:.0f} us; by the host's phase at the gap's start: "
+             + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1]))]
+    for t0, t1, next_event in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        host = active(cpu_ops, t0)
+        launch = launches.get(next_event.get("args", {}).get("correlation"))
+        launcher = active(cpu_ops, launch["ts"]) if launch else None
+        lines.append(f"  {(t1 - t0) / 1e3:7.2f} ms at +{(t0 - gpu[0][0]) / 1e3:8.1f} ms: host in "
+                     f"{host['name'] if host else '-'}; ended by {next_event.get('name', '?')[:60]} launched from "
+                     f"{launcher['name'] if launcher else '-'}")
+    return "\n".join(lines)
+
+
+def profile_steps(phases, is_main: bool, steps: int = 2, trace: str | None = None) -> None:
     """Where a step's time goes, printed by rank 0 into the measurement's log. `phases` is [(name, fn), ...], one
     training step in order. First each phase alone, synchronised: the time until its call returns (host: Python,
     launches) against the time until the GPU is done, so a phase whose host time is the larger starves the GPU. Then
-    `steps` steps under torch.profiler: kernels by GPU time and operators by host time."""
+    `steps` steps under torch.profiler: kernels by GPU time, operators by host time, and where the GPU waited
+    (gpu_idle_report); with `trace`, the Chrome trace is written there (gzip)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     host = {name: [] for name, _ in phases}
     total = {name: [] for name, _ in phases}
@@ -171,10 +218,22 @@ def profile_steps(phases, is_main: bool, steps: int = 2) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            for _, fn in phases:
-                fn()
+            for name, fn in phases:
+                with record_function(f"phase:{name}"):
+                    fn()
         _sync()
     if is_main:
+        import gzip
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            raw = path.read_bytes()
+        print(gpu_idle_report(json.loads(raw).get("traceEvents", [])), flush=True)
+        if trace:
+            Path(trace).parent.mkdir(parents=True, exist_ok=True)
+            Path(trace).write_bytes(gzip.compress(raw))
         events = prof.key_averages()
         keys = (["self_device_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total", "cpu_time_total"]
         for key in keys:
@@ -248,7 +307,8 @@ def worker_engine(job: dict, workdir: Path) -> dict:
         if dist.is_main and job.get("verbose"):
             print(f"  step {i}: {dt * 1e3:.1f} ms, loss {losses[-1]:.4f}", flush=True)
     if job.get("profile"):
-        profile_steps([("forward", forward), ("backward", backward), ("step", step)], dist.is_main)
+        profile_steps([("forward", forward), ("backward", backward), ("step", step)], dist.is_main,
+                      trace=job.get("trace"))
     config = engine.module.config
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     f12, f6 = flops_per_token(config, num_params, run.seq_len)
@@ -560,6 +620,8 @@ def main(argv=None) -> int:
                    help="also run HF Trainer + Liger with attn_implementation=flash_attention_4 (needs flash-attn-4)")
     p.add_argument("--profile", action="store_true",
                    help="engine runs: profile two steps after the timed ones and print the top kernels (in the log)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: also write each engine run's Chrome trace to DIR/NAME.json.gz")
     p.add_argument("--nproc", type=int, default=None, help="GPUs to use (default: all present; 1 on CPU)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
     p.add_argument("--loss-check", dest="loss_check", type=int, default=0,
@@ -588,6 +650,9 @@ def main(argv=None) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     jobs = make_jobs(a)
+    for job in jobs:
+        if a.trace and job["kind"] == "engine":
+            job["trace"] = str(Path(a.trace).resolve() / f"{job['name']}.json.gz")
     if a.loss_check:
         for v in ["nofused"] + [x for x in a.loss_check_variants if x != "nofused"]:
             spec = VARIANTS[v]

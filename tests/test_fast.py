@@ -345,3 +345,25 @@ def test_bench_cpu_smoke_run(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "engine-default-mb1" in out.stdout
     assert "| engine-default-mb1 | 1 |" in (tmp_path / "perf.md").read_text()
+
+
+def test_gpu_idle_report_attributes_gaps_to_the_host():
+    """A synthetic Kineto trace: two kernels 1 ms apart while the host is in the step phase's `norm` operator."""
+    import bench
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "phase:backward", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "user_annotation", "name": "phase:step", "ts": 1000, "dur": 3000},
+        {"ph": "X", "cat": "cpu_op", "name": "step", "ts": 1000, "dur": 3000},
+        {"ph": "X", "cat": "cpu_op", "name": "norm", "ts": 1100, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "adam", "ts": 2100, "dur": 200},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2150, "dur": 10, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "kernel", "name": "backward_kernel", "ts": 100, "dur": 1100},
+        {"ph": "X", "cat": "kernel", "name": "small", "ts": 1205, "dur": 5},  # a 5 us gap: below the threshold
+        {"ph": "X", "cat": "kernel", "name": "adam_kernel", "ts": 2210, "dur": 800, "args": {"correlation": 7}},
+    ]
+    report = bench.gpu_idle_report(events, min_gap_us=20).splitlines()
+    assert report[0].startswith("gpu idle: 1.0 ms of 2.9 ms") and "in 1 gaps" in report[0]
+    assert "step 1.0 ms" in report[0]
+    assert "host in norm" in report[1] and "ended by adam_kernel launched from adam" in report[1]
+    assert bench.gpu_idle_report([]) == "gpu idle: no GPU events in the trace"
