@@ -13,17 +13,23 @@ ENV TORCH_CUDA_ARCH_LIST=${CUDA_ARCHS} \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# The project with its dependencies from pyproject.toml (one list; the [gpu] extra brings Liger's fused kernels), the
-# image's torch build and its companions held by a constraint so pip keeps them, the versions this project was tested
-# with held the same way, and DeepSpeed's CPU Adam and fused Adam ops built ahead of time (the configs use them).
+# Dependencies first, so this layer (and DeepSpeed's op build) is rebuilt only when pyproject.toml changes: the
+# project's dependency list with its [gpu] extra (Liger's fused kernels), installed against a stub of the package.
+# The image's torch build and its companions are held by a constraint so pip keeps them, the versions this project
+# was tested with the same way; DeepSpeed's CPU Adam and fused Adam ops are built ahead of time (the configs use them).
 WORKDIR /opt/deepspeed-lm-trainer
 COPY pyproject.toml README.md ./
-COPY src ./src
 # The versions are pinned through the constraint file, which hadolint cannot see.
 # hadolint ignore=DL3013
-RUN pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio|triton|pytorch-triton)==' > /tmp/constraints.txt \
- && printf '%s\n' deepspeed==0.19.8 transformers==5.23.0 datasets==5.2.0 liger-kernel==0.8.5 >> /tmp/constraints.txt \
+RUN mkdir -p src/model_utils && touch src/model_utils/__init__.py \
+ && pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio|triton|pytorch-triton)==' > /tmp/constraints.txt \
+ && printf '%s\n' deepspeed==0.19.8 transformers==5.23.0 datasets==5.2.0 tqdm==4.70.1 safetensors==0.8.0 \
+        liger-kernel==0.8.5 >> /tmp/constraints.txt \
  && PIP_CONSTRAINT=/tmp/constraints.txt DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 \
     pip install --no-cache-dir --no-build-isolation ".[gpu]" \
  && rm -f /tmp/constraints.txt \
  && ds_report
+
+# The project itself, over the stub; its dependencies are in place.
+COPY src ./src
+RUN pip install --no-cache-dir --no-build-isolation --no-deps .

@@ -35,14 +35,15 @@ SRC = REPO / "src"
 sys.path.insert(0, str(SRC))
 
 GIB = 1024**3
+from model_utils.fast import LEVERS, lever_env  # noqa: E402  (src/ is on the path from here on)
+
+
 # Lever combinations: environment switches read by src/model_utils/fast.py plus trainer flags.
 # "Off" for every lever a variant does not name, so each variant measures exactly its own levers.
-_OFF = {"DSLM_COMPILE": "off", "DSLM_LIGER": "all", "DSLM_SDPA": "auto", "DSLM_ATTN": "sdpa", "DSLM_OVERFLOW_CHECK": "scan",
-        "DSLM_GRAD_NORM": "deepspeed", "DSLM_FLCE_CHUNK": "1", "DSLM_ACTIVATION_BUDGET": "1.0"}
-
-
-def _variant(fused_kernels: str = "auto", **env) -> dict:
-    return {"fused_kernels": fused_kernels, "env": dict(_OFF, **{f"DSLM_{k.upper()}": v for k, v in env.items()})}
+def _variant(fused_kernels: str = "auto", **levers) -> dict:
+    env = {lever_env(name): levers.pop(name, off) for name, (_, off) in LEVERS.items()}
+    assert not levers, f"unknown levers {sorted(levers)}"
+    return {"fused_kernels": fused_kernels, "env": env}
 
 
 VARIANTS = {
@@ -50,16 +51,12 @@ VARIANTS = {
     "liger": _variant(),                                               # all Liger kernels, eager
     "nofused": _variant(fused_kernels="off"),                          # the unoptimised path
     "compile": _variant(compile="layers", liger="flce"),               # compiled layers + Liger fused linear CE
-    "compile_liger": _variant(compile="layers"),
     "cudnn": _variant(sdpa="cudnn"),
     "compile_cudnn": _variant(compile="layers", liger="flce", sdpa="cudnn"),
     "fa4": _variant(compile="layers", liger="flce", attn="fa4"),
     "liger_fa4": _variant(attn="fa4"),
-    "liger_norm": _variant(overflow_check="norm"),
     "compile_norm": _variant(compile="layers", liger="flce", overflow_check="norm"),
-    "fa4_norm": _variant(compile="layers", liger="flce", attn="fa4", overflow_check="norm"),
     "compile_norm_chunk4": _variant(compile="layers", liger="flce", overflow_check="norm", flce_chunk="4"),
-    "compile_norm_chunk8": _variant(compile="layers", liger="flce", overflow_check="norm", flce_chunk="8"),
     "compile_norm_chunk8_budget90": _variant(compile="layers", liger="flce", overflow_check="norm", flce_chunk="8",
                                              activation_budget="0.9"),
 }
@@ -224,7 +221,6 @@ def profile_steps(phases, is_main: bool, steps: int = 2, trace: str | None = Non
         _sync()
     if is_main:
         import gzip
-        import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace.json"
@@ -491,28 +487,42 @@ def run_jobs(jobs: list[dict], run, report) -> list[dict]:
     return results
 
 
+def _ds_set_suffix(items: list[str]) -> str:
+    """`-overlap_comm-false` for zero_optimization.overlap_comm=false: the key's last part and the value."""
+    parts = [item.partition("=") for item in items]
+    return "".join(f"-{key.rsplit('.', 1)[-1]}-{value}" for key, _, value in parts)
+
+
 def make_jobs(a) -> list[dict]:
+    """The runs of one invocation: per micro-batch the engine variants (and the HF peers), then the loss check."""
     base = {"model": a.model, "seq_len": a.seq_len, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
             "ds_config": a.ds_config, "zero_stage": a.zero_stage, "gradient_checkpointing": a.gradient_checkpointing,
             "profile": a.profile, "ds_set": a.ds_set}
+
+    def engine(v: str, name: str, **fields) -> dict:
+        spec = VARIANTS[v]
+        job = dict(base, kind="engine", fused_kernels=spec.get("fused_kernels", "auto"), env=spec.get("env", {}),
+                   name=name, variant=v, **fields)
+        if a.trace and job["profile"]:
+            job["trace"] = str(Path(a.trace).resolve() / f"{name}.json.gz")
+        return job
+
     jobs = []
-    mbs = a.micro_batch_size or [None]
-    for mb in mbs:
+    suffix = (f"-z{a.zero_stage}" if a.zero_stage is not None else "") + _ds_set_suffix(a.ds_set)
+    for mb in a.micro_batch_size or [None]:
         blocks = max(64, (a.steps + a.warmup + 2) * (mb or 16) * max(a.nproc or 1, 1) + 8)
-        for v in a.variants:
-            spec = VARIANTS[v]
-            job = dict(base, kind="engine", micro_batch_size=mb, dummy_blocks=blocks,
-                       fused_kernels=spec.get("fused_kernels", "auto"), env=spec.get("env", {}),
-                       name=f"engine-{v}-mb{mb}" + (f"-z{a.zero_stage}" if a.zero_stage is not None else "")
-                       + "".join(f"-{x.rsplit('.', 1)[-1].replace('=', '-')}" for x in a.ds_set),
-                       variant=v)
-            jobs.append(job)
+        jobs += [engine(v, f"engine-{v}-mb{mb}{suffix}", micro_batch_size=mb, dummy_blocks=blocks) for v in a.variants]
         if a.compare_hf:
             for peer, spec in HF_PEERS.items():
                 if peer in a.hf_skip or (peer == "liger_fa4" and not a.hf_fa4):
                     continue
                 jobs.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks, **spec,
                                  name=f"hf-{peer}-mb{mb}", variant="hf+" + peer.replace("_", "+")))
+    if a.loss_check:
+        for v in ["nofused"] + [x for x in a.loss_check_variants if x != "nofused"]:
+            jobs.append(engine(v, f"losscheck-{v}-mb{a.loss_check_mb}", steps=a.loss_check, warmup=0, profile=False,
+                               micro_batch_size=a.loss_check_mb,
+                               dummy_blocks=(a.loss_check + 1) * a.loss_check_mb * a.nproc + 8))
     return jobs
 
 
@@ -545,15 +555,24 @@ def fmt_row(job: dict, r: dict, ref: dict | None) -> str:
             f"{mfu} | {mfu6} | {mem} | {1e3 * r['step_s_median']:.0f} | {ratio} |")
 
 
+def is_hf_liger_peer(job: dict) -> bool:
+    """The peer the ratios are to: HF Trainer + DeepSpeed + Liger with SDPA attention."""
+    return job.get("kind") == "hf" and bool(job.get("liger")) and job.get("attn", "sdpa") == "sdpa"
+
+
+def micro_batch(job: dict, result: dict):
+    """The micro-batch a run used: the worker's report (ds_config's when the job named none), else the job's."""
+    return result.get("micro_batch_size", job.get("micro_batch_size"))
+
+
 def table(jobs: list[dict], results: list[dict], ref_name: str | None) -> str:
     """One row per run. The ratio is to HF + Liger at the same micro-batch ("-" where that did not run: the best
     micro-batch each is best_per_side's line); without any HF + Liger run, to `ref_name`."""
     by_name = {j["name"]: r for j, r in zip(jobs, results)}
-    same_mb = {j.get("micro_batch_size"): r for j, r in zip(jobs, results)
-               if j.get("kind") == "hf" and j.get("liger") and j.get("attn", "sdpa") == "sdpa" and "error" not in r}
+    same_mb = {micro_batch(j, r): r for j, r in zip(jobs, results) if is_hf_liger_peer(j) and "error" not in r}
     lines = ["| run | micro-batch | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT) | MFU (6·LHQT) | peak GiB | step ms "
              f"| vs {'HF + Liger, same micro-batch' if same_mb else ref_name or '-'} |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [fmt_row(j, r, same_mb.get(j.get("micro_batch_size")) if same_mb else by_name.get(ref_name))
+    lines += [fmt_row(j, r, same_mb.get(micro_batch(j, r)) if same_mb else by_name.get(ref_name))
               for j, r in zip(jobs, results)]
     return "\n".join(lines)
 
@@ -561,19 +580,17 @@ def table(jobs: list[dict], results: list[dict], ref_name: str | None) -> str:
 def best_per_side(jobs: list[dict], results: list[dict]) -> str:
     """With several micro-batches: each side at its fastest micro-batch that ran, and the ratio (the issue's measure)."""
     def best(pick):
-        runs = [(r["tokens_per_s_per_gpu"], j) for j, r in zip(jobs, results) if pick(j) and "error" not in r]
+        runs = [(r["tokens_per_s_per_gpu"], micro_batch(j, r)) for j, r in zip(jobs, results)
+                if pick(j) and "error" not in r]
         return max(runs, key=lambda x: x[0]) if runs else None
 
-    def is_peer(j):
-        return j["kind"] == "hf" and j.get("liger") and j.get("attn", "sdpa") == "sdpa"
-
     ours = best(lambda j: j["kind"] == "engine" and j.get("variant") == "default")
-    peer = best(is_peer)
-    if not ours or not peer or len({j.get("micro_batch_size") for j in jobs}) < 2:
+    peer = best(is_hf_liger_peer)
+    if not ours or not peer or len({micro_batch(j, r) for j, r in zip(jobs, results)}) < 2:
         return ""
-    failed = sorted(j["micro_batch_size"] for j, r in zip(jobs, results) if "error" in r and is_peer(j))
-    return (f"Best micro-batch each: default path {ours[0]:,.0f} tokens/s at {ours[1]['micro_batch_size']}, HF + Liger "
-            f"{peer[0]:,.0f} at {peer[1]['micro_batch_size']}" + (f" (failed at {failed})" if failed else "")
+    failed = sorted(j["micro_batch_size"] for j, r in zip(jobs, results) if "error" in r and is_hf_liger_peer(j))
+    return (f"Best micro-batch each: default path {ours[0]:,.0f} tokens/s at {ours[1]}, HF + Liger "
+            f"{peer[0]:,.0f} at {peer[1]}" + (f" (failed at {failed})" if failed else "")
             + f": {ours[0] / peer[0]:.2f}x")
 
 
@@ -615,7 +632,7 @@ def main(argv=None) -> int:
                    help="override DeepSpeed config values, e.g. zero_optimization.overlap_comm=false")
     p.add_argument("--variants", nargs="*", default=["default"], choices=list(VARIANTS))
     p.add_argument("--compare-hf", dest="compare_hf", action="store_true")
-    p.add_argument("--hf-skip", dest="hf_skip", nargs="*", default=[], choices=["liger", "noliger"])
+    p.add_argument("--hf-skip", dest="hf_skip", nargs="*", default=[], choices=list(HF_PEERS))
     p.add_argument("--hf-fa4", dest="hf_fa4", action="store_true",
                    help="also run HF Trainer + Liger with attn_implementation=flash_attention_4 (needs flash-attn-4)")
     p.add_argument("--profile", action="store_true",
@@ -650,17 +667,6 @@ def main(argv=None) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     jobs = make_jobs(a)
-    for job in jobs:
-        if a.trace and job["kind"] == "engine":
-            job["trace"] = str(Path(a.trace).resolve() / f"{job['name']}.json.gz")
-    if a.loss_check:
-        for v in ["nofused"] + [x for x in a.loss_check_variants if x != "nofused"]:
-            spec = VARIANTS[v]
-            jobs.append({"kind": "engine", "model": a.model, "seq_len": a.seq_len, "steps": a.loss_check, "warmup": 0,
-                         "seed": a.seed, "ds_config": a.ds_config, "zero_stage": a.zero_stage,
-                         "micro_batch_size": a.loss_check_mb, "dummy_blocks": (a.loss_check + 1) * a.loss_check_mb * a.nproc + 8,
-                         "fused_kernels": spec.get("fused_kernels", "auto"), "env": spec.get("env", {}),
-                         "name": f"losscheck-{v}-mb{a.loss_check_mb}", "variant": v})
     vers = versions()
     command = "python benchmarks/bench.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
     print(f"# {command}\n# {json.dumps(vers)}", flush=True)
@@ -676,8 +682,7 @@ def main(argv=None) -> int:
 
     results = run_jobs(jobs, lambda job: run_job(job, a.nproc, a.timeout, log_dir), report)
     perf = [(j, r) for j, r in zip(jobs, results) if not j["name"].startswith("losscheck")]
-    ref_name = next((j["name"] for j, r in perf if j["kind"] == "hf" and j.get("liger") and j.get("attn") == "sdpa"
-                     and "error" not in r), None)
+    ref_name = next((j["name"] for j, r in perf if is_hf_liger_peer(j) and "error" not in r), None)
     text = table([j for j, _ in perf], [r for _, r in perf], ref_name)
     best = best_per_side([j for j, _ in perf], [r for _, r in perf])
     if best:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the device machine (repo root): install the carried wheels, normalise the environment, then run the
-# benchmark invocations named by PLAN (h100 | scale | size8b | custom), each bounded, logs and JSON under $OUT.
+# benchmark invocations named by PLAN (h100 | scale | custom), each bounded, logs and JSON under $OUT.
 #   PLAN=h100 bash benchmarks/run_device.sh
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -28,7 +28,7 @@ bench() {  # bench NAME SECONDS_NEEDED ARGS...
   local left=$((BUDGET - ($(date +%s) - START)))
   if [ "$left" -lt "$need" ]; then echo "SKIP $name (left ${left}s < ${need}s)"; return; fi
   echo "=== $name ($(($(date +%s) - START))s)"
-  mkdir -p "$OUT/logs/$name"  # one folder per section: runs of the same name in two sections keep both logs
+  # --log-dir: one folder per section, so runs of the same name in two sections keep both logs
   python3 benchmarks/bench.py --json "$OUT/results.jsonl" --log-dir "$OUT/logs/$name" --write-doc "$OUT/$name.md" "$@" 2>&1 \
     | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#)' | cut -c1-400
 }
@@ -48,9 +48,6 @@ case "${PLAN:-h100}" in
     bench losscheck 130 --nproc 1 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 150 --title "Loss check, 1 H200"
     bench h200_1gpu_hf 90 --nproc 1 --micro_batch_size 8 --steps 6 --warmup 3 --timeout 150 --variants --compare-hf --title "HF Trainer + DeepSpeed (with and without Liger), micro-batch 8, 1 H200"
     bench h200_4gpu_z1 55 --nproc 4 --micro_batch_size 8 "${C[@]}" --zero_stage 1 --title "Qwen3-0.6B, 4 H200, ZeRO-1"
-    ;;
-  size8b)  # the open 8B ZeRO-3 run, logs kept (tarred below)
-    bench q8b_zero3 80 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --micro_batch_size 2 --steps 4 --warmup 2 --timeout 240 --variants default nofused --title "Qwen3-8B, ZeRO-3, 4 H200"
     ;;
   *) eval "$PLAN" ;;  # a custom plan: shell commands that may call bench()
 esac

@@ -108,10 +108,9 @@ def setup(cfg: TrainConfig, dist) -> Run:
     # nanoGPT's grouping: weight decay on matrices (and embeddings), none on norms and biases. ZeRO-3 parameters are
     # empty placeholders: their real shape is ds_shape.
     trainable = [p for p in model.parameters() if p.requires_grad]
-    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    groups = [{"params": [p for p, m in zip(trainable, matrix) if m], "weight_decay": wd},
-              {"params": [p for p, m in zip(trainable, matrix) if not m], "weight_decay": 0.0}]
+    groups = [{"params": [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) >= 2], "weight_decay": wd},
+              {"params": [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) < 2], "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     streamline_zero_step(engine, log.info)
 
@@ -134,7 +133,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
 def load_checkpoint(run: Run, info, tag: str):
     import torch
 
-    from model_utils.checkpoint import rng_state_file
+    from model_utils.checkpoint import rng_state_file, world_size_changed
     from model_utils.concat_dataset import DataPosition
     from model_utils.train_utils import set_rng_state
 
@@ -144,7 +143,7 @@ def load_checkpoint(run: Run, info, tag: str):
     run.step, run.tokens_seen = client["step"], client["tokens_seen"]
     run.position = DataPosition.from_state_dict(client["data_position"])
     rng_file = rng_state_file(info.path, run.dist.rank)
-    if info.manifest.get("world_size") != run.dist.world_size:
+    if world_size_changed(info, run.dist.world_size):
         run.log.warn("resume: the world size changed, so each rank's RNG state starts fresh (data order and model "
                      "state continue exactly)")
     elif rng_file.exists():

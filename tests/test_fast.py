@@ -33,9 +33,8 @@ def test_cuda_arch_list_unset_stays_unset(monkeypatch):
 
 
 def test_lever_switches_validate(monkeypatch):
-    for var in ("DSLM_COMPILE", "DSLM_LIGER", "DSLM_SDPA", "DSLM_ATTN", "DSLM_OVERFLOW_CHECK", "DSLM_GRAD_NORM",
-                "DSLM_FLCE_CHUNK", "DSLM_ACTIVATION_BUDGET"):
-        monkeypatch.delenv(var, raising=False)
+    for name in fast.LEVERS:
+        monkeypatch.delenv(fast.lever_env(name), raising=False)
     assert fast.lever_settings() == {"compile": "auto", "liger": "auto", "sdpa": "auto", "attn": "auto",
                                      "overflow_check": "auto", "grad_norm": "auto", "flce_chunk": "auto",
                                      "activation_budget": 0.9}
@@ -55,7 +54,10 @@ def test_lever_switches_validate(monkeypatch):
 
 
 def test_fa4_is_refused_by_name_without_a_gpu_and_off_by_default(monkeypatch):
+    import torch
+
     monkeypatch.delenv("DSLM_ATTN", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU host
     model = _tiny_model()
     assert not fast.use_fa4(cuda=True, model=model)  # auto = SDPA (cuDNN measured faster on an H100)
     monkeypatch.setenv("DSLM_ATTN", "fa4")

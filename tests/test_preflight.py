@@ -198,12 +198,15 @@ def test_bf16_on_hardware_without_it_stops_the_run_before_the_model_is_built(tmp
 
 def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(tmp_path, session_cache, monkeypatch,
                                                                                 capsys):
-    """On a login node without Liger (as here), planning the default path for an 80 GiB GPU: the estimate assumes the
+    """On a login node without Liger (simulated), planning the default path for an 80 GiB GPU: the estimate assumes the
     GPU nodes' fused cross-entropy and lands near what one H100 measured (docs/PERFORMANCE.md: 39.6 GiB at micro-batch
     8, 70.3 at 16), so a configuration that runs is not refused; the unfused loss's logits still are."""
     import re
 
+    from model_utils import fast
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fast, "liger_available", lambda: False)
     base = ["--model", "qwen3-0.6b", "--dummy_data", "64", "--checkpoint_dir", str(tmp_path / "ckpt")]
     estimates = {}
     for micro in (8, 16):

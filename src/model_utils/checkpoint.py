@@ -166,8 +166,12 @@ def universal_dir(path: Path) -> Path:
     return path.with_name(f"{path.name}-universal")
 
 
+def world_size_changed(info: CheckpointInfo, world_size: int) -> bool:
+    return info.manifest.get("world_size") != world_size
+
+
 def needs_universal(info: CheckpointInfo, world_size: int, zero_stage: int) -> bool:
-    return info.manifest.get("world_size") != world_size and zero_stage > 0
+    return world_size_changed(info, world_size) and zero_stage > 0
 
 
 def universal_command(info: CheckpointInfo) -> list[str]:
@@ -180,7 +184,7 @@ def convert_to_universal(info: CheckpointInfo, dist, log) -> str:
     target, command = universal_dir(info.path), universal_command(info)
     error = None
     if dist.is_main and not (target / "converted").exists():
-        log(f"resume: {info.path.name} was saved by {info.manifest['world_size']} ranks, this run has "
+        log(f"resume: {info.path.name} was saved by {info.manifest.get('world_size')} ranks, this run has "
             f"{dist.world_size}; converting it to a universal checkpoint: {' '.join(command)}")
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -189,7 +193,7 @@ def convert_to_universal(info: CheckpointInfo, dist, log) -> str:
             atomic_write_text(target / "converted", info.path.name)
     error = dist.broadcast_object(error)
     if error:
-        raise ResumeError(f"{info.path} was saved by {info.manifest['world_size']} ranks and this run has "
+        raise ResumeError(f"{info.path} was saved by {info.manifest.get('world_size')} ranks and this run has "
                           f"{dist.world_size}; converting it failed ({error}). Run it by hand:\n  {' '.join(command)}\n"
                           "or resume with the original number of ranks")
     return target.name

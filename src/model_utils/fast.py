@@ -20,7 +20,8 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  it as one opaque kernel; anything else (a padding mask, fp32, another GPU) goes to
                                  SDPA. `auto` = sdpa: on an H100 PyTorch 2.11's SDPA already runs cuDNN's attention,
                                  which measured faster than FA4 4.0.0b36 (fwd+bwd at the Qwen3-0.6B shape: 4.0 against
-                                 4.4 ms; in training 72.6k against 71.0k tokens/s; docs/PERFORMANCE.md).
+                                 4.4 ms; in training FA4's 71.0k tokens/s was within the 70.6k-72.6k the SDPA path
+                                 measured; docs/PERFORMANCE.md).
   DSLM_FLCE_CHUNK=auto|1|2|4|8|16
                                  transient-logits budget of Liger's fused linear cross-entropy, in multiples of the
                                  hidden states' size (Liger's chunk_mem_const; Liger's own default is 1). With a
@@ -39,15 +40,16 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  ~43 ms of host time per step for Qwen3-0.6B's 310 tensors, while the GPU idles) and
                                  then computes the global gradient norm, whose non-finite value marks the step as
                                  overflowed by itself (stage_1_and_2.step: is_invalid_grad_norm). `norm` skips the
-                                 scan wherever the norm is computed (gradient clipping on, no CPU offload), so the
-                                 step is still skipped, on every rank; `scan` keeps DeepSpeed's. `auto` = norm.
+                                 scan wherever the norm is computed (zero_optimization.compute_grad_norm, on by
+                                 default; no CPU offload), so the step is still skipped, on every rank; `scan` keeps
+                                 DeepSpeed's. `auto` = norm.
   DSLM_GRAD_NORM=auto|foreach|deepspeed
                                  how ZeRO-1/2 computes the global gradient norm. DeepSpeed casts each gradient tensor
                                  to fp64 and takes its norm one tensor at a time (two launches and an fp64 copy per
                                  tensor, while the GPU waits at the start of the step); `foreach` takes all norms in
-                                 one multi-tensor launch (torch._foreach_norm, fp32 accumulation, fp64 result) and
-                                 keeps DeepSpeed's all-reduce and inf/NaN marking. Only without model or pipeline
-                                 parallelism. `auto` = foreach.
+                                 one multi-tensor launch (torch._foreach_norm, returned in fp64; the total in fp32, as
+                                 DeepSpeed's) and keeps DeepSpeed's all-reduce and inf/NaN marking. Only without model
+                                 or pipeline parallelism. `auto` = foreach.
   DSLM_SDPA=auto|cudnn|flash|efficient|math
                                  SDPA backend tried first (the others stay as fall-backs, so an unsupported shape
                                  still runs). `auto` leaves PyTorch's order.
@@ -88,20 +90,27 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str = "auto") -> s
     return value
 
 
+# Each switch by short name: its choices, and the value that turns its lever off (the libraries' own behaviour; what
+# benchmarks/bench.py sets for every lever a variant does not name).
+LEVERS = {"compile": (COMPILE_CHOICES, "off"), "liger": (LIGER_CHOICES, "all"), "sdpa": (SDPA_CHOICES, "auto"),
+          "attn": (ATTN_CHOICES, "sdpa"), "overflow_check": (OVERFLOW_CHECK_CHOICES, "scan"),
+          "grad_norm": (GRAD_NORM_CHOICES, "deepspeed"), "flce_chunk": (FLCE_CHUNK_CHOICES, "1"),
+          "activation_budget": (None, "1.0")}
+
+
+def lever_env(name: str) -> str:
+    """The environment variable of the switch `name` ('compile' -> DSLM_COMPILE)."""
+    return f"DSLM_{name.upper()}"
+
+
 def lever_settings() -> dict:
     """The environment switches above, validated, by short name ('compile', 'liger', ..., 'activation_budget')."""
-    return {"compile": _env_choice("DSLM_COMPILE", COMPILE_CHOICES),
-            "liger": _env_choice("DSLM_LIGER", LIGER_CHOICES),
-            "sdpa": _env_choice("DSLM_SDPA", SDPA_CHOICES),
-            "attn": _env_choice("DSLM_ATTN", ATTN_CHOICES),
-            "overflow_check": _env_choice("DSLM_OVERFLOW_CHECK", OVERFLOW_CHECK_CHOICES),
-            "grad_norm": _env_choice("DSLM_GRAD_NORM", GRAD_NORM_CHOICES),
-            "flce_chunk": _env_choice("DSLM_FLCE_CHUNK", FLCE_CHUNK_CHOICES),
-            "activation_budget": _activation_budget()}
+    return {name: _activation_budget() if choices is None else _env_choice(lever_env(name), choices)
+            for name, (choices, _) in LEVERS.items()}
 
 
 def _activation_budget() -> float:
-    raw = os.environ.get("DSLM_ACTIVATION_BUDGET", "").strip() or str(ACTIVATION_BUDGET_DEFAULT)
+    raw = os.environ.get(lever_env("activation_budget"), "").strip() or str(ACTIVATION_BUDGET_DEFAULT)
     try:
         value = float(raw)
     except ValueError:

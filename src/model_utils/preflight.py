@@ -151,13 +151,13 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     return acts * scale + logits
 
 
-def bucket_bytes(ds: dict) -> float:
-    """ZeRO-1/2 gradient reduction buckets: reduce_bucket_size 16-bit elements, doubled with overlap_comm."""
-    zero = ds.get("zero_optimization", {})
-    if zero.get("stage", 0) not in (1, 2) or zero.get("offload_optimizer"):
-        return 0.0
+def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool) -> float:
+    """ZeRO-1/2 gradient reduction buckets: reduce_bucket_size elements of the gradients' dtype, doubled with
+    overlap_comm; none under ZeRO-3 or with the optimizer offloaded. `zero` is the zero_optimization section."""
     elements = zero.get("reduce_bucket_size", 5e8)
-    return float(elements) * 2 * (2 if zero.get("overlap_comm") else 1) if isinstance(elements, (int, float)) else 0.0
+    if stage not in (1, 2) or offload_optimizer or not isinstance(elements, (int, float)):
+        return 0.0
+    return float(elements) * (2 if bf16 else 4) * (2 if zero.get("overlap_comm") else 1)
 
 
 @dataclass
@@ -196,7 +196,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     import torch
 
     from . import ds_config as dsc
-    from .fast import FLCE_CHUNK_AUTO, flce_chunk_budget, fused_kernels_problem, use_fused_kernels
+    from .fast import FLCE_CHUNK_AUTO, flce_chunk_budget, fused_kernels_problem, liger_available, use_fused_kernels
     from .models import FlopsModel, check_vocab_covers_tokenizer, default_seq_len, model_config, tokenizer_source
     from .tokenizer import load_tokenizer
     from .train_utils import bf16_supported
@@ -275,17 +275,20 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
             # Where the run starts, the fused loss is what this machine can run; on a login node, what the GPU nodes
             # will run by default (the run's own start checks again with what they have).
             here = cuda or on_training_hardware
-            fused = use_fused_kernels(cfg.fused_kernels, True) if here else cfg.fused_kernels != "off"
+            fused = use_fused_kernels(cfg.fused_kernels, cuda) if here else cfg.fused_kernels != "off"
             try:
                 chunk = flce_chunk_budget()
             except ValueError:  # a bad DSLM_* value, already reported by fused_kernels_problem
                 chunk = FLCE_CHUNK_AUTO
-            total = (model_state_bytes(num_params, world, stage, off_opt, off_par, bf16) + bucket_bytes(ds)
+            zero = ds.get("zero_optimization", {})
+            total = (model_state_bytes(num_params, world, stage, off_opt, off_par, bf16)
+                     + bucket_bytes(zero, stage, off_opt, bf16)
                      + activation_bytes(mconf, seq_len, micro, cfg.gradient_checkpointing, fused, bf16, chunk))
             memory, where = gpu_memory_gib()
-            report.lines.append(f"memory: ~{total / GIB:.1f} GiB per GPU estimated (model states + activations); "
+            report.lines.append(f"memory: ~{total / GIB:.1f} GiB per GPU estimated (model states, ZeRO buckets, "
+                                f"activations); "
                                 f"GPU: {f'{memory:.0f} GiB' if memory else where}")
-            if fused and not here and not use_fused_kernels(cfg.fused_kernels, True):
+            if fused and not here and not liger_available():
                 logits = activation_bytes(mconf, seq_len, micro, False, False, bf16, chunk) - activation_bytes(
                     mconf, seq_len, micro, False, True, bf16, chunk)
                 report.lines.append(f"memory: assumes Liger's fused cross-entropy on the GPU nodes (not installed "
@@ -296,8 +299,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
                 report.problems.append(Problem(
                     "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
                     f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
-                    _cheapest_fit(num_params, mconf, world, seq_len, micro, bf16, fused, chunk, memory,
-                                  bucket_bytes(ds))))
+                    _cheapest_fit(num_params, mconf, world, seq_len, micro, bf16, fused, chunk, memory, zero)))
             ckpt_bytes = num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
             _check_checkpoint_dir(cfg, ckpt_bytes, report)
         if check_data:
@@ -310,7 +312,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     return report
 
 
-def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, buckets: float) -> str:
+def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict) -> str:
     """The first configuration, in order of speed, whose estimate fits in 92% of the GPU."""
     candidates = []
     m = micro
@@ -326,7 +328,7 @@ def _cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memo
                               3, True, True, 1, True)]
     for plan in candidates:
         need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16)
-                + (buckets if plan.zero_stage == 2 and not plan.offload_optimizer else 0.0)
+                + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16)
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk))
         if need <= 0.92 * memory_gib * GIB:
             return f"cheapest configuration that fits (~{need / GIB:.0f} GiB): {plan.label}"
@@ -443,15 +445,15 @@ def print_report(report: Report, stream=None) -> int:
 def _check_resume(cfg: TrainConfig, ds: dict | None, world: int, seq_len: int, report: Report):
     """The checkpoint this run resumes from (None: a fresh start), and what is wrong with it or with --resume."""
     from . import ds_config as dsc
-    from .checkpoint import ResumeError, find_resume_checkpoint, needs_universal, resolve_explicit, universal_command
+    from .checkpoint import TAG_RE, ResumeError, find_resume_checkpoint, needs_universal, resolve_explicit, universal_command
 
-    if cfg.resume == "never" and list(Path(cfg.checkpoint_dir).glob("step-*")):
+    if cfg.resume == "never" and any(TAG_RE.match(p.name) for p in Path(cfg.checkpoint_dir).glob("step-*")):
         report.problems.append(Problem("--resume", cfg.resume, f"{cfg.checkpoint_dir} already holds checkpoints",
                                        "choose another --checkpoint_dir or move them away (nothing is deleted for you)"))
     try:
         info = (resolve_explicit(Path(cfg.resume_from_checkpoint), report.notes.append) if cfg.resume_from_checkpoint
                 else find_resume_checkpoint(Path(cfg.checkpoint_dir), report.notes.append) if cfg.resume == "auto" else None)
-    except ResumeError as e:
+    except (ResumeError, OSError) as e:  # an unreadable directory too: every rank waits for rank 0's verdict
         lines = str(e).splitlines()
         message = "\n      ".join(lines[:-1]) if len(lines) > 1 else lines[0]  # keep the list of damaged files
         report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, message,

@@ -7,6 +7,7 @@ rank was slowest. NCCL on GPUs, gloo on CPU.
 
 from __future__ import annotations
 
+import socket
 import time
 
 import torch
@@ -24,9 +25,7 @@ def all_reduce_check(dist: Dist, repeats: int = 5) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     elem = torch.tensor([], dtype=dtype).element_size()
     n = dist.world_size
-    host = __import__("socket").gethostname()
-    hosts = [None] * n
-    torch.distributed.all_gather_object(hosts, host)
+    hosts = dist.all_gather_object(socket.gethostname())
     if dist.is_main:
         print(f"sanity: {n} ranks on {len(set(hosts))} node(s) ({', '.join(sorted(set(hosts)))}), backend {dist.backend}, "
               f"device {torch.cuda.get_device_name(dist.device) if cuda else 'cpu'}", flush=True)
@@ -52,8 +51,7 @@ def all_reduce_check(dist: Dist, repeats: int = 5) -> int:
             times.append(time.perf_counter() - t0)
         ok = bool(torch.all(work == expected).item())
         seconds = sorted(times)[len(times) // 2]
-        gathered = [None] * n
-        torch.distributed.all_gather_object(gathered, (seconds, ok))
+        gathered = dist.all_gather_object((seconds, ok))
         ok_everywhere = all(g[1] for g in gathered)
         all_ok &= ok_everywhere
         slowest = max(range(n), key=lambda r: gathered[r][0])
