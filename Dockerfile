@@ -14,7 +14,8 @@ ENV TORCH_CUDA_ARCH_LIST=${CUDA_ARCHS} \
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # Dependencies first, so this layer (and DeepSpeed's op build) is rebuilt only when pyproject.toml changes: the
-# project's dependency list with its [gpu] extra (Liger's fused kernels), installed against a stub of the package.
+# project's dependency list with its [gpu] extra (Liger's fused kernels, FlashAttention-4), installed against a stub
+# of the package.
 # The image's torch build and its companions are held by a constraint so pip keeps them, the versions this project
 # was tested with the same way; DeepSpeed's CPU Adam and fused Adam ops are built ahead of time (the configs use them).
 WORKDIR /opt/deepspeed-lm-trainer
@@ -24,7 +25,7 @@ COPY pyproject.toml README.md ./
 RUN mkdir -p src/model_utils && touch src/model_utils/__init__.py \
  && pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio|triton|pytorch-triton)==' > /tmp/constraints.txt \
  && printf '%s\n' deepspeed==0.19.8 transformers==5.23.0 datasets==5.2.0 tqdm==4.70.1 safetensors==0.8.0 \
-        liger-kernel==0.8.5 >> /tmp/constraints.txt \
+        liger-kernel==0.8.5 flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 >> /tmp/constraints.txt \
  && PIP_CONSTRAINT=/tmp/constraints.txt DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 \
     pip install --no-cache-dir --no-build-isolation ".[gpu]" \
  && rm -f /tmp/constraints.txt \

@@ -5,7 +5,8 @@ through the project's own wrapper (src/model_utils/fast.py: custom op, eager and
     python benchmarks/attention.py                       # Qwen3-0.6B at seq 4096, micro-batch 8 (bf16, causal, GQA)
     python benchmarks/attention.py --batch 2 --heads 32 --kv_heads 8
 
-Prints, per kernel: ms per forward+backward, TFLOP/s counting the causal half of the 4·B·H·T²·D forward matmul
+Prints, per kernel: ms per forward (with autograd's saved state, as in training), per backward (the difference) and
+per forward+backward, TFLOP/s counting the causal half of the 4·B·H·T²·D forward matmul
 FLOPs (x3.5 for forward+backward, FlashAttention's convention), and the largest difference of the output and the
 gradients from SDPA's flash kernel (bf16).
 """
@@ -56,10 +57,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     b, t, h, kv, d = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
     dev, dt = "cuda", torch.bfloat16
-    # transformers' layout: (batch, heads, seq, head_dim)
-    q0 = torch.randn(b, h, t, d, device=dev, dtype=dt)
-    k0 = torch.randn(b, kv, t, d, device=dev, dtype=dt)
-    v0 = torch.randn(b, kv, t, d, device=dev, dtype=dt)
+    # transformers' layout: (batch, heads, seq, head_dim) views of the projections' (batch, seq, heads, head_dim)
+    q0 = torch.randn(b, t, h, d, device=dev, dtype=dt).transpose(1, 2)
+    k0 = torch.randn(b, t, kv, d, device=dev, dtype=dt).transpose(1, 2)
+    v0 = torch.randn(b, t, kv, d, device=dev, dtype=dt).transpose(1, 2)
     grad = torch.randn(b, t, h, d, device=dev, dtype=dt)
     flops = 4 * b * h * t * t * d / 2 * 3.5  # causal half; backward = 2.5x forward
 
@@ -73,13 +74,15 @@ def main(argv=None) -> int:
         return out.transpose(1, 2)
 
     def run_with(fn, backend=None):
-        def step():
+        def step(backward=True):
             q, k, v = (x.detach().requires_grad_() for x in (q0, k0, v0))
             if backend is None:
                 out = fn(q, k, v)
             else:
                 with sdpa_kernel([backend]):
                     out = fn(q, k, v)
+            if not backward:
+                return out
             out.backward(grad)
             return out, q.grad, k.grad, v.grad
         return step
@@ -100,17 +103,22 @@ def main(argv=None) -> int:
 
     reference = kernels["sdpa-flash"]()
     print(f"shape: batch {b}, seq {t}, heads {h}, kv heads {kv}, head_dim {d}, bf16, causal")
-    print("| kernel | ms fwd+bwd | TFLOP/s | max |out diff| | max |dq diff| | max |dk diff| | max |dv diff| |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kernel | ms fwd | ms bwd | ms fwd+bwd | TFLOP/s fwd | TFLOP/s bwd | TFLOP/s | max |out diff| "
+          "| max |dq diff| | max |dk diff| | max |dv diff| |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, step in kernels.items():
         try:
             result = step()
-            diffs = [float((x.float() - y.float()).abs().max()) for x, y in zip(result, reference)]
+            diffs = [float((x.detach().float() - y.detach().float()).abs().max()) for x, y in zip(result, reference)]
             ms = timed(step, a.iters)
+            fwd = timed(lambda: step(backward=False), a.iters)
         except RuntimeError as e:  # e.g. a backend that does not take this shape
-            print(f"| {name} | failed: {str(e).splitlines()[0][:120]} | | | | | |")
+            print(f"| {name} | failed: {str(e).splitlines()[0][:120]} | | | | | | | | | |")
             continue
-        print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | " + " | ".join(f"{x:.3g}" for x in diffs) + " |")
+        bwd = ms - fwd
+        print(f"| {name} | {fwd:.2f} | {bwd:.2f} | {ms:.2f} | {flops / 3.5 / fwd / 1e9:.0f} | "
+              f"{flops * 2.5 / 3.5 / bwd / 1e9:.0f} | {flops / ms / 1e9:.0f} | "
+              + " | ".join(f"{x:.3g}" for x in diffs) + " |")
     return 0
 
 

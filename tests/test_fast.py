@@ -53,16 +53,61 @@ def test_lever_switches_validate(monkeypatch):
     assert fast.lever_settings()["activation_budget"] == 0.75 and fast.lever_settings()["flce_chunk"] == "4"
 
 
-def test_fa4_is_refused_by_name_without_a_gpu_and_off_by_default(monkeypatch):
+def test_fa4_runs_only_where_it_can(monkeypatch):
+    """`auto` takes FlashAttention-4 where it can run (package, GPU), `sdpa` never; `fa4` by name is refused without
+    a GPU. No GPU here: where FA4 could run is stated through fa4_unavailable_reason."""
     import torch
 
     monkeypatch.delenv("DSLM_ATTN", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU host
     model = _tiny_model()
-    assert not fast.use_fa4(cuda=True, model=model)  # auto = SDPA (cuDNN measured faster on an H100)
-    monkeypatch.setenv("DSLM_ATTN", "fa4")
-    assert not fast.use_fa4(cuda=False, model=model)
     assert "GPU" in fast.fa4_unavailable_reason()
+    assert not fast.use_fa4(cuda=True, model=model)
+    monkeypatch.setattr(fast, "fa4_unavailable_reason", lambda: None)
+    assert fast.use_fa4(cuda=True, model=model)
+    assert not fast.use_fa4(cuda=False, model=model)
+    monkeypatch.setenv("DSLM_ATTN", "sdpa")
+    assert not fast.use_fa4(cuda=True, model=model)
+    monkeypatch.setenv("DSLM_ATTN", "fa4")
+    assert fast.use_fa4(cuda=True, model=model)
+    monkeypatch.setattr(fast, "fa4_unavailable_reason", lambda: "flash-attn-4 is not importable (no module)")
+    problem = fast.fused_kernels_problem("auto", cuda=True)
+    assert problem is not None and problem.setting == "DSLM_ATTN" and "not importable" in problem.message
+
+
+def test_auto_attention_falls_back_to_sdpa_when_fa4_fails_its_probe(monkeypatch):
+    """`auto` switches the model to FA4 only after the setup probe (a small forward and backward) succeeds; a failure
+    leaves SDPA and says why. `fa4` by name skips the probe. The probe's own exception handling runs for real (a
+    registration that raises); its GPU forward/backward cannot run here."""
+    monkeypatch.setenv("DSLM_COMPILE", "off")
+    monkeypatch.delenv("DSLM_ATTN", raising=False)
+    monkeypatch.setattr(fast, "fa4_unavailable_reason", lambda: None)
+    monkeypatch.setattr(fast, "_register_fa4", lambda: None)
+
+    def boom():
+        raise RuntimeError("CuTe DSL: unsupported driver\nmore detail")
+
+    with monkeypatch.context() as m:
+        m.setattr(fast, "_register_fa4", boom)
+        assert fast.fa4_probe_failure(_tiny_model()) == "RuntimeError: CuTe DSL: unsupported driver"
+
+    logs = []
+    monkeypatch.setattr(fast, "fa4_probe_failure", lambda model: "RuntimeError: boom")
+    model = _tiny_model()
+    fast.apply_fused_kernels(model, "off", cuda=True, log=logs.append)
+    assert model.config._attn_implementation == "sdpa"
+    assert any("failed its setup probe (RuntimeError: boom); using SDPA" in line for line in logs)
+
+    monkeypatch.setattr(fast, "fa4_probe_failure", lambda model: None)
+    model = _tiny_model()
+    fast.apply_fused_kernels(model, "off", cuda=True, log=logs.append)
+    assert model.config._attn_implementation == fast.FA4_NAME
+
+    monkeypatch.setenv("DSLM_ATTN", "fa4")
+    monkeypatch.setattr(fast, "fa4_probe_failure", lambda model: pytest.fail("fa4 by name is not probed"))
+    model = _tiny_model()
+    fast.apply_fused_kernels(model, "off", cuda=True, log=logs.append)
+    assert model.config._attn_implementation == fast.FA4_NAME
 
 
 class _Attention:

@@ -14,14 +14,15 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  under ZeRO-3 (its parameter hooks live inside the layers) and never without CUDA.
   DSLM_LIGER=auto|all|flce       which Liger kernels `--fused_kernels` applies: all four, or only the fused linear
                                  cross-entropy. `auto`: flce when layers are compiled, else all.
-  DSLM_ATTN=auto|fa4|sdpa        attention kernel. `fa4`: FlashAttention-4's CuTe kernels (package flash-attn-4, the
-                                 project's [fa4] extra) for causal attention without a mask on Hopper/Blackwell
+  DSLM_ATTN=auto|fa4|sdpa        attention kernel. `fa4`: FlashAttention-4's CuTe kernels (package flash-attn-4, in the
+                                 project's [gpu] and [fa4] extras) for causal attention without a mask on Hopper/Blackwell
                                  (compute capability 9.x/10.x), wrapped as a torch custom op so compiled layers call
                                  it as one opaque kernel; anything else (a padding mask, fp32, another GPU) goes to
-                                 SDPA. `auto` = sdpa: on an H100 PyTorch 2.11's SDPA already runs cuDNN's attention,
-                                 which measured faster than FA4 4.0.0b36 (fwd+bwd at the Qwen3-0.6B shape: 4.0 against
-                                 4.4 ms; in training FA4's 71.0k tokens/s was within the 70.6k-72.6k the SDPA path
-                                 measured; docs/PERFORMANCE.md).
+                                 SDPA. `auto` = fa4 where it can run (installed, such a GPU, and a first forward and
+                                 backward at setup succeeds), else SDPA, whose kernel PyTorch 2.11 picks as cuDNN's on
+                                 an H100. On an H100 at the Qwen3-0.6B shape and the trainer's layout FA4's backward
+                                 took 5.72 against cuDNN's 6.35 ms (forward 1.94 against 1.97), and training ran 1.6-2%
+                                 more tokens/s at micro-batch 16 (docs/PERFORMANCE.md).
   DSLM_FLCE_CHUNK=auto|1|2|4|8|16
                                  transient-logits budget of Liger's fused linear cross-entropy, in multiples of the
                                  hidden states' size (Liger's chunk_mem_const; Liger's own default is 1). With a
@@ -218,7 +219,7 @@ def fa4_unavailable_reason() -> str | None:
 
 def use_fa4(cuda: bool, model, settings: dict | None = None) -> bool:
     settings = settings or lever_settings()
-    if settings["attn"] != "fa4" or not cuda or getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+    if settings["attn"] == "sdpa" or not cuda or getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
         return False
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     return head_dim % 8 == 0 and 8 <= head_dim <= 256 and fa4_unavailable_reason() is None
@@ -303,6 +304,36 @@ def enable_fa4(model, log) -> None:
     log("attention: FlashAttention-4 (flash-attn-4 CuTe kernels) for causal attention; SDPA for anything else")
 
 
+class _CausalProbe:  # the attention module fa4_attention reads `is_causal` from
+    is_causal = True
+
+
+def fa4_probe_failure(model) -> str | None:
+    """Run one small forward and backward through FlashAttention-4 at the model's head shape (compiling its kernels
+    once, as training would) and return why it failed, or None. `auto` falls back to SDPA on a failure, so an
+    environment FA4 does not support (CUDA or driver version, a GPU variant) costs speed, not the run."""
+    import torch
+
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    try:
+        _register_fa4()
+        q = torch.randn(1, heads, 256, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, 256, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        out, _ = fa4_attention(_CausalProbe(), q, k, v, None, scaling=head_dim ** -0.5)
+        out.float().square().mean().backward()
+        torch.cuda.synchronize()
+        if not all(torch.isfinite(t.grad).all() for t in (q, k, v)):
+            return "its probe's gradients were not finite"
+    except Exception as e:  # noqa: BLE001  (any failure of this optional kernel means SDPA instead)
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        return f"{type(e).__name__}: {first_line[:200]}"
+    return None
+
+
 def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
     """Patch `model` in place with the enabled levers; return whether Liger's kernels are in use."""
     settings = lever_settings()
@@ -328,7 +359,14 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
     if cuda and settings["sdpa"] != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
         _sdpa_wrap(model, settings["sdpa"], log)  # also the fall-back path of FlashAttention-4
     if use_fa4(cuda, model, settings):
-        enable_fa4(model, log)
+        failure = fa4_probe_failure(model) if settings["attn"] == "auto" else None
+        if failure:
+            log(f"attention: FlashAttention-4 failed its setup probe ({failure}); using SDPA (DSLM_ATTN=sdpa skips "
+                "the probe)")
+        else:
+            enable_fa4(model, log)
+    elif settings["attn"] == "auto" and cuda and (reason := fa4_unavailable_reason()):
+        log(f"attention: SDPA ({reason}; on Hopper/Blackwell `pip install .[fa4]` adds FlashAttention-4)")
     return liger
 
 
