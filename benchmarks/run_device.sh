@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the device machine (repo root): install the carried wheels, normalise the environment, then run the
-# benchmark invocations named by PLAN (h100 | scale | custom), each bounded, logs and JSON under $OUT.
+# benchmark invocations named by PLAN (h100 | h100-checks | scale | custom), each bounded, logs and JSON under $OUT.
 #   PLAN=h100 bash benchmarks/run_device.sh
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -33,10 +33,14 @@ bench() {  # bench NAME SECONDS_NEEDED ARGS...
     | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#)' | cut -c1-400
 }
 case "${PLAN:-h100}" in
-  h100)  # the one-H100 table: each side at every micro-batch that fits (4-16), both HF peers, one invocation
-    bench best 480 --model qwen3-0.6b --micro_batch_size 4 8 12 14 16 --steps 6 --warmup 3 --timeout 150 --variants default \
-      --compare-hf --title "Qwen3-0.6B, 1 H100: default path vs HF Trainer + DeepSpeed (with and without Liger), micro-batch 4 to 16"
+  h100)  # the one-H100 table: each side at every micro-batch from 8 to 16, both HF peers, one invocation (~8 min)
+    bench best 470 --model qwen3-0.6b --micro_batch_size 8 12 14 16 --steps 6 --warmup 3 --timeout 150 --variants default \
+      --compare-hf --title "Qwen3-0.6B, 1 H100: default path vs HF Trainer + DeepSpeed (with and without Liger), micro-batch 8 to 16"
+    ;;
+  h100-checks)  # the loss check, the attention kernels alone, Qwen3-4B with CPU optimizer offload
     bench losscheck 130 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 150 --title "Loss check"
+    echo "=== attention ($(($(date +%s) - START))s)"
+    python3 benchmarks/attention.py --batch 16 2>&1 | grep -E "^(\||shape|Flash)" | tee "$OUT/attention.txt"
     bench q4b_offload 150 --model qwen3-4b --ds_config configs/zero2-offload.json --gradient_checkpointing --micro_batch_size 2 --steps 3 --warmup 1 --timeout 300 --variants default --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100"
     ;;
   scale)  # per-GPU scaling on 1/2/4 H200 (default path), Qwen3-8B ZeRO-3, the loss check, then the peers if time

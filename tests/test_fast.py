@@ -281,6 +281,15 @@ def _tiny_model():
     return build_model("tiny", model_config("tiny", load_tokenizer(None)), __import__("torch").float32, "sdpa", False)
 
 
+def test_a_gpu_run_without_liger_says_so(monkeypatch):
+    monkeypatch.setenv("DSLM_COMPILE", "off")
+    monkeypatch.setenv("DSLM_ATTN", "sdpa")
+    monkeypatch.setattr(fast, "liger_available", lambda: False)
+    messages = []
+    assert fast.apply_fused_kernels(_tiny_model(), "auto", cuda=True, log=messages.append) is False
+    assert any("liger-kernel is not installed" in m and ".[gpu]" in m for m in messages)
+
+
 def test_all_levers_are_no_ops_on_cpu(monkeypatch):
     """Every switch on, but no GPU: the model is left exactly as built, so CI runs the default code path."""
     import torch

@@ -354,6 +354,9 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
         _set_flce_chunk_budget(flce_chunk_budget(settings), log)
         if zero3:
             _register_lm_head_for_zero3(model, log)
+    elif setting == "auto" and cuda:
+        log("kernels: liger-kernel is not installed, so the loss materialises full fp32 logits (slower, more memory); "
+            "`pip install .[gpu]` adds Liger's kernels")
     if compiled:
         _compile_layers(model, settings["activation_budget"], log)
     if cuda and settings["sdpa"] != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
