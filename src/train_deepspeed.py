@@ -79,6 +79,9 @@ def setup(cfg: TrainConfig, dist) -> Run:
     raise_on_problems(report)
     for note in report.notes:
         log.warn(note)
+    for line in report.lines:  # preflight's estimates; the config, batch and model lines are written below
+        if line.startswith(("memory:", "checkpoints:")):
+            log.info(line)
     tokenizer, mconf, ds, seq_len = report.tokenizer, report.model_config, report.ds_config, report.seq_len
     # Rank 0's choice of checkpoint for all: a save or a retention delete in between must not split the ranks.
     resume_info = dist.broadcast_object(report.resume)

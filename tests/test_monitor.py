@@ -247,10 +247,11 @@ def test_summary_matches_the_metrics(monitored):
 def test_log_header_on_rank_0_only_and_no_duplicated_output(monitored):
     out0, out1 = monitored.outputs
     for text in ("run: no SLURM job", "world size 2 (gloo, cpu)", f"torch {torch.__version__}", "deepspeed 0.",
-                 "config (effective flags): ", "config (DeepSpeed, resolved): "):
+                 "config (effective flags): ", "config (DeepSpeed, resolved): ", "memory: ~", " GiB per GPU estimated",
+                 "checkpoints: ~"):
         assert text in out0, text
     assert out0.index("versions:") < out0.index("data:")  # at the top
-    for text in ("versions:", "config (", "run summary", "step 2 |", "eval step", "lr_schedules"):
+    for text in ("versions:", "config (", "run summary", "step 2 |", "eval step", "lr_schedules", "memory: ~"):
         assert text not in out1, text
 
 
