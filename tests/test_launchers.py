@@ -8,6 +8,7 @@ That is the only thing these tests fake. The launchers on a real SLURM cluster: 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -74,6 +75,15 @@ def test_every_setting_is_defined_once():
         assert text.count(f': "${{{name}:=') == 1, name
     for path in LAUNCHERS:
         assert ':=' not in (REPO_ROOT / path).read_text(), f"{path} defines a setting outside launch_common.sh"
+
+
+def test_the_settings_table_documents_exactly_the_settings_there_are():
+    """docs/LAUNCHERS.md's table of settings against launch_common.sh's definitions: a setting added, renamed or removed
+    on one side only fails here."""
+    text = (REPO_ROOT / "docs/LAUNCHERS.md").read_text()
+    documented = set(re.findall(r"^\| `([A-Z][A-Z0-9_]*)` \|", text, re.M))
+    assert documented == set(LAUNCHER_SETTINGS), (sorted(documented - set(LAUNCHER_SETTINGS)),
+                                                  sorted(set(LAUNCHER_SETTINGS) - documented))
 
 
 # ------------------------------------------------------------------------------------ commands without SLURM
