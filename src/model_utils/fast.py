@@ -20,9 +20,9 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  it as one opaque kernel; anything else (a padding mask, fp32, another GPU) goes to
                                  SDPA. `auto` = fa4 where it can run (installed, such a GPU, and a first forward and
                                  backward at setup succeeds), else SDPA, whose kernel PyTorch 2.11 picks as cuDNN's on
-                                 an H100. On an H100 at the Qwen3-0.6B shape and the trainer's layout FA4's backward
-                                 took 5.72 against cuDNN's 6.35 ms (forward 1.94 against 1.97), and training ran 1.6-2%
-                                 more tokens/s at micro-batch 16 (docs/PERFORMANCE.md).
+                                 an H100. On an H100 at the Qwen3-0.6B shape (micro-batch 16) and the trainer's layout
+                                 FA4's backward took 5.7 against cuDNN's 6.2 ms (forward 1.8 against 2.0), and training
+                                 ran 91.6k against 89.8k tokens/s (docs/PERFORMANCE.md, section 24).
   DSLM_FLCE_CHUNK=auto|1|2|4|8|16
                                  transient-logits budget of Liger's fused linear cross-entropy, in multiples of the
                                  hidden states' size (Liger's chunk_mem_const; Liger's own default is 1). With a
