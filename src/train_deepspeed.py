@@ -104,7 +104,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
         from transformers.integrations import HfDeepSpeedConfig
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
     model = build_model(cfg.model, mconf, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing)
-    apply_fused_kernels(model, cfg.fused_kernels, dist.device.type == "cuda", log.info)
+    apply_fused_kernels(model, cfg.fused_kernels, dist.device.type == "cuda", log.info,
+                        warn=lambda message: log.warn(message, all_ranks=True))
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     flops = FlopsModel.from_config(model.config, num_params, seq_len)
 

@@ -334,8 +334,10 @@ def fa4_probe_failure(model) -> str | None:
     return None
 
 
-def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
-    """Patch `model` in place with the enabled levers; return whether Liger's kernels are in use."""
+def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None) -> bool:
+    """Patch `model` in place with the enabled levers; return whether Liger's kernels are in use. `log` reports what
+    was applied (rank 0 is enough: every rank applies the same); `warn` (default `log`) what went wrong on this rank."""
+    warn = warn or log
     settings = lever_settings()
     zero3 = _is_zero3(model)
     compiled = use_compile(cuda, zero3, settings)
@@ -364,8 +366,8 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log) -> bool:
     if use_fa4(cuda, model, settings):
         failure = fa4_probe_failure(model) if settings["attn"] == "auto" else None
         if failure:
-            log(f"attention: FlashAttention-4 failed its setup probe ({failure}); using SDPA (DSLM_ATTN=sdpa skips "
-                "the probe)")
+            warn(f"attention: FlashAttention-4 failed its setup probe ({failure}); using SDPA (DSLM_ATTN=sdpa skips "
+                 "the probe)")
         else:
             enable_fa4(model, log)
     elif settings["attn"] == "auto" and cuda and (reason := fa4_unavailable_reason()):
