@@ -530,7 +530,7 @@ def versions() -> dict:
     from model_utils.monitor import package_version
 
     out = {"python": platform.python_version()}
-    for name in ("torch", "deepspeed", "transformers", "liger-kernel", "triton", "accelerate"):
+    for name in ("torch", "deepspeed", "transformers", "liger-kernel", "flash-attn-4", "triton", "accelerate"):
         out[name] = package_version(name)
     try:
         import torch
