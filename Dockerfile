@@ -19,10 +19,10 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # The image's torch build and its companions are held by a constraint so pip keeps them, the versions this project
 # was tested with the same way; DeepSpeed's CPU Adam and fused Adam ops are built ahead of time (the configs use them).
 WORKDIR /opt/deepspeed-lm-trainer
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 # The versions are pinned through the constraint file, which hadolint cannot see.
 # hadolint ignore=DL3013
-RUN mkdir -p src/model_utils && touch src/model_utils/__init__.py \
+RUN mkdir -p src/model_utils && touch src/model_utils/__init__.py README.md \
  && pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio|triton|pytorch-triton)==' > /tmp/constraints.txt \
  && printf '%s\n' deepspeed==0.19.8 transformers==5.23.0 datasets==5.2.0 tqdm==4.70.1 safetensors==0.8.0 \
         liger-kernel==0.8.5 flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 >> /tmp/constraints.txt \
@@ -31,6 +31,7 @@ RUN mkdir -p src/model_utils && touch src/model_utils/__init__.py \
  && rm -f /tmp/constraints.txt \
  && ds_report
 
-# The project itself, over the stub; its dependencies are in place.
+# The project itself, over the stub (README.md is its long description); its dependencies are in place.
+COPY README.md ./
 COPY src ./src
 RUN pip install --no-cache-dir --no-build-isolation --no-deps .

@@ -52,6 +52,7 @@ VARIANTS = {
     "nofused": _variant(fused_kernels="off"),                          # the unoptimised path
     "compile": _variant(compile="layers", liger="flce"),               # compiled layers + Liger fused linear CE
     "cudnn": _variant(sdpa="cudnn"),
+    # The rest reproduce earlier sections of docs/PERFORMANCE.md (01-16).
     "compile_cudnn": _variant(compile="layers", liger="flce", sdpa="cudnn"),
     "fa4": _variant(compile="layers", liger="flce", attn="fa4"),
     "liger_fa4": _variant(attn="fa4"),
@@ -510,7 +511,7 @@ def make_jobs(a) -> list[dict]:
     jobs = []
     suffix = (f"-z{a.zero_stage}" if a.zero_stage is not None else "") + _ds_set_suffix(a.ds_set)
     for mb in a.micro_batch_size or [None]:
-        blocks = max(64, (a.steps + a.warmup + 2) * (mb or 16) * max(a.nproc or 1, 1) + 8)
+        blocks = max(64, (a.steps + a.warmup + 2) * (mb or 16) * a.nproc + 8)
         jobs += [engine(v, f"engine-{v}-mb{mb}{suffix}", micro_batch_size=mb, dummy_blocks=blocks) for v in a.variants]
         if a.compare_hf:
             for peer, spec in HF_PEERS.items():

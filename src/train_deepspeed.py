@@ -79,9 +79,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
     raise_on_problems(report)
     for note in report.notes:
         log.warn(note)
-    for line in report.lines:  # preflight's estimates; the config, batch and model lines are written below
-        if line.startswith(("memory:", "checkpoints:")):
-            log.info(line)
+    for line in report.estimates:  # memory and checkpoint disk; the config, batch and model lines are written below
+        log.info(line)
     tokenizer, mconf, ds, seq_len = report.tokenizer, report.model_config, report.ds_config, report.seq_len
     # Rank 0's choice of checkpoint for all: a save or a retention delete in between must not split the ranks.
     resume_info = dist.broadcast_object(report.resume)
@@ -112,9 +111,10 @@ def setup(cfg: TrainConfig, dist) -> Run:
     # nanoGPT's grouping: weight decay on matrices (and embeddings), none on norms and biases. ZeRO-3 parameters are
     # empty placeholders: their real shape is ds_shape.
     trainable = [p for p in model.parameters() if p.requires_grad]
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    groups = [{"params": [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) >= 2], "weight_decay": wd},
-              {"params": [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) < 2], "weight_decay": 0.0}]
+    groups = [{"params": [p for p, m in zip(trainable, matrix) if m], "weight_decay": wd},
+              {"params": [p for p, m in zip(trainable, matrix) if not m], "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     streamline_zero_step(engine, log.info)
 

@@ -3,7 +3,6 @@ installed major.minor toolkit instead of failing."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from test_launchers import REPO_ROOT, commands, launch, lib, one_line_error

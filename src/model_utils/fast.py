@@ -67,6 +67,7 @@ import inspect
 import os
 
 from .arguments import Problem
+from .models import head_dim
 
 COMPILE_CHOICES = ("auto", "layers", "off")
 LIGER_CHOICES = ("auto", "all", "flce")
@@ -117,7 +118,7 @@ def _activation_budget() -> float:
     except ValueError:
         value = -1.0
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"DSLM_ACTIVATION_BUDGET={raw!r}: expected a fraction in (0, 1]")
+        raise ValueError(f"{lever_env('activation_budget')}={raw!r}: expected a fraction in (0, 1]")
     return value
 
 
@@ -221,8 +222,8 @@ def use_fa4(cuda: bool, model, settings: dict | None = None) -> bool:
     settings = settings or lever_settings()
     if settings["attn"] == "sdpa" or not cuda or getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
         return False
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    return head_dim % 8 == 0 and 8 <= head_dim <= 256 and fa4_unavailable_reason() is None
+    dim = head_dim(model.config)
+    return dim % 8 == 0 and 8 <= dim <= 256 and fa4_unavailable_reason() is None
 
 
 _fa4_kernel = None  # torch.ops.dslm.fa4_forward once registered: (q, k, v, scale) in (batch, seq, heads, dim)
@@ -304,10 +305,6 @@ def enable_fa4(model, log) -> None:
     log("attention: FlashAttention-4 (flash-attn-4 CuTe kernels) for causal attention; SDPA for anything else")
 
 
-class _CausalProbe:  # the attention module fa4_attention reads `is_causal` from
-    is_causal = True
-
-
 def fa4_probe_failure(model) -> str | None:
     """Run one small forward and backward through FlashAttention-4 at the model's head shape (compiling its kernels
     once, as training would) and return why it failed, or None. `auto` falls back to SDPA on a failure, so an
@@ -315,15 +312,14 @@ def fa4_probe_failure(model) -> str | None:
     import torch
 
     config = model.config
-    heads = config.num_attention_heads
+    heads, dim = config.num_attention_heads, head_dim(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     try:
         _register_fa4()
-        q = torch.randn(1, heads, 256, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(1, kv_heads, 256, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        q = torch.randn(1, heads, 256, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, 256, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 for _ in range(2))
-        out, _ = fa4_attention(_CausalProbe(), q, k, v, None, scaling=head_dim ** -0.5)
+        out, _ = fa4_attention(None, q, k, v, None, scaling=dim ** -0.5, is_causal=True)
         out.float().square().mean().backward()
         torch.cuda.synchronize()
         if not all(torch.isfinite(t.grad).all() for t in (q, k, v)):
@@ -336,7 +332,8 @@ def fa4_probe_failure(model) -> str | None:
 
 def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None) -> bool:
     """Patch `model` in place with the enabled levers; return whether Liger's kernels are in use. `log` reports what
-    was applied (rank 0 is enough: every rank applies the same); `warn` (default `log`) what went wrong on this rank."""
+    was applied (rank 0 is enough: every rank applies the same, except that a rank whose FlashAttention-4 probe fails
+    keeps SDPA); `warn` (default `log`) reports that failure, from the rank it happened on."""
     warn = warn or log
     settings = lever_settings()
     zero3 = _is_zero3(model)
@@ -370,7 +367,8 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None) -> bool
                  "the probe)")
         else:
             enable_fa4(model, log)
-    elif settings["attn"] == "auto" and cuda and (reason := fa4_unavailable_reason()):
+    elif (settings["attn"] == "auto" and cuda and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+          and (reason := fa4_unavailable_reason())):
         log(f"attention: SDPA ({reason}; on Hopper/Blackwell `pip install .[fa4]` adds FlashAttention-4)")
     return liger
 

@@ -95,6 +95,11 @@ def build_model(name: str, config, dtype, attn_implementation: str, gradient_che
     return model
 
 
+def head_dim(config) -> int:
+    """Per-head dimension: the config's `head_dim` (Qwen3 sets it) or hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 @dataclass
 class FlopsModel:
     """Training FLOPs per token, by the PaLM convention: 6N + 12·L·H·Q·T.
@@ -115,8 +120,7 @@ class FlopsModel:
         embed = config.vocab_size * config.hidden_size
         lm_head = config.vocab_size * config.hidden_size
         n = num_params - embed + (lm_head if getattr(config, "tie_word_embeddings", False) else 0)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(n, config.num_hidden_layers, config.num_attention_heads, head_dim, seq_len)
+        return cls(n, config.num_hidden_layers, config.num_attention_heads, head_dim(config), seq_len)
 
     def per_token(self, attention_factor: int = 12) -> float:
         return 6 * self.non_embedding_params + attention_factor * self.num_layers * self.num_heads * self.head_dim * self.seq_len

@@ -165,12 +165,17 @@ class Report:
     lines: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    estimates: list[str] = field(default_factory=list)  # the memory and disk lines, which a starting run also logs
     # What the checks loaded and resolved, for the run to use instead of doing it again.
     tokenizer: object = None
     model_config: object = None
     ds_config: dict | None = None
     seq_len: int | None = None
     resume: object = None  # checkpoint.CheckpointInfo of the checkpoint to resume from, or None
+
+    def estimate(self, line: str) -> None:
+        self.lines.append(line)
+        self.estimates.append(line)
 
 
 def gpu_memory_gib() -> tuple[float | None, str]:
@@ -285,14 +290,13 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
                      + bucket_bytes(zero, stage, off_opt, bf16)
                      + activation_bytes(mconf, seq_len, micro, cfg.gradient_checkpointing, fused, bf16, chunk))
             memory, where = gpu_memory_gib()
-            report.lines.append(f"memory: ~{total / GIB:.1f} GiB per GPU estimated (model states, ZeRO buckets, "
-                                f"activations); "
-                                f"GPU: {f'{memory:.0f} GiB' if memory else where}")
+            report.estimate(f"memory: ~{total / GIB:.1f} GiB per GPU estimated (model states, ZeRO buckets, "
+                            f"activations); GPU: {f'{memory:.0f} GiB' if memory else where}")
             if fused and not here and not liger_available():
                 logits = activation_bytes(mconf, seq_len, micro, False, False, bf16, chunk) - activation_bytes(
                     mconf, seq_len, micro, False, True, bf16, chunk)
-                report.lines.append(f"memory: assumes Liger's fused cross-entropy on the GPU nodes (not installed "
-                                    f"here); without it the logits add ~{logits / GIB:.0f} GiB")
+                report.estimate(f"memory: assumes Liger's fused cross-entropy on the GPU nodes (not installed "
+                                f"here); without it the logits add ~{logits / GIB:.0f} GiB")
             if memory and 0.92 * memory * GIB < total <= memory * GIB:
                 report.notes.append(f"the memory estimate is within 8% of the GPU's {memory:.0f} GiB: expect little headroom")
             if memory and total > memory * GIB:
@@ -354,8 +358,8 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
     count = keep + 1
     need = ckpt_bytes * count
     free = shutil.disk_usage(probe).free
-    report.lines.append(f"checkpoints: ~{ckpt_bytes / GIB:.2f} GiB each, {count} on disk at most; "
-                        f"{free / GIB:,.0f} GiB free in {probe}")
+    report.estimate(f"checkpoints: ~{ckpt_bytes / GIB:.2f} GiB each, {count} on disk at most; "
+                    f"{free / GIB:,.0f} GiB free in {probe}")
     if need > free:
         report.problems.append(Problem("--keep_last_checkpoints", cfg.keep_last_checkpoints,
                                        f"{count} checkpoint(s) need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free",
