@@ -52,9 +52,6 @@ VARIANTS = {
     "nofused": _variant(fused_kernels="off"),                          # the unoptimised path
     "compile": _variant(compile="layers", liger="flce"),               # compiled layers + Liger fused linear CE
     "cudnn": _variant(sdpa="cudnn"),
-    # The default path with q/k/v and gate/up as separate products (the default before DSLM_PROJ).
-    "separate_proj": _variant(compile="layers", liger="flce", attn="auto", overflow_check="norm", grad_norm="foreach",
-                              flce_chunk="8", activation_budget="0.9"),
     # The rest reproduce earlier sections of docs/PERFORMANCE.md (01-16).
     "compile_cudnn": _variant(compile="layers", liger="flce", sdpa="cudnn"),
     "fa4": _variant(compile="layers", liger="flce", attn="fa4"),

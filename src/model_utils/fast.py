@@ -51,14 +51,6 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  one multi-tensor launch (torch._foreach_norm, returned in fp64; the total in fp32, as
                                  DeepSpeed's) and keeps DeepSpeed's all-reduce and inf/NaN marking. Only without model
                                  or pipeline parallelism. `auto` = foreach.
-  DSLM_PROJ=auto|fused|separate  the projections that read the same input as one matrix product each: q, k and v (one
-                                 [q; k; v] weight, concatenated per forward) and the MLP's gate and up. The parameters
-                                 stay separate (same names, checkpoints and ZeRO partitioning); only the product is
-                                 shared, whose backward then takes the input gradient in one larger product instead of
-                                 three (or two) smaller ones and their sum. For Qwen3, Qwen2, Llama and Mistral
-                                 decoder layers, on any device; never under ZeRO-3 (which gathers each projection's
-                                 weight in its own forward), and not for an MLP whose forward Liger's SwiGLU
-                                 replaced. `auto` = fused.
   DSLM_SDPA=auto|cudnn|flash|efficient|math
                                  SDPA backend tried first (the others stay as fall-backs, so an unsupported shape
                                  still runs). `auto` leaves PyTorch's order.
@@ -73,7 +65,6 @@ import functools
 import importlib.util
 import inspect
 import os
-import sys
 
 from .arguments import Problem
 from .models import head_dim
@@ -85,8 +76,6 @@ ATTN_CHOICES = ("auto", "fa4", "sdpa")
 OVERFLOW_CHECK_CHOICES = ("auto", "norm", "scan")
 GRAD_NORM_CHOICES = ("auto", "foreach", "deepspeed")
 FLCE_CHUNK_CHOICES = ("auto", "1", "2", "4", "8", "16")
-PROJ_CHOICES = ("auto", "fused", "separate")
-FUSED_PROJ_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")  # decoder layers whose forwards fuse_projections mirrors
 FLCE_CHUNK_AUTO = 8
 ACTIVATION_BUDGET_DEFAULT = 0.9
 FA4_NAME = "dslm_fa4"  # the attention implementation name registered with transformers
@@ -108,7 +97,6 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str = "auto") -> s
 LEVERS = {"compile": (COMPILE_CHOICES, "off"), "liger": (LIGER_CHOICES, "all"), "sdpa": (SDPA_CHOICES, "auto"),
           "attn": (ATTN_CHOICES, "sdpa"), "overflow_check": (OVERFLOW_CHECK_CHOICES, "scan"),
           "grad_norm": (GRAD_NORM_CHOICES, "deepspeed"), "flce_chunk": (FLCE_CHUNK_CHOICES, "1"),
-          "proj": (PROJ_CHOICES, "separate"),
           "activation_budget": (None, "1.0")}
 
 
@@ -368,8 +356,6 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None) -> bool
     elif setting == "auto" and cuda:
         log("kernels: liger-kernel is not installed, so the loss materialises full fp32 logits (slower, more memory); "
             "`pip install .[gpu]` adds Liger's kernels")
-    if settings["proj"] != "separate" and not zero3:
-        fuse_projections(model, log)
     if compiled:
         _compile_layers(model, settings["activation_budget"], log)
     if cuda and settings["sdpa"] != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
@@ -385,85 +371,6 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None) -> bool
           and (reason := fa4_unavailable_reason())):
         log(f"attention: SDPA ({reason}; on Hopper/Blackwell `pip install .[fa4]` adds FlashAttention-4)")
     return liger
-
-
-def _fused_linear(x, linears):
-    """The outputs of several nn.Linear layers that read `x`, from one matrix product with their weights (and biases)
-    concatenated; autograd splits the weight gradient back onto each layer's own parameters."""
-    import torch
-    import torch.nn.functional as F
-
-    weight = torch.cat([m.weight for m in linears])
-    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
-    return F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1)
-
-
-def _fused_qkv_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
-                                 **kwargs):
-    """transformers' Qwen3/Qwen2/Llama/Mistral attention forward with q, k and v from one product."""
-    modeling = sys.modules[type(self).__module__]  # looked up per call: Liger may have swapped its RoPE function
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query, key, value = (t.view(hidden_shape) for t in
-                         _fused_linear(hidden_states, (self.q_proj, self.k_proj, self.v_proj)))
-    if getattr(self, "q_norm", None) is not None:  # Qwen3's per-head RMSNorm
-        query, key = self.q_norm(query), self.k_norm(key)
-    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-    cos, sin = position_embeddings
-    query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
-    attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                               modeling.eager_attention_forward)
-    if hasattr(self, "sliding_window"):  # Qwen3, Qwen2, Mistral pass it; Llama has none
-        kwargs["sliding_window"] = self.sliding_window
-    out, weights = attention(self, query, key, value, attention_mask,
-                             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-                             **kwargs)
-    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
-
-
-def _fused_gate_up_mlp_forward(self, x):
-    gate, up = _fused_linear(x, (self.gate_proj, self.up_proj))
-    return self.down_proj(self.act_fn(gate) * up)
-
-
-def _fusable(linears) -> bool:
-    import torch
-
-    return (all(type(m) is torch.nn.Linear for m in linears)
-            and len({m.bias is None for m in linears}) == 1 and len({m.in_features for m in linears}) == 1)
-
-
-def _mirrored_modeling(attention) -> bool:
-    """The attention's modeling module has what _fused_qkv_attention_forward calls (older transformers lack get_interface)."""
-    modeling = sys.modules.get(type(attention).__module__)
-    return (hasattr(getattr(modeling, "ALL_ATTENTION_FUNCTIONS", None), "get_interface")
-            and hasattr(modeling, "apply_rotary_pos_emb") and hasattr(modeling, "eager_attention_forward"))
-
-
-def fuse_projections(model, log) -> int:
-    """DSLM_PROJ=fused: rebind the forwards of the decoder layers' attention (q, k, v) and MLP (gate, up) so the
-    projections of one input run as one product. Only modules still running their class's own forward (Liger's SwiGLU
-    rebinds the MLP's) of the model types whose forwards the replacements mirror. Returns how many were rebound."""
-    model_type = getattr(model.config, "model_type", "")
-    layers = _decoder_layers(model)
-    if model_type not in FUSED_PROJ_MODEL_TYPES or layers is None:
-        log(f"projections: separate ({model_type!r} is not one of {', '.join(FUSED_PROJ_MODEL_TYPES)})")
-        return 0
-    fused = {"attention": 0, "MLP": 0}
-    for layer in layers:
-        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if (attention is not None and "forward" not in vars(attention) and _mirrored_modeling(attention)
-                and _fusable([getattr(attention, n, None) for n in ("q_proj", "k_proj", "v_proj")])):
-            attention.forward = _fused_qkv_attention_forward.__get__(attention)
-            fused["attention"] += 1
-        if (mlp is not None and "forward" not in vars(mlp) and hasattr(mlp, "act_fn")
-                and _fusable([getattr(mlp, n, None) for n in ("gate_proj", "up_proj")])):
-            mlp.forward = _fused_gate_up_mlp_forward.__get__(mlp)
-            fused["MLP"] += 1
-    log(f"projections: q/k/v as one product in {fused['attention']} attention layers, gate/up in {fused['MLP']} MLPs")
-    return sum(fused.values())
 
 
 def _apply_liger_flce_only(model, log):
