@@ -52,6 +52,9 @@ VARIANTS = {
     "nofused": _variant(fused_kernels="off"),                          # the unoptimised path
     "compile": _variant(compile="layers", liger="flce"),               # compiled layers + Liger fused linear CE
     "cudnn": _variant(sdpa="cudnn"),
+    # The default path with the overflow verdict on the host (the default before DSLM_OVERFLOW_CHECK=device).
+    "host_overflow_check": _variant(compile="layers", liger="flce", attn="auto", overflow_check="norm",
+                                    grad_norm="foreach", flce_chunk="8", activation_budget="0.9"),
     # The rest reproduce earlier sections of docs/PERFORMANCE.md (01-16).
     "compile_cudnn": _variant(compile="layers", liger="flce", sdpa="cudnn"),
     "fa4": _variant(compile="layers", liger="flce", attn="fa4"),
@@ -244,6 +247,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     normalize_env()
     import torch
 
+    from model_utils.fast import device_skip_flag, settle_device_skip
     from model_utils.models import gpu_peak_tflops
     from model_utils.train_utils import distributed_env_problems, setup_distributed
     from train_deepspeed import compute_loss, parse_args, setup, to_device
@@ -283,6 +287,8 @@ def worker_engine(job: dict, workdir: Path) -> dict:
 
     def step():
         engine.step()
+        if device_skip_flag(engine, dist.device).item() > 0:  # the trainer's loop reads this flag after every step
+            settle_device_skip(engine)
         run.position = run.order.advance(run.position)
 
     def train_step():

@@ -226,6 +226,7 @@ def train(run: Run) -> int:
     import torch
     from tqdm import tqdm
 
+    from model_utils.fast import device_skip_flag, settle_device_skip
     from model_utils.monitor import write_summary
     from model_utils.train_utils import EXIT_NONFINITE, EXIT_STOPPED_BY_SIGNAL, StopSignal, Throughput, memory_stats
 
@@ -297,9 +298,13 @@ def train(run: Run) -> int:
 
         # --- non-finite loss or gradient: DeepSpeed skipped the update (bf16/fp16 overflow check) or, in fp32,
         #     could not; after max_bad_steps in a row (at once in fp32) stop without saving: the last checkpoint is good ---
-        flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=dist.device), nonfinite.float()])
+        flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=dist.device), nonfinite.float(),
+                             device_skip_flag(engine, dist.device)])
         dist.all_reduce(flags, torch.distributed.ReduceOp.MAX)
-        stop_now, bad = flags[0].item() > 0, flags[1].item() > 0 or not engine.was_step_applied()
+        stop_now, nonfinite_loss, skipped_on_device = (flags > 0).tolist()
+        if skipped_on_device:  # DSLM_OVERFLOW_CHECK=device: the GPU skipped the update; book it as DeepSpeed would
+            settle_device_skip(engine)
+        bad = nonfinite_loss or not engine.was_step_applied()
         bad_steps = bad_steps + 1 if bad else 0
         if bad:
             log.warn(f"step {run.step}: non-finite loss or gradient norm; "

@@ -192,9 +192,12 @@ def test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function(monkeypat
 
 
 # Runs in a fresh process (DeepSpeed initialises torch.distributed): bf16 ZeRO-2 on CPU, the same optimizer class and
-# step() as on GPUs. A NaN loss, then an inf in one gradient tensor only (a hook on the last layer's bias), then a
-# finite step: both overflow checks must skip the same steps and leave bitwise-equal parameters; the multi-tensor
-# gradient norm must give DeepSpeed's norm (and the same clipped update) to fp32 rounding.
+# step() as on GPUs (torch's fused AdamW, as ds_config.json), with a warm-up LR schedule so that every scheduler step
+# shows. A NaN loss, then an inf in one gradient tensor only (a hook on the last layer's bias), then a finite step: all
+# overflow checks must skip the same steps, with the same LR afterwards, and leave bitwise-equal parameters; the
+# multi-tensor gradient norm must give DeepSpeed's norm (and the same clipped update) to fp32 rounding. The loop's
+# booking of a step the GPU skipped (DSLM_OVERFLOW_CHECK=device) is the trainer's: device_skip_flag, then
+# settle_device_skip.
 OVERFLOW_SCRIPT = r"""
 import json, os, sys, torch
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
@@ -206,7 +209,9 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
       "bf16": {"enabled": True, "check_grad_overflow": True},
-      "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True, "fused": True}},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                    "warmup_num_steps": 8, "warmup_type": "linear"}},
       "zero_optimization": {"stage": 2}}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 streamlined = fast.streamline_zero_step(engine, lambda message: None)
@@ -221,11 +226,15 @@ for kind in ("finite", "nan_loss", "inf_in_one_tensor", "finite"):
     loss = engine(x).float().pow(2).mean() * (float("nan") if kind == "nan_loss" else 1.0)
     engine.backward(loss)
     engine.step()
+    if fast.device_skip_flag(engine, "cpu").item() > 0:
+        fast.settle_device_skip(engine)
     updated = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
-    steps.append({"kind": kind, "updated": updated, "skipped_steps": engine.skipped_steps})
+    steps.append({"kind": kind, "updated": updated, "skipped_steps": engine.skipped_steps,
+                  "applied": engine.was_step_applied(), "lr": engine.get_lr()[0]})
     norms.append(float(engine.get_global_grad_norm()))
 params = [p.detach().float().flatten().tolist() for p in engine.module.parameters()]
-patched = sorted(k for k in ("check_overflow", "get_grad_norm_direct") if k in vars(engine.optimizer))
+patched = sorted(k for k in ("check_overflow", "get_grad_norm_direct", "scaled_global_norm")
+                 if k in vars(engine.optimizer))
 print("RESULT " + json.dumps({"streamlined": streamlined, "patched": patched, "steps": steps, "params": params,
                               "norms": norms}))
 """
@@ -237,19 +246,26 @@ def test_streamlined_zero_step_skips_and_clips_like_deepspeed():
     from model_utils.train_utils import free_port
 
     results = {}
-    for mode in ("scan+deepspeed", "norm+deepspeed", "norm+foreach"):
+    for mode in ("scan+deepspeed", "norm+deepspeed", "norm+foreach", "device+foreach"):
         out = subprocess.run([sys.executable, "-c", OVERFLOW_SCRIPT, mode, str(free_port()), str(REPO / "src")],
                              capture_output=True, text=True, timeout=240)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         assert line, out.stdout[-2000:] + out.stderr[-3000:]
         results[mode] = json.loads(line[len("RESULT "):])
     scan, norm, foreach = results["scan+deepspeed"], results["norm+deepspeed"], results["norm+foreach"]
+    device = results["device+foreach"]
     assert (scan["patched"], norm["patched"]) == ([], ["check_overflow"])
     assert foreach["patched"] == ["check_overflow", "get_grad_norm_direct"]
+    assert device["patched"] == ["check_overflow", "get_grad_norm_direct", "scaled_global_norm"]
     assert [s["updated"] for s in norm["steps"]] == [True, False, False, True]
-    assert norm["steps"] == scan["steps"] == foreach["steps"]
+    assert [s["applied"] for s in norm["steps"]] == [True, False, False, True]
+    lrs = [s["lr"] for s in scan["steps"]]
+    assert lrs[0] == lrs[1] == lrs[2] < lrs[3]  # the skipped steps did not advance the warm-up
+    assert norm["steps"] == scan["steps"] == foreach["steps"] == device["steps"]
     assert norm["steps"][-1]["skipped_steps"] == 2
     assert norm["params"] == scan["params"]
+    assert device["params"] == foreach["params"]
+    assert [n for n in device["norms"]] == [n for n in foreach["norms"]]  # inf where skipped, as DeepSpeed reports
     # The clipping threshold (0.05) is below the norms, so the update depends on the norm's value.
     finite = [i for i, s in enumerate(scan["steps"]) if s["updated"]]
     assert all(scan["norms"][i] > 0.05 for i in finite)

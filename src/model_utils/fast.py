@@ -35,15 +35,22 @@ variant and docs/PERFORMANCE.md records what each one measured):
                                  they would save for backward; the cheapest rest is recomputed). 1.0 = off. Default
                                  0.9: on Qwen3-0.6B at micro-batch 8 it cut peak memory from 48.3 to 39.6 GiB at the
                                  same tokens/s (docs/PERFORMANCE.md).
-  DSLM_OVERFLOW_CHECK=auto|norm|scan
-                                 how ZeRO-1/2 (bf16, `check_grad_overflow`) finds a non-finite gradient. DeepSpeed
-                                 scans every gradient tensor (amax, amin, isfinite...: ~7 kernel launches per tensor,
-                                 ~43 ms of host time per step for Qwen3-0.6B's 310 tensors, while the GPU idles) and
-                                 then computes the global gradient norm, whose non-finite value marks the step as
-                                 overflowed by itself (stage_1_and_2.step: is_invalid_grad_norm). `norm` skips the
-                                 scan wherever the norm is computed (zero_optimization.compute_grad_norm, on by
-                                 default; no CPU offload), so the step is still skipped, on every rank; `scan` keeps
-                                 DeepSpeed's. `auto` = norm.
+  DSLM_OVERFLOW_CHECK=auto|device|norm|scan
+                                 how ZeRO-1/2 (bf16, `check_grad_overflow`) finds a non-finite gradient and skips the
+                                 step. `scan`: DeepSpeed's own, a scan of every gradient tensor (amax, amin,
+                                 isfinite...: ~7 kernel launches per tensor, ~43 ms of host time per step for
+                                 Qwen3-0.6B's 310 tensors, while the GPU idles) and then the host check of the global
+                                 gradient norm (stage_1_and_2.step: is_invalid_grad_norm). `norm`: no scan; a
+                                 non-finite gradient makes the (all-reduced) norm non-finite, so the host check alone
+                                 skips the same steps on every rank. Both make the host wait for the whole backward
+                                 pass before it can queue the update. `device`: `norm`, decided on the GPU: the fused
+                                 AdamW gets the norm's verdict as its `found_inf` and leaves parameters, moments and
+                                 step count untouched when it is set, and the training loop, reading it with its
+                                 per-step flags, books the step as DeepSpeed would have (skipped, not applied, the LR
+                                 scheduler's step taken back). Needs the gradient norm (zero_optimization.
+                                 compute_grad_norm, on by default), no CPU offload, torch's fused Adam/AdamW
+                                 (ds_config.json's "torch_adam" + "fused") and a DeepSpeed LR scheduler or none;
+                                 otherwise `norm`. `auto` = device.
   DSLM_GRAD_NORM=auto|foreach|deepspeed
                                  how ZeRO-1/2 computes the global gradient norm. DeepSpeed casts each gradient tensor
                                  to fp64 and takes its norm one tensor at a time (two launches and an fp64 copy per
@@ -73,7 +80,7 @@ COMPILE_CHOICES = ("auto", "layers", "off")
 LIGER_CHOICES = ("auto", "all", "flce")
 SDPA_CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
 ATTN_CHOICES = ("auto", "fa4", "sdpa")
-OVERFLOW_CHECK_CHOICES = ("auto", "norm", "scan")
+OVERFLOW_CHECK_CHOICES = ("auto", "device", "norm", "scan")
 GRAD_NORM_CHOICES = ("auto", "foreach", "deepspeed")
 FLCE_CHUNK_CHOICES = ("auto", "1", "2", "4", "8", "16")
 FLCE_CHUNK_AUTO = 8
@@ -429,8 +436,8 @@ def _register_lm_head_for_zero3(model, log):
 
 
 def streamline_zero_step(engine, log) -> bool:
-    """The ZeRO-1/2 step's host-bound parts: DSLM_OVERFLOW_CHECK=norm and DSLM_GRAD_NORM=foreach (both `auto`).
-    Returns whether either was applied."""
+    """The ZeRO-1/2 step's host-bound parts: DSLM_OVERFLOW_CHECK=device (or norm) and DSLM_GRAD_NORM=foreach (all
+    `auto`). Returns whether any was applied."""
     try:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     except ImportError:
@@ -442,8 +449,10 @@ def streamline_zero_step(engine, log) -> bool:
     applied = False
     if settings["grad_norm"] != "deepspeed":
         applied |= _foreach_grad_norm(opt, engine.module, log)
-    if settings["overflow_check"] != "scan":
-        applied |= _norm_overflow_check(opt, log)
+    if settings["overflow_check"] != "scan" and _norm_overflow_check(opt, log):
+        applied = True
+        if settings["overflow_check"] in ("auto", "device"):
+            _device_overflow_skip(engine, log)
     return applied
 
 
@@ -458,6 +467,76 @@ def _norm_overflow_check(opt, log) -> bool:
     opt.check_overflow = lambda partition_gradients=True: None
     log("zero: non-finite gradients found through the global gradient norm (per-tensor overflow scan skipped)")
     return True
+
+
+_CHECKED_ON_DEVICE = "_dslm_checked_on_device"  # marks a norm tensor whose validity the GPU itself acts on
+
+
+def _device_overflow_skip(engine, log) -> bool:
+    """DSLM_OVERFLOW_CHECK=device: the verdict on the global norm goes to the fused AdamW as `found_inf` instead of
+    to the host. DeepSpeed's step then runs on as if the norm were valid: with an invalid norm (-1) its clipping
+    scale clamps to 1, the optimizer leaves everything untouched, and the bf16 copy rewrites unchanged weights."""
+    import torch
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    opt = engine.optimizer
+    inner, scheduler = getattr(opt, "optimizer", None), getattr(engine, "lr_scheduler", None)
+    applicable = (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+                  and all(group.get("fused") for group in inner.param_groups)
+                  and getattr(opt, "dtype", None) == torch.bfloat16 and not getattr(opt, "torch_autocast_gradscaler", None)
+                  and callable(getattr(stage_1_and_2, "is_invalid_grad_norm", None))
+                  and (scheduler is None or hasattr(scheduler, "last_batch_iteration")))
+    if not applicable:
+        log("zero: the step's overflow verdict stays on the host (DSLM_OVERFLOW_CHECK=device needs torch's fused "
+            "AdamW, bf16 and a DeepSpeed LR scheduler)")
+        return False
+    _host_skips_norms_checked_on_device()
+    original = opt.scaled_global_norm
+
+    def scaled_global_norm(norm_type=2):
+        norm = original(norm_type)
+        invalid = ~torch.isfinite(norm) | (norm < 0)  # get_grad_norm_direct marks inf/NaN as -1
+        inner.found_inf = invalid.float()  # read by torch's fused Adam(W) kernel: skip the whole update when 1
+        opt.dslm_step_skipped = invalid
+        setattr(norm, _CHECKED_ON_DEVICE, True)
+        return norm
+
+    opt.scaled_global_norm = scaled_global_norm
+    log("zero: a step with non-finite gradients is skipped by the GPU (fused AdamW found_inf); the host learns of it "
+        "at the loop's per-step flags")
+    return True
+
+
+@functools.cache
+def _host_skips_norms_checked_on_device() -> None:
+    """stage_1_and_2 asks is_invalid_grad_norm (a host synchronisation) in step() and again in its clipping; for a
+    norm whose verdict already went to the optimizer the answer is 'valid' (the invalid case is handled on device)."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    original = stage_1_and_2.is_invalid_grad_norm
+
+    def is_invalid_grad_norm(norm):
+        return False if getattr(norm, _CHECKED_ON_DEVICE, False) else original(norm)
+
+    stage_1_and_2.is_invalid_grad_norm = is_invalid_grad_norm
+
+
+def device_skip_flag(engine, device):
+    """1.0 (a device tensor, not yet read) when DSLM_OVERFLOW_CHECK=device had the GPU skip the last update, else 0."""
+    import torch
+
+    flag = getattr(engine.optimizer, "dslm_step_skipped", None)
+    return flag.float() if flag is not None else torch.zeros((), device=device)
+
+
+def settle_device_skip(engine) -> None:
+    """Book an update the GPU skipped as DeepSpeed books one it skips on the host: a skipped step, not applied, the
+    norm reported as inf, and the LR scheduler's step (taken as if the update had been applied) taken back."""
+    engine.skipped_steps += 1
+    engine._step_applied = False
+    engine._global_grad_norm = engine.optimizer._global_grad_norm = float("inf")
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration - 1)
 
 
 def _foreach_grad_norm(opt, module, log) -> bool:
