@@ -200,7 +200,9 @@ def test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function(monkeypat
 # settle_device_skip.
 OVERFLOW_SCRIPT = r"""
 import json, os, sys, torch
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+rank, world = (int(a) for a in (sys.argv[4:6] if len(sys.argv) > 4 else (0, 1)))
+os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[2])
 os.environ["DSLM_OVERFLOW_CHECK"], os.environ["DSLM_GRAD_NORM"] = sys.argv[1].split("+")
 sys.path.insert(0, sys.argv[3])
 import deepspeed
@@ -217,8 +219,8 @@ engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters
 streamlined = fast.streamline_zero_step(engine, lambda message: None)
 poison = {"on": False}
 engine.module[2].bias.register_hook(lambda g: g.masked_fill(torch.ones_like(g, dtype=torch.bool), float("inf"))
-                                    if poison["on"] else g)
-x = torch.randn(2, 16, dtype=torch.bfloat16)
+                                    if poison["on"] and rank == world - 1 else g)  # the last rank's gradient only
+x = torch.randn(2 * world, 16, dtype=torch.bfloat16)[2 * rank:2 * rank + 2]  # each rank its own batch
 steps, norms = [], []
 for kind in ("finite", "nan_loss", "inf_in_one_tensor", "finite"):
     before = [p.detach().clone() for p in engine.module.parameters()]
@@ -273,6 +275,29 @@ def test_streamlined_zero_step_skips_and_clips_like_deepspeed():
         assert abs(foreach["norms"][i] - scan["norms"][i]) <= 1e-5 * scan["norms"][i]
     flat = lambda r: [x for p in r["params"] for x in p]  # noqa: E731
     assert max(abs(a - b) for a, b in zip(flat(foreach), flat(scan))) <= 1e-2 * max(abs(x) for x in flat(scan))
+
+
+def test_gpu_skipped_step_is_skipped_on_every_rank():
+    """Two ranks (gloo), each its own batch; the inf is in the last rank's gradient only. With the verdict on the
+    device every rank must skip the same steps as with DeepSpeed's host check, and the replicas stay identical."""
+    import json
+
+    from model_utils.train_utils import free_port
+
+    results = {}
+    for mode in ("norm+foreach", "device+foreach"):
+        port = str(free_port())
+        procs = [subprocess.Popen([sys.executable, "-c", OVERFLOW_SCRIPT, mode, port, str(REPO / "src"), str(rank), "2"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        outputs = [p.communicate(timeout=240) for p in procs]
+        lines = [next((x for x in out.splitlines() if x.startswith("RESULT ")), None) for out, _ in outputs]
+        assert all(lines), "\n".join(out[-2000:] + err[-3000:] for out, err in outputs)
+        results[mode] = [json.loads(line[len("RESULT "):]) for line in lines]
+    host, device = results["norm+foreach"], results["device+foreach"]
+    assert [s["updated"] for s in host[0]["steps"]] == [True, False, False, True]
+    for rank in (0, 1):
+        assert device[rank]["steps"] == host[rank]["steps"] == host[0]["steps"]
+        assert device[rank]["params"] == host[rank]["params"] == host[0]["params"]
 
 
 def test_compile_only_with_cuda_and_not_under_zero3():
