@@ -474,8 +474,8 @@ _CHECKED_ON_DEVICE = "_dslm_checked_on_device"  # marks a norm tensor whose vali
 
 def _device_overflow_skip(engine, log) -> bool:
     """DSLM_OVERFLOW_CHECK=device: the verdict on the global norm goes to the fused AdamW as `found_inf` instead of
-    to the host. DeepSpeed's step then runs on as if the norm were valid: with an invalid norm (-1) its clipping
-    scale clamps to 1, the optimizer leaves everything untouched, and the bf16 copy rewrites unchanged weights."""
+    to the host. DeepSpeed's step then runs on as if the norm were valid: its clipping scales the (non-finite)
+    gradients by 1/inf, the optimizer leaves everything untouched, and the bf16 copy rewrites unchanged weights."""
     import torch
     from deepspeed.runtime.zero import stage_1_and_2
 
@@ -495,7 +495,7 @@ def _device_overflow_skip(engine, log) -> bool:
 
     def scaled_global_norm(norm_type=2):
         norm = original(norm_type)
-        invalid = ~torch.isfinite(norm) | (norm < 0)  # get_grad_norm_direct marks inf/NaN as -1
+        invalid = ~torch.isfinite(norm) | (norm < 0)  # as is_invalid_grad_norm (-1 is DeepSpeed's inf/NaN mark)
         inner.found_inf = invalid.float()  # read by torch's fused Adam(W) kernel: skip the whole update when 1
         opt.dslm_step_skipped = invalid
         setattr(norm, _CHECKED_ON_DEVICE, True)
