@@ -194,11 +194,10 @@ def test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function(monkeypat
 # Runs in a fresh process (DeepSpeed initialises torch.distributed): bf16 ZeRO-2 on CPU, the same optimizer class and
 # step() as on GPUs (torch's fused AdamW, as ds_config.json), with a warm-up LR schedule so that every scheduler step
 # shows. A NaN loss first, a finite step, an inf in one gradient tensor only (a hook on the last layer's bias), then a
-# finite step: all
-# overflow checks must skip the same steps, with the same LR afterwards, and leave bitwise-equal parameters; the
-# multi-tensor gradient norm must give DeepSpeed's norm (and the same clipped update) to fp32 rounding. The loop's
-# booking of a step the GPU skipped (DSLM_OVERFLOW_CHECK=device) is the trainer's: device_skip_flag, then
-# settle_device_skip.
+# finite step: all overflow checks must skip the same steps, with the same LR afterwards, and leave bitwise-equal
+# parameters; the multi-tensor gradient norm must give DeepSpeed's norm (and the same clipped update) to fp32
+# rounding. The loop's booking of a step the GPU skipped (DSLM_OVERFLOW_CHECK=device) is the trainer's:
+# device_skip_flag, then settle_device_skip.
 OVERFLOW_SCRIPT = r"""
 import json, os, sys, torch
 rank, world = (int(a) for a in (sys.argv[4:6] if len(sys.argv) > 4 else (0, 1)))
@@ -268,7 +267,7 @@ def test_streamlined_zero_step_skips_and_clips_like_deepspeed():
     assert norm["steps"][-1]["skipped_steps"] == 2
     assert norm["params"] == scan["params"]
     assert device["params"] == foreach["params"]
-    assert [n for n in device["norms"]] == [n for n in foreach["norms"]]  # inf where skipped, as DeepSpeed reports
+    assert device["norms"] == foreach["norms"]  # inf where skipped, as DeepSpeed reports
     # The clipping threshold (0.05) is below the norms, so the update depends on the norm's value.
     finite = [i for i, s in enumerate(scan["steps"]) if s["updated"]]
     assert all(scan["norms"][i] > 0.05 for i in finite)

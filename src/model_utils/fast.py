@@ -472,7 +472,7 @@ def _norm_overflow_check(opt, log) -> bool:
 _CHECKED_ON_DEVICE = "_dslm_checked_on_device"  # marks a norm tensor whose validity the GPU itself acts on
 
 
-def _device_overflow_skip(engine, log) -> bool:
+def _device_overflow_skip(engine, log) -> None:
     """DSLM_OVERFLOW_CHECK=device: the verdict on the global norm goes to the fused AdamW as `found_inf` instead of
     to the host. DeepSpeed's step then runs on as if the norm were valid: its clipping scales the (non-finite)
     gradients by 1/inf, the optimizer leaves everything untouched, and the bf16 copy rewrites unchanged weights."""
@@ -489,7 +489,7 @@ def _device_overflow_skip(engine, log) -> bool:
     if not applicable:
         log("zero: the step's overflow verdict stays on the host (DSLM_OVERFLOW_CHECK=device needs torch's fused "
             "AdamW, bf16 and a DeepSpeed LR scheduler)")
-        return False
+        return
     _host_skips_norms_checked_on_device()
     original = opt.scaled_global_norm
 
@@ -504,7 +504,6 @@ def _device_overflow_skip(engine, log) -> bool:
     opt.scaled_global_norm = scaled_global_norm
     log("zero: a step with non-finite gradients is skipped by the GPU (fused AdamW found_inf); the host learns of it "
         "at the loop's per-step flags")
-    return True
 
 
 @functools.cache
