@@ -9,7 +9,8 @@ on all GPUs present (torchrun --standalone) unless --nproc says otherwise. The e
 `parse_args` -> `setup` (model, fused kernels, DeepSpeed engine from ds_config.json) -> `compute_loss` / `backward` /
 `step` on `--dummy_data` random token blocks. After `--warmup` steps, `--steps` steps are timed (CUDA synchronised
 each step, as the trainer's per-step stop-flag all-reduce does). Reported: tokens/s per GPU, TFLOP/s per GPU, MFU by
-the project's 6N + 12·L·H·Q·T convention and by torchtitan's 6N + 6·L·H·Q·T, peak allocated memory.
+the project's 6N + 12·L·H·Q·T convention and by torchtitan's 6N + 6·L·H·Q·T, peak allocated memory, and where
+nvidia-smi runs the mean SM clock, power draw and share of samples held back by the power limit over the timed steps.
 
 `--variants` runs named lever combinations (see VARIANTS); `--compare-hf` adds HF Trainer + DeepSpeed with and without
 Liger on the same model, seq len, micro-batch and ZeRO config. `--write-doc` regenerates docs/PERFORMANCE.md.
@@ -23,6 +24,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -84,6 +86,61 @@ def throughput(tokens_per_step_per_gpu: int, step_times: list[float], flops_per_
         out["mfu"] = out["tflops_per_gpu"] / peak_tflops
         out["mfu_6"] = out["tflops_per_gpu_6"] / peak_tflops
     return out
+
+
+# nvidia-smi's clock event reason bits that mean "held back by power": the software power cap and the hardware power
+# brake. `clocks_throttle_reasons` is the older field name, which newer drivers still accept.
+POWER_LIMIT_BITS = 0x4 | 0x80
+GPU_SAMPLE_FIELDS = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+
+def summarize_gpu_samples(lines: list[str]) -> dict:
+    """nvidia-smi rows (`--format=csv,noheader,nounits` of GPU_SAMPLE_FIELDS) -> mean SM clock, mean power per GPU and
+    the share of samples in which power held the clock back. Rows a GPU cannot fill ("[N/A]") are skipped."""
+    clocks, powers, limited = [], [], 0
+    for line in lines:
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 3:
+            continue
+        try:
+            clock, power, reasons = float(parts[0]), float(parts[1]), int(parts[2], 16)
+        except ValueError:
+            continue
+        clocks.append(clock)
+        powers.append(power)
+        limited += bool(reasons & POWER_LIMIT_BITS)
+    if not clocks:
+        return {}
+    return {"sm_clock_mhz": statistics.fmean(clocks), "power_w": statistics.fmean(powers),
+            "power_limited_share": limited / len(clocks), "gpu_samples": len(clocks)}
+
+
+class GpuTelemetry:
+    """SM clock, power draw and power-limit flags of the GPUs a run uses, sampled by nvidia-smi every `interval_ms`
+    between start() and stop(). An H100 at its 700 W limit lowers its clock, and a step that keeps it busier runs at
+    a lower clock than one with idle gaps, so throughput comparisons carry these figures. Empty without nvidia-smi."""
+
+    def __init__(self, num_gpus: int, interval_ms: int = 100):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",")[:num_gpus] if visible else [str(i) for i in range(num_gpus)]
+        self.command = ["nvidia-smi", f"--query-gpu={GPU_SAMPLE_FIELDS}", "--format=csv,noheader,nounits",
+                        "-i", ",".join(ids), "-lms", str(interval_ms)]
+        self.samples = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a long window cannot fill a buffer
+        self.process = None
+
+    def start(self) -> GpuTelemetry:
+        if shutil.which("nvidia-smi"):
+            self.process = subprocess.Popen(self.command, stdout=self.samples, stderr=subprocess.DEVNULL)
+        return self
+
+    def stop(self) -> dict:
+        if self.process is None:
+            return {}
+        self.process.terminate()
+        self.process.wait(timeout=10)
+        self.process = None
+        self.samples.seek(0)
+        return summarize_gpu_samples(self.samples.read().splitlines())
 
 
 def flops_per_token(config, num_params: int, seq_len: int) -> tuple[float, float]:
@@ -298,7 +355,10 @@ def worker_engine(job: dict, workdir: Path) -> dict:
         return state["loss"]
 
     times, losses = [], []
+    telemetry = GpuTelemetry(int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)))
     for i in range(total):  # peak memory is kept over the whole run: warm-up steps allocate the same buffers
+        if i == warmup and dist.is_main:
+            telemetry.start()
         _sync()
         t = time.perf_counter()
         loss = train_step()
@@ -309,6 +369,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
             times.append(dt)
         if dist.is_main and job.get("verbose"):
             print(f"  step {i}: {dt * 1e3:.1f} ms, loss {losses[-1]:.4f}", flush=True)
+    gpu = telemetry.stop()
     if job.get("profile"):
         profile_steps([("forward", forward), ("backward", backward), ("step", step)], dist.is_main,
                       trace=job.get("trace"))
@@ -319,7 +380,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     result = {"kind": "engine", "world_size": dist.world_size, "setup_s": setup_s, "losses": losses,
               "num_params": num_params, "micro_batch_size": run.micro_batch, "seq_len": run.seq_len,
               "zero_stage": run.ds_config.get("zero_optimization", {}).get("stage", 0),
-              **throughput(run.micro_batch * run.grad_accum * run.seq_len, times, f12, f6, peak), **_memory()}
+              **throughput(run.micro_batch * run.grad_accum * run.seq_len, times, f12, f6, peak), **_memory(), **gpu}
     mem = torch.tensor([result.get("peak_mem_gib", 0.0)], device=dist.device)
     dist.all_reduce(mem, torch.distributed.ReduceOp.MAX)
     if "peak_mem_gib" in result:
@@ -392,11 +453,16 @@ def worker_hf(job: dict, workdir: Path) -> dict:
         use_cpu=not cuda)
     model = build_model(job["model"], mconf, torch.float32, job.get("attn", "sdpa"), False)
 
+    rank = int(os.environ.get("RANK", "0"))
+    telemetry = GpuTelemetry(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
     class Timer(TrainerCallback):
         def __init__(self):
             self.times, self.t = [], None
 
         def on_step_begin(self, a, state, control, **kw):
+            if len(self.times) == warmup and rank == 0:
+                telemetry.start()
             _sync()
             self.t = time.perf_counter()
 
@@ -407,6 +473,7 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     timer = Timer()
     trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[timer])
     trainer.train()
+    gpu = telemetry.stop()
     world = args.world_size
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     f12, f6 = flops_per_token(mconf, num_params, seq_len)
@@ -414,8 +481,7 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     times = timer.times[warmup:]
     result = {"kind": "hf", "liger": bool(job.get("liger")), "attn": job.get("attn", "sdpa"), "world_size": world, "num_params": num_params,
               "micro_batch_size": mb, "seq_len": seq_len,
-              **throughput(mb * seq_len, times, f12, f6, peak), **_memory()}
-    rank = int(os.environ.get("RANK", "0"))
+              **throughput(mb * seq_len, times, f12, f6, peak), **_memory(), **gpu}
     return result if rank == 0 else None
 
 
@@ -456,7 +522,7 @@ def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None) -> dict:
         cmd = [sys.executable, me]
     cmd += ["--worker", json.dumps(job), "--result", result_path]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env.update(job.get("env", {}))
     t0 = time.perf_counter()
@@ -553,13 +619,15 @@ def versions() -> dict:
 def fmt_row(job: dict, r: dict, ref: dict | None) -> str:
     name = job["name"]
     if "error" in r:
-        return f"| {name} | {job.get('micro_batch_size')} | {r['error']} | | | | | | |"
+        return f"| {name} | {job.get('micro_batch_size')} | {r['error']} | | | | | | | |"
     mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
     mfu6 = f"{100 * r['mfu_6']:.1f}%" if "mfu_6" in r else "-"
     mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
     ratio = f"{r['tokens_per_s_per_gpu'] / ref['tokens_per_s_per_gpu']:.2f}x" if ref and "error" not in ref else "-"
+    gpu = (f"{r['sm_clock_mhz']:,.0f} / {r['power_w']:.0f} / {100 * r['power_limited_share']:.0f}%"
+           if "sm_clock_mhz" in r else "-")
     return (f"| {name} | {r['micro_batch_size']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | "
-            f"{mfu} | {mfu6} | {mem} | {1e3 * r['step_s_median']:.0f} | {ratio} |")
+            f"{mfu} | {mfu6} | {mem} | {1e3 * r['step_s_median']:.0f} | {gpu} | {ratio} |")
 
 
 def is_hf_liger_peer(job: dict) -> bool:
@@ -578,7 +646,8 @@ def table(jobs: list[dict], results: list[dict], ref_name: str | None) -> str:
     by_name = {j["name"]: r for j, r in zip(jobs, results)}
     same_mb = {micro_batch(j, r): r for j, r in zip(jobs, results) if is_hf_liger_peer(j) and "error" not in r}
     lines = ["| run | micro-batch | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT) | MFU (6·LHQT) | peak GiB | step ms "
-             f"| vs {'HF + Liger, same micro-batch' if same_mb else ref_name or '-'} |", "|---|---|---|---|---|---|---|---|---|"]
+             "| SM MHz / W / power-limited "
+             f"| vs {'HF + Liger, same micro-batch' if same_mb else ref_name or '-'} |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [fmt_row(j, r, same_mb.get(micro_batch(j, r)) if same_mb else by_name.get(ref_name))
               for j, r in zip(jobs, results)]
     return "\n".join(lines)

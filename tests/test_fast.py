@@ -3,8 +3,10 @@ plus a CPU smoke run of the benchmark on the tiny preset (the same code path as 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -421,6 +423,49 @@ def test_sweep_skips_larger_micro_batches_after_out_of_memory():
     assert [r.get("error") for r in results] == [None, None, None, "out of memory", None,
                                                  "skipped (out of memory at 8)", "out of memory",
                                                  "skipped (out of memory at 8)"]
+
+
+def test_gpu_samples_summary():
+    """Rows as nvidia-smi printed them on the H100 (clock MHz, power W, clock event reasons), one it cannot fill."""
+    import bench
+
+    rows = ["1695, 693.50, 0x0000000000000004", "1980, 121.39, 0x0000000000000000",
+            "1455, 696.23, 0x0000000000000084", "[N/A], [N/A], [N/A]", "1710"]
+    summary = bench.summarize_gpu_samples(rows)
+    assert summary["gpu_samples"] == 3
+    assert summary["sm_clock_mhz"] == pytest.approx((1695 + 1980 + 1455) / 3)
+    assert summary["power_w"] == pytest.approx((693.50 + 121.39 + 696.23) / 3)
+    assert summary["power_limited_share"] == pytest.approx(2 / 3)  # SW power cap, and HW power brake with it
+    assert bench.summarize_gpu_samples(["1980, 70.0, 0x0000000000000001"])["power_limited_share"] == 0  # idle
+    assert bench.summarize_gpu_samples([]) == {}
+
+
+def test_gpu_telemetry_samples_the_run_gpus(tmp_path, monkeypatch):
+    """No GPU here: a stand-in nvidia-smi on PATH records its arguments and prints rows as `-lms` does."""
+    import bench
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\n"
+                    "echo '1700, 690.0, 0x0000000000000004'\necho '1800, 600.0, 0x0000000000000000'\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6")
+    telemetry = bench.GpuTelemetry(2, interval_ms=50).start()
+    for _ in range(100):  # until the stand-in has printed its rows
+        if (tmp_path / "args").exists() and os.fstat(telemetry.samples.fileno()).st_size >= 62:  # both rows
+            break
+        time.sleep(0.05)
+    summary = telemetry.stop()
+    assert summary == {"sm_clock_mhz": 1750.0, "power_w": 645.0, "power_limited_share": 0.5, "gpu_samples": 2}
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-i") + 1] == "3,5" and args[args.index("-lms") + 1] == "50"
+    assert telemetry.stop() == {}  # stopped once; a second stop has nothing to add
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert bench.GpuTelemetry(1).start().stop() == {}  # no nvidia-smi (CPU machine): no figures, no error
+    rows = bench.table([{"name": "e", "micro_batch_size": 8}],
+                       [{"micro_batch_size": 8, "tokens_per_s_per_gpu": 1.0, "tflops_per_gpu": 1.0,
+                         "step_s_median": 0.1, **summary}], None).splitlines()
+    assert "| 1,750 / 645 / 50% |" in rows[2]
 
 
 def test_hf_config_has_autos_for_trainer_owned_values(tmp_path):
