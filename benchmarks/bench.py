@@ -137,7 +137,11 @@ class GpuTelemetry:
         if self.process is None:
             return {}
         self.process.terminate()
-        self.process.wait(timeout=10)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # a hung nvidia-smi costs its figures, not the measurement
+            self.process.kill()
+            self.process.wait()
         self.process = None
         self.samples.seek(0)
         return summarize_gpu_samples(self.samples.read().splitlines())
@@ -458,7 +462,7 @@ def worker_hf(job: dict, workdir: Path) -> dict:
 
     class Timer(TrainerCallback):
         def __init__(self):
-            self.times, self.t = [], None
+            self.times, self.t, self.gpu = [], None, {}
 
         def on_step_begin(self, a, state, control, **kw):
             if len(self.times) == warmup and rank == 0:
@@ -469,11 +473,13 @@ def worker_hf(job: dict, workdir: Path) -> dict:
         def on_step_end(self, a, state, control, **kw):
             _sync()
             self.times.append(time.perf_counter() - self.t)
+            if len(self.times) == warmup + steps:  # the last timed step: Trainer's wind-down is not sampled
+                self.gpu = telemetry.stop()
 
     timer = Timer()
     trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[timer])
     trainer.train()
-    gpu = telemetry.stop()
+    gpu = timer.gpu or telemetry.stop()
     world = args.world_size
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     f12, f6 = flops_per_token(mconf, num_params, seq_len)

@@ -479,14 +479,22 @@ def test_hf_config_has_autos_for_trainer_owned_values(tmp_path):
 
 
 def test_bench_cpu_smoke_run(tmp_path):
-    """The benchmark end to end on CPU: tiny preset, the trainer's setup/compute_loss, one timed step."""
+    """The benchmark end to end on CPU: tiny preset, the trainer's setup/compute_loss, one timed step, and the HF
+    Trainer peer without Liger. No GPU here: a stand-in nvidia-smi on PATH checks that both workers sample the clock
+    over their timed steps."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho '1650, 690.0, 0x0000000000000004'\nexec sleep 60\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--model", "tiny", "--seq_len", "32",
-                          "--micro_batch_size", "1", "--steps", "1", "--warmup", "1", "--timeout", "240",
-                          "--write-doc", str(tmp_path / "perf.md")],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+                          "--micro_batch_size", "1", "--steps", "2", "--warmup", "1", "--timeout", "240",
+                          "--compare-hf", "--hf-skip", "liger", "--write-doc", str(tmp_path / "perf.md")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "engine-default-mb1" in out.stdout
-    assert "| engine-default-mb1 | 1 |" in (tmp_path / "perf.md").read_text()
+    doc = (tmp_path / "perf.md").read_text()
+    assert "| engine-default-mb1 | 1 |" in doc and "| hf-noliger-mb1 | 1 |" in doc
+    assert doc.count("| 1,650 / 690 / 100% |") == 2
 
 
 def test_gpu_idle_report_attributes_gaps_to_the_host():
