@@ -120,16 +120,19 @@ class GpuTelemetry:
     between start() and stop(). An H100 at its 700 W limit lowers its clock, and a step that keeps it busier runs at
     a lower clock than one with idle gaps, so throughput comparisons carry these figures. Empty without nvidia-smi."""
 
-    def __init__(self, num_gpus: int, interval_ms: int = 100):
+    def __init__(self, num_gpus: int | None = None, interval_ms: int = 100):
+        """num_gpus: this host's processes of the run (torchrun's LOCAL_WORLD_SIZE; 1 for a single process)."""
+        num_gpus = num_gpus or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",")[:num_gpus] if visible else [str(i) for i in range(num_gpus)]
         self.command = ["nvidia-smi", f"--query-gpu={GPU_SAMPLE_FIELDS}", "--format=csv,noheader,nounits",
                         "-i", ",".join(ids), "-lms", str(interval_ms)]
-        self.samples = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a long window cannot fill a buffer
+        self.samples = None
         self.process = None
 
     def start(self) -> GpuTelemetry:
         if shutil.which("nvidia-smi"):
+            self.samples = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a long window cannot fill one
             self.process = subprocess.Popen(self.command, stdout=self.samples, stderr=subprocess.DEVNULL)
         return self
 
@@ -144,7 +147,8 @@ class GpuTelemetry:
             self.process.wait()
         self.process = None
         self.samples.seek(0)
-        return summarize_gpu_samples(self.samples.read().splitlines())
+        with self.samples:
+            return summarize_gpu_samples(self.samples.read().splitlines())
 
 
 def flops_per_token(config, num_params: int, seq_len: int) -> tuple[float, float]:
@@ -359,7 +363,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
         return state["loss"]
 
     times, losses = [], []
-    telemetry = GpuTelemetry(int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)))
+    telemetry = GpuTelemetry()  # rank 0 samples every GPU of its host
     for i in range(total):  # peak memory is kept over the whole run: warm-up steps allocate the same buffers
         if i == warmup and dist.is_main:
             telemetry.start()
@@ -458,7 +462,7 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     model = build_model(job["model"], mconf, torch.float32, job.get("attn", "sdpa"), False)
 
     rank = int(os.environ.get("RANK", "0"))
-    telemetry = GpuTelemetry(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    telemetry = GpuTelemetry()
 
     class Timer(TrainerCallback):
         def __init__(self):
