@@ -4,11 +4,15 @@ through the project's own wrapper (src/model_utils/fast.py: custom op, eager and
 
     python benchmarks/attention.py                       # Qwen3-0.6B at seq 4096, micro-batch 8 (bf16, causal, GQA)
     python benchmarks/attention.py --batch 2 --heads 32 --kv_heads 8
+    python benchmarks/attention.py --document_length 1000  # --document_mask: documents of ~1,000 tokens per row
 
 Prints, per kernel: ms per forward (with autograd's saved state, as in training), per backward (the difference) and
 per forward+backward, TFLOP/s counting the causal half of the 4·B·H·T²·D forward matmul
 FLOPs (x3.5 for forward+backward, FlashAttention's convention), and the largest difference of the output and the
-gradients from SDPA's flash kernel (bf16).
+gradients from SDPA's flash kernel (bf16). With --document_length, attention stays within documents of that mean
+length (geometric, cut by the row's end, as packing cuts them): SDPA with the dense per-document mask transformers
+builds against FA4's variable-length kernels given the documents' boundaries; FLOPs count the causal half of each
+document's square, and the reference is SDPA's memory-efficient kernel with the mask.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv_heads", type=int, default=8)
     p.add_argument("--head_dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--document_length", type=int, default=0, help="mean document length (0: one causal sequence)")
     a = p.parse_args(argv)
 
     import torch
@@ -63,6 +68,25 @@ def main(argv=None) -> int:
     v0 = torch.randn(b, t, kv, d, device=dev, dtype=dt).transpose(1, 2)
     grad = torch.randn(b, t, h, d, device=dev, dtype=dt)
     flops = 4 * b * h * t * t * d / 2 * 3.5  # causal half; backward = 2.5x forward
+    mask = documents = None
+    if a.document_length:
+        import numpy as np
+
+        from model_utils.concat_dataset import document_boundaries
+
+        rng = np.random.default_rng(0)
+        lengths = [np.diff(np.minimum(np.append(0, np.cumsum(rng.geometric(1 / a.document_length, t))), t))
+                   for _ in range(b)]
+        starts = np.zeros((b, t), dtype=np.int64)  # 0 where a document starts: the positions' zeros
+        for row, row_lengths in enumerate(lengths):
+            starts[row, 1:] = 1
+            starts[row, np.cumsum(row_lengths[row_lengths > 0])[:-1]] = 0
+        bounds = torch.from_numpy(document_boundaries(starts)).to(dev)
+        doc = torch.from_numpy(starts == 0).to(dev).cumsum(-1)
+        mask = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(t, t, dtype=torch.bool, device=dev).tril())[:, None]
+        documents = dict(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=t, max_length_k=t)
+        sizes = torch.diff(bounds).double()
+        flops = 4 * h * d * float((sizes * sizes).sum()) / 2 * 3.5
 
     class Module(torch.nn.Module):
         is_causal = True
@@ -70,7 +94,7 @@ def main(argv=None) -> int:
     module = Module()
 
     def sdpa(q, k, v):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2)
 
     def run_with(fn, backend=None):
@@ -87,22 +111,25 @@ def main(argv=None) -> int:
             return out, q.grad, k.grad, v.grad
         return step
 
-    kernels = {"sdpa-flash": run_with(sdpa, SDPBackend.FLASH_ATTENTION),
-               "sdpa-cudnn": run_with(sdpa, SDPBackend.CUDNN_ATTENTION)}
+    kernels = ({"sdpa-flash": run_with(sdpa, SDPBackend.FLASH_ATTENTION)} if mask is None
+               else {"sdpa-efficient (mask)": run_with(sdpa, SDPBackend.EFFICIENT_ATTENTION)})
+    kernels["sdpa-cudnn" + (" (mask)" if mask is not None else "")] = run_with(sdpa, SDPBackend.CUDNN_ATTENTION)
     reason = fast.fa4_unavailable_reason()
     if reason is None:
         fast._register_fa4()
 
         def fa4(q, k, v):
-            return fast.fa4_attention(module, q, k, v, None, scaling=d ** -0.5)[0]
+            return fast.fa4_attention(module, q, k, v, mask, scaling=d ** -0.5, **(documents or {}))[0]
 
-        kernels["fa4 (project op)"] = run_with(fa4)
-        kernels["fa4 (project op, compiled)"] = run_with(torch.compile(fa4, fullgraph=True))
+        kind = "fa4 varlen" if documents else "fa4"
+        kernels[f"{kind} (project op)"] = run_with(fa4)
+        kernels[f"{kind} (project op, compiled)"] = run_with(torch.compile(fa4, fullgraph=True))
     else:
         print(f"FlashAttention-4 not measured: {reason}")
 
-    reference = kernels["sdpa-flash"]()
-    print(f"shape: batch {b}, seq {t}, heads {h}, kv heads {kv}, head_dim {d}, bf16, causal")
+    reference = next(iter(kernels.values()))()
+    print(f"shape: batch {b}, seq {t}, heads {h}, kv heads {kv}, head_dim {d}, bf16, causal"
+          + (f", within {len(bounds) - 1} documents (mean length {t * b / (len(bounds) - 1):,.0f})" if documents else ""))
     print("| kernel | ms fwd | ms bwd | ms fwd+bwd | TFLOP/s fwd | TFLOP/s bwd | TFLOP/s | max |out diff| "
           "| max |dq diff| | max |dk diff| | max |dv diff| |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

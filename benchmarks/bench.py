@@ -57,6 +57,8 @@ VARIANTS = {
     # The default path with the overflow verdict on the host (the default before DSLM_OVERFLOW_CHECK=device): only that
     # switch is set, the others keep their defaults as in "default".
     "host_overflow_check": {"env": {lever_env("overflow_check"): "norm"}},
+    # The default path with attention within documents (the trainer's --document_mask); pair with --document_length.
+    "document_mask": {"args": ["--document_mask"]},
     # The rest reproduce earlier sections of docs/PERFORMANCE.md (01-16).
     "compile_cudnn": _variant(compile="layers", liger="flce", sdpa="cudnn"),
     "fa4": _variant(compile="layers", liger="flce", attn="fa4"),
@@ -306,6 +308,15 @@ def profile_steps(phases, is_main: bool, steps: int = 2, trace: str | None = Non
             print(events.table(sort_by=key, row_limit=40, max_name_column_width=90), flush=True)
 
 
+def end_documents(tokens, mean_length: int, eos_id: int, seed: int) -> None:
+    """Turn random tokens into documents: an EOS after every ~mean_length tokens (geometric lengths), in place."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ends = np.cumsum(rng.geometric(1 / mean_length, size=len(tokens) // mean_length * 2 + 16)) - 1
+    tokens[ends[ends < len(tokens)]] = eos_id
+
+
 def worker_engine(job: dict, workdir: Path) -> dict:
     for key, value in job.get("env", {}).items():
         os.environ[key] = value
@@ -315,7 +326,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     from model_utils.fast import device_skip_flag, settle_device_skip
     from model_utils.models import gpu_peak_tflops
     from model_utils.train_utils import distributed_env_problems, setup_distributed
-    from train_deepspeed import compute_loss, parse_args, setup, to_device
+    from train_deepspeed import compute_loss, model_inputs, parse_args, setup
 
     steps, warmup = job["steps"], job["warmup"]
     total = steps + warmup
@@ -332,12 +343,14 @@ def worker_engine(job: dict, workdir: Path) -> dict:
         argv += ["--warmup_steps", str(job["warmup_steps"])]
     if job.get("gradient_checkpointing"):
         argv += ["--gradient_checkpointing"]
-    cfg = parse_args(argv)
+    cfg = parse_args(argv + job.get("args", []))
     assert not distributed_env_problems()
     dist = setup_distributed()
     t0 = time.perf_counter()
     run = setup(cfg, dist)
     setup_s = time.perf_counter() - t0
+    if job.get("document_length"):
+        end_documents(run.data.train.tokens, job["document_length"], run.tokenizer.eos_token_id, job.get("seed", 1234))
     engine = run.engine
     engine.train()
 
@@ -345,7 +358,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
 
     def forward():
         indices = run.order.rank_indices(run.position, dist.rank)
-        state["loss"] = compute_loss(engine, to_device(run.data.train.batch(indices), dist.device))
+        state["loss"] = compute_loss(engine, model_inputs(run, run.data.train.batch(indices)))
 
     def backward():
         engine.backward(state["loss"])
@@ -580,12 +593,12 @@ def make_jobs(a) -> list[dict]:
     """The runs of one invocation: per micro-batch the engine variants (and the HF peers), then the loss check."""
     base = {"model": a.model, "seq_len": a.seq_len, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
             "ds_config": a.ds_config, "zero_stage": a.zero_stage, "gradient_checkpointing": a.gradient_checkpointing,
-            "profile": a.profile, "ds_set": a.ds_set}
+            "profile": a.profile, "ds_set": a.ds_set, "document_length": a.document_length}
 
     def engine(v: str, name: str, **fields) -> dict:
         spec = VARIANTS[v]
         job = dict(base, kind="engine", fused_kernels=spec.get("fused_kernels", "auto"), env=spec.get("env", {}),
-                   name=name, variant=v, **fields)
+                   args=spec.get("args", []), name=name, variant=v, **fields)
         if a.trace and job["profile"]:
             job["trace"] = str(Path(a.trace).resolve() / f"{name}.json.gz")
         return job
@@ -714,6 +727,9 @@ def main(argv=None) -> int:
     p.add_argument("--ds_config", default="ds_config.json")
     p.add_argument("--zero_stage", type=int, default=None, help="override the config's ZeRO stage")
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--document_length", type=int, default=0, metavar="N",
+                   help="end a document (EOS) every ~N tokens of the random data, for the document_mask variant; "
+                        "applies to every engine variant of the invocation (0: no documents)")
     p.add_argument("--ds-set", dest="ds_set", nargs="*", default=[], metavar="KEY=JSON",
                    help="override DeepSpeed config values, e.g. zero_optimization.overlap_comm=false")
     p.add_argument("--variants", nargs="*", default=["default"], choices=list(VARIANTS))

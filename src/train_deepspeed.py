@@ -42,6 +42,8 @@ class Run:
     flops_per_token: float
     log: object
     peak_tflops: float | None = None
+    document_eos: int | None = None  # --document_mask: the token that ends a document
+    document_boundaries: bool = False  # the attention takes documents as boundaries (FlashAttention-4), not a mask
     step: int = 0
     tokens_seen: int = 0
     position: object = None
@@ -61,7 +63,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils import ds_config as dsc
     from model_utils.checkpoint import convert_to_universal, needs_universal
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
-    from model_utils.fast import apply_fused_kernels, streamline_zero_step
+    from model_utils.fast import apply_fused_kernels, streamline_zero_step, takes_document_boundaries
     from model_utils.models import FlopsModel, build_model, gpu_peak_tflops
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
     from model_utils.preflight import merge_rank_problems, raise_on_problems, run_preflight
@@ -104,7 +106,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
     model = build_model(cfg.model, mconf, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing)
     apply_fused_kernels(model, cfg.fused_kernels, dist.device.type == "cuda", log.info,
-                        warn=lambda message: log.warn(message, all_ranks=True))
+                        warn=lambda message: log.warn(message, all_ranks=True), documents=cfg.document_mask)
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     flops = FlopsModel.from_config(model.config, num_params, seq_len)
 
@@ -120,7 +122,13 @@ def setup(cfg: TrainConfig, dist) -> Run:
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
     run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, seq_len, micro, accum,
-              flops.per_token(), log, peak_tflops=peak, position=DataPosition())
+              flops.per_token(), log, peak_tflops=peak, position=DataPosition(),
+              document_eos=tokenizer.eos_token_id if cfg.document_mask else None,
+              document_boundaries=cfg.document_mask and takes_document_boundaries(model))
+    if cfg.document_mask:
+        log.info("attention: within documents (--document_mask; positions restart after each EOS, "
+                 + ("FlashAttention-4 takes the documents' boundaries)" if run.document_boundaries
+                    else "transformers masks attention to each document)"))
     tokens_per_step = run.tokens_per_step
     log.info(f"model: {cfg.model}, {num_params / 1e6:.1f}M parameters, {flops.per_token() / 1e9:.3f} GFLOP/token; "
              f"precision {'bf16' if ds.get('bf16', {}).get('enabled') else 'fp32'}, ZeRO stage {dsc.zero_stage(ds)}")
@@ -159,10 +167,33 @@ def load_checkpoint(run: Run, info, tag: str):
 # ----------------------------------------------------------------------------------------------------------------------
 # Steps
 # ----------------------------------------------------------------------------------------------------------------------
-def compute_loss(engine, batch):
-    """Mean next-token loss over the block: inputs are its first T tokens, targets its last T (already shifted)."""
-    inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-    return engine(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False).loss
+def model_inputs(run: Run, blocks) -> dict:
+    """The model's keyword arguments for packed blocks of seq_len + 1 tokens (a host array): inputs are each block's
+    first T tokens, targets its last T (already shifted). With --document_mask, positions restart after each EOS,
+    from which transformers masks attention to each document; FlashAttention-4 takes the documents' boundaries
+    instead. Both are computed here on the host, so the GPU is never waited for."""
+    import torch
+
+    from model_utils.concat_dataset import document_boundaries, document_positions
+
+    device = run.dist.device
+    on_device = to_device(blocks, device)
+    inputs, targets = on_device[:, :-1].contiguous(), on_device[:, 1:].contiguous()
+    batch = {"input_ids": inputs, "labels": targets, "shift_labels": targets}
+    if run.document_eos is not None:
+        positions = document_positions(blocks[:, :-1], run.document_eos)
+        batch["position_ids"] = to_device(positions, device)
+        if run.document_boundaries:
+            boundaries = to_device(document_boundaries(positions), device)
+            torch._dynamo.maybe_mark_dynamic(boundaries, 0)  # their count varies: one compiled graph for all
+            batch.update(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=run.seq_len,
+                         max_length_k=run.seq_len)
+    return batch
+
+
+def compute_loss(engine, batch: dict):
+    """Mean next-token loss over the batch (`model_inputs`)."""
+    return engine(**batch, use_cache=False).loss
 
 
 def to_device(array, device):
@@ -187,7 +218,7 @@ def evaluate(run: Run) -> dict:
         for i in range(run.cfg.eval_iters):
             start = (i * dist.world_size + dist.rank) * m
             picks = [ids[(start + j) % len(ids)] for j in range(m)]
-            total += compute_loss(engine, to_device(run.data.val.batch(picks), dist.device)).double()
+            total += compute_loss(engine, model_inputs(run, run.data.val.batch(picks))).double()
     engine.train()
     dist.all_reduce(total)
     loss = (total / (run.cfg.eval_iters * dist.world_size)).item()
@@ -257,7 +288,7 @@ def train(run: Run) -> int:
         for _ in range(run.grad_accum):
             indices = run.order.rank_indices(run.position, dist.rank)
             step_blocks += indices.tolist()
-            loss = compute_loss(engine, to_device(run.data.train.batch(indices), dist.device))
+            loss = compute_loss(engine, model_inputs(run, run.data.train.batch(indices)))
             engine.backward(loss)
             engine.step()
             run.position = run.order.advance(run.position)

@@ -3,6 +3,7 @@ plus a CPU smoke run of the benchmark on the tiny preset (the same code path as 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -94,19 +95,19 @@ def test_auto_attention_falls_back_to_sdpa_when_fa4_fails_its_probe(monkeypatch)
         assert fast.fa4_probe_failure(_tiny_model()) == "RuntimeError: CuTe DSL: unsupported driver"
 
     logs, warnings = [], []
-    monkeypatch.setattr(fast, "fa4_probe_failure", lambda model: "RuntimeError: boom")
+    monkeypatch.setattr(fast, "fa4_probe_failure", lambda model, documents=False: "RuntimeError: boom")
     model = _tiny_model()
     fast.apply_fused_kernels(model, "off", cuda=True, log=logs.append, warn=warnings.append)
     assert model.config._attn_implementation == "sdpa"
     assert any("failed its setup probe (RuntimeError: boom); using SDPA" in line for line in warnings)  # every rank
 
-    monkeypatch.setattr(fast, "fa4_probe_failure", lambda model: None)
+    monkeypatch.setattr(fast, "fa4_probe_failure", lambda model, documents=False: None)
     model = _tiny_model()
     fast.apply_fused_kernels(model, "off", cuda=True, log=logs.append)
     assert model.config._attn_implementation == fast.FA4_NAME
 
     monkeypatch.setenv("DSLM_ATTN", "fa4")
-    monkeypatch.setattr(fast, "fa4_probe_failure", lambda model: pytest.fail("fa4 by name is not probed"))
+    monkeypatch.setattr(fast, "fa4_probe_failure", lambda model, documents=False: pytest.fail("fa4 by name is not probed"))
     model = _tiny_model()
     fast.apply_fused_kernels(model, "off", cuda=True, log=logs.append)
     assert model.config._attn_implementation == fast.FA4_NAME
@@ -156,6 +157,59 @@ def test_fa4_attention_wrapper_layout_and_fallbacks(monkeypatch):
                                     args.pop("attention_mask"), scaling=0.25, **args)
         assert len(calls) == 1, f"{name} went to FA4"
         assert torch.isfinite(out.float()).all(), name
+
+
+def _reference_fa4_varlen(q, k, v, cu_seqlens, max_seqlen, scale):
+    """Stand-in for the variable-length FlashAttention-4 op: (tokens, heads, head_dim), causal attention within each
+    document of cu_seqlens, computed per document by SDPA's math path."""
+    import torch
+    import torch.nn.functional as F
+
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        assert 0 < end - start <= max_seqlen
+        part = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        out[start:end] = F.scaled_dot_product_attention(*part, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+    return out, torch.zeros(q.shape[1], q.shape[0])
+
+
+def test_fa4_attention_takes_documents_as_boundaries(monkeypatch):
+    """--document_mask through FA4 on CPU (the kernels are stand-ins): with the documents' boundaries the variable-
+    length op gets the flattened tokens, and the result equals SDPA under the dense per-document mask transformers
+    builds; where FA4 does not apply (fp32) that mask still goes to SDPA."""
+    import numpy as np
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from model_utils.concat_dataset import document_boundaries, document_positions
+
+    dense, varlen = [], []
+    monkeypatch.setattr(fast, "_fa4_kernel", lambda *a: dense.append(a) or _reference_fa4(*a))
+    monkeypatch.setattr(fast, "_fa4_varlen_kernel", lambda *a: varlen.append(a) or _reference_fa4_varlen(*a))
+    tokens = np.array([[5, 6, 0, 7, 8, 0, 9, 9], [1, 2, 3, 4, 5, 6, 0, 1]])  # EOS = 0
+    positions = document_positions(tokens, 0)
+    boundaries = torch.from_numpy(document_boundaries(positions))
+    doc = torch.from_numpy(positions == 0).cumsum(-1)  # document index per token, as transformers derives it
+    mask = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(8, 8, dtype=torch.bool).tril())[:, None]
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    module = _Attention()
+    module.num_key_value_groups = 2
+    bq, bk, bv = (t.bfloat16() for t in (q, k, v))
+    documents = dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=8, max_length_k=8)
+    out, _ = fast.fa4_attention(module, bq, bk, bv, mask, scaling=0.25, **documents)
+    expected, _ = sdpa_attention_forward(module, bq, bk, bv, mask, scaling=0.25)
+    assert not dense and len(varlen) == 1
+    assert [tuple(t.shape) for t in varlen[0][:3]] == [(16, 4, 16), (16, 2, 16), (16, 2, 16)]
+    assert varlen[0][3] is boundaries and varlen[0][4:] == (8, 0.25)
+    assert out.shape == (2, 8, 4, 16) and torch.allclose(out.float(), expected.float(), atol=1e-2)
+    causal_only, _ = sdpa_attention_forward(module, bq, bk, bv, None, scaling=0.25, is_causal=True)
+    assert not torch.allclose(out.float(), causal_only.float(), atol=1e-2)  # the documents made a difference
+
+    out32, _ = fast.fa4_attention(module, q, k, v, mask, scaling=0.25, **documents)
+    assert len(varlen) == 1 and not dense
+    assert torch.allclose(out32, sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0], atol=1e-5)
 
 
 def test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function(monkeypatch):
@@ -489,12 +543,19 @@ def test_bench_cpu_smoke_run(tmp_path):
     env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--model", "tiny", "--seq_len", "32",
                           "--micro_batch_size", "1", "--steps", "2", "--warmup", "1", "--timeout", "240",
-                          "--compare-hf", "--hf-skip", "liger", "--write-doc", str(tmp_path / "perf.md")],
+                          "--variants", "default", "document_mask", "--document_length", "8",
+                          "--compare-hf", "--hf-skip", "liger", "--write-doc", str(tmp_path / "perf.md"),
+                          "--json", str(tmp_path / "results.jsonl")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = (tmp_path / "perf.md").read_text()
     assert "| engine-default-mb1 | 1 |" in doc and "| hf-noliger-mb1 | 1 |" in doc
-    assert doc.count("| 1,650 / 690 / 100% |") == 2
+    assert "| engine-document_mask-mb1 | 1 |" in doc
+    assert doc.count("| 1,650 / 690 / 100% |") == 3
+    # The same documents (~8 tokens each) in both engine runs: attention within them changes the loss.
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    losses = {r["job"]["name"]: r["result"]["losses"] for r in rows if r["job"]["kind"] == "engine"}
+    assert len(losses) == 2 and losses["engine-default-mb1"] != losses["engine-document_mask-mb1"]
 
 
 def test_gpu_idle_report_attributes_gaps_to_the_host():

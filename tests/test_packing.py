@@ -133,3 +133,62 @@ def test_bad_data_gets_a_clear_message(case, tmp_path, tokenizer):
     assert err.value.problem.setting == setting
     assert words in str(err.value)
     assert "fix:" in str(err.value)
+
+
+def test_document_positions_restart_after_each_eos_and_boundaries_split_every_document():
+    from model_utils.concat_dataset import document_boundaries, document_positions
+
+    eos = 0
+    rows = np.array([[5, 6, 0, 7, 0, 0, 8, 9],    # documents: 5 6 <eos> | 7 <eos> | <eos> | 8 9 (cut by the block)
+                     [9, 9, 9, 9, 9, 9, 9, 0]])   # one document ending at the block's last token
+    positions = document_positions(rows, eos)
+    np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7]])
+    boundaries = document_boundaries(positions)
+    np.testing.assert_array_equal(boundaries, [0, 3, 5, 6, 8, 16])
+    assert boundaries.dtype == np.int32
+    # Every token belongs to exactly one document, and no document spans two rows.
+    lengths = np.diff(boundaries)
+    assert lengths.sum() == rows.size and (lengths > 0).all()
+    assert set(boundaries) >= {0, rows.shape[1], rows.size}
+
+
+def test_document_mask_makes_each_document_see_only_itself(tokenizer):
+    """The trainer's own model_inputs on the tiny model (SDPA, CPU): with --document_mask every document's logits in a
+    packed block equal those of the document run alone; without it the later documents see the earlier ones."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from model_utils.models import build_model, model_config
+    from train_deepspeed import model_inputs
+
+    torch.manual_seed(0)
+    model = build_model("tiny", model_config("tiny", tokenizer), torch.float32, "sdpa", False).eval()
+    eos = tokenizer.eos_token_id
+    rng = np.random.default_rng(0)
+    documents = [np.append(rng.integers(10, 200, n), eos) for n in (6, 11, 0, 14)]
+    block = np.concatenate(documents)[:33]  # seq_len 32 + 1; the last document is cut by the block
+    blocks = np.stack([block, block[::-1]]).astype(np.int64)
+
+    def run(document_mask: bool):
+        fake_run = SimpleNamespace(dist=SimpleNamespace(device=torch.device("cpu")), seq_len=32,
+                                   document_eos=eos if document_mask else None, document_boundaries=False)
+        batch = model_inputs(fake_run, blocks)
+        assert torch.equal(batch["input_ids"], torch.from_numpy(blocks[:, :-1]))
+        assert torch.equal(batch["labels"], torch.from_numpy(blocks[:, 1:]))
+        assert ("position_ids" in batch) == document_mask
+        with torch.no_grad():
+            return model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}).logits[0]
+
+    masked, plain = run(True), run(False)
+    start, worst_masked, worst_plain = 0, 0.0, 0.0
+    for doc in documents:
+        end = min(start + len(doc), 32)
+        with torch.no_grad():
+            alone = model(input_ids=torch.from_numpy(blocks[:1, start:end])).logits[0]
+        worst_masked = max(worst_masked, (alone - masked[start:end]).abs().max().item())
+        if start:
+            worst_plain = max(worst_plain, (alone - plain[start:end]).abs().max().item())
+        start = end
+    assert worst_masked < 1e-4
+    assert worst_plain > 0.1  # without the mask the later documents attend to the earlier ones

@@ -110,6 +110,9 @@ CASES = [
     ("gpu-memory", lambda t: ["--model", "qwen3-8b", "--fused_kernels", "off"], {"GPU_MEMORY_GIB": "80"},
      "train_micro_batch_size_per_gpu / zero_optimization", "cheapest configuration that fits"),
     ("fused-kernels-without-gpu", lambda t: ["--fused_kernels", "on"], {}, "--fused_kernels", "--fused_kernels auto"),
+    ("document-mask-without-attention-mask", lambda t: ["--model", _attention_free_pretrained(t), "--tokenizer",
+                                                        "default", "--document_mask"], {},
+     "--document_mask", "leave out --document_mask"),
 ]
 
 
@@ -126,6 +129,15 @@ def _small_pretrained(tmp_path):
     path = tmp_path / "small-model"
     Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=32).save_pretrained(path)
+    return str(path)
+
+
+def _attention_free_pretrained(tmp_path):
+    """A model transformers builds without create_causal_mask (Mamba: no attention), so no mask per document."""
+    from transformers import MambaConfig
+
+    path = tmp_path / "mamba-model"
+    MambaConfig(vocab_size=8192, hidden_size=64, state_size=4, num_hidden_layers=1).save_pretrained(path)
     return str(path)
 
 

@@ -47,6 +47,9 @@ class TrainConfig:
     data_cache_dir: str | None = _f(None, "Where tokenized/packed data is cached; must be shared by all nodes for "
                                           "multi-node runs to build it once. Default: ~/.cache/deepspeed-lm.")
     num_proc: int | None = _f(None, "Processes for tokenization (datasets.map). Default: CPUs available, at most 16.")
+    document_mask: bool = _f(False, "Attend only within each document of a packed block: positions restart after "
+                                    "each EOS and attention stops at it (block-causal, as Megatron's --reset-position-ids "
+                                    "--reset-attention-mask). Off: causal attention across the documents of a block.")
     dummy_data: int = _f(0, "Train on N random-token blocks instead of a dataset (smoke test; needs no data).")
     # ----- optimisation (overrides of ds_config.json) -----
     ds_config: str = _f("ds_config.json", "DeepSpeed configuration file (relative paths: working directory, then repository).")

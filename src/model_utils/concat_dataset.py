@@ -198,6 +198,23 @@ class PackedTokens:
         return np.stack([self.block(i) for i in indices]).astype(np.int64)
 
 
+def document_positions(inputs: np.ndarray, eos_id: int) -> np.ndarray:
+    """Each token's position within its document, for rows of packed documents separated by EOS (--document_mask):
+    0 at the start of a row and right after each EOS (an EOS ends its document). A document cut by a block boundary
+    starts again at 0 in its next block."""
+    starts = np.zeros(inputs.shape, dtype=bool)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    index = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape)
+    return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+
+
+def document_boundaries(positions: np.ndarray) -> np.ndarray:
+    """The documents' offsets in the flattened rows, then the total (FlashAttention's cu_seqlens, int32)."""
+    flat = positions.reshape(-1)
+    return np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
+
+
 @dataclass
 class DataPosition:
     """Where training is in the data: everything needed to continue exactly, independent of the world size."""

@@ -234,26 +234,35 @@ def use_fa4(cuda: bool, model, settings: dict | None = None) -> bool:
 
 
 _fa4_kernel = None  # torch.ops.dslm.fa4_forward once registered: (q, k, v, scale) in (batch, seq, heads, dim)
+_fa4_varlen_kernel = None  # torch.ops.dslm.fa4_varlen_forward: (q, k, v, cu_seqlens, max_seqlen, scale), (tokens, heads, dim)
 
 
 def fa4_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                   softcap=None, **kwargs):
     """transformers' attention signature: (batch, heads, seq, head_dim) in, (batch, seq, heads, head_dim) out.
-    Causal self-attention without a mask goes to FlashAttention-4; anything else to SDPA."""
+    Causal self-attention without a mask goes to FlashAttention-4, and so does attention within documents when the
+    caller gives their boundaries as `cu_seq_lens_q` (the trainer's --document_mask; the dense mask transformers built
+    from the same position ids is then not needed); anything else to SDPA, with transformers' mask."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    if (attention_mask is not None or dropout or sliding_window or softcap or not causal
+    documents = kwargs.get("cu_seq_lens_q")
+    if ((attention_mask is not None and documents is None) or dropout or sliding_window or softcap or not causal
             or query.dtype not in (torch.bfloat16, torch.float16) or query.shape[2] != key.shape[2]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, softcap=softcap, **kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     # FA4 takes (batch, seq, heads, head_dim); the contiguous copies fuse into the producing kernels when compiled.
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
-    out, _ = _fa4_kernel(q, k, v, float(scale))
-    return out, None
+    if documents is None:
+        out, _ = _fa4_kernel(q, k, v, scale)
+        return out, None
+    batch, seq = q.shape[:2]
+    out, _ = _fa4_varlen_kernel(*(t.view(batch * seq, *t.shape[2:]) for t in (q, k, v)), documents,
+                                int(kwargs.get("max_length_q") or seq), scale)
+    return out.view(batch, seq, *out.shape[1:]), None
 
 
 @functools.cache
@@ -300,10 +309,59 @@ def _register_fa4() -> None:
 
     fa4_forward.register_autograd(backward, setup_context=setup_context)
 
-    global _fa4_kernel
+    # Documents packed in a batch (--document_mask): q, k, v as (tokens, heads, dim) with the documents' boundaries
+    # (cu_seqlens, int32, their number varying per batch) and the longest possible document (the block length).
+    @torch.library.custom_op("dslm::fa4_varlen_forward", mutates_args=(), device_types="cuda",
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, float scale)"
+                                    " -> (Tensor, Tensor)")
+    def fa4_varlen_forward(q, k, v, cu_seqlens, max_seqlen, scale):
+        out, lse = fa._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                      max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
+                                      causal=True, return_lse=True)[:2]
+        return out.contiguous(), lse.contiguous()
+
+    @fa4_varlen_forward.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, scale):
+        t, h, _ = q.shape
+        return q.new_empty(t, h, v.shape[-1]), q.new_empty(h, t, dtype=torch.float32)
+
+    @torch.library.custom_op("dslm::fa4_varlen_backward", mutates_args=(), device_types="cuda",
+                             schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                                    "Tensor cu_seqlens, int max_seqlen, float scale) -> (Tensor, Tensor, Tensor)")
+    def fa4_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+        dq, dk, dv = fa._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, True,
+                                        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                                        max_seqlen_k=max_seqlen,
+                                        deterministic=torch.are_deterministic_algorithms_enabled())[:3]
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @fa4_varlen_backward.register_fake
+    def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_varlen_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, max_seqlen, scale = inputs
+        ctx.save_for_backward(q, k, v, cu_seqlens, *output)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+
+    def varlen_backward(ctx, dout, _dlse):
+        q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+        grads = torch.ops.dslm.fa4_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
+        return (*grads, None, None, None)
+
+    fa4_varlen_forward.register_autograd(varlen_backward, setup_context=setup_varlen_context)
+
+    global _fa4_kernel, _fa4_varlen_kernel
     _fa4_kernel = torch.ops.dslm.fa4_forward
+    _fa4_varlen_kernel = torch.ops.dslm.fa4_varlen_forward
     AttentionInterface.register(FA4_NAME, fa4_attention)
     AttentionMaskInterface.register(FA4_NAME, sdpa_mask)
+
+
+def takes_document_boundaries(model) -> bool:
+    """Whether the model's attention takes documents as boundaries (cu_seq_lens_q: FlashAttention-4) rather than as the
+    dense mask transformers builds from position ids that restart at each document (SDPA, eager)."""
+    return getattr(model.config, "_attn_implementation", None) == FA4_NAME
 
 
 def enable_fa4(model, log) -> None:
@@ -312,10 +370,11 @@ def enable_fa4(model, log) -> None:
     log("attention: FlashAttention-4 (flash-attn-4 CuTe kernels) for causal attention; SDPA for anything else")
 
 
-def fa4_probe_failure(model) -> str | None:
+def fa4_probe_failure(model, documents: bool = False) -> str | None:
     """Run one small forward and backward through FlashAttention-4 at the model's head shape (compiling its kernels
-    once, as training would) and return why it failed, or None. `auto` falls back to SDPA on a failure, so an
-    environment FA4 does not support (CUDA or driver version, a GPU variant) costs speed, not the run."""
+    once, as training would; with `documents`, also its variable-length kernels for --document_mask) and return why it
+    failed, or None. `auto` falls back to SDPA on a failure, so an environment FA4 does not support (CUDA or driver
+    version, a GPU variant) costs speed, not the run."""
     import torch
 
     config = model.config
@@ -323,24 +382,27 @@ def fa4_probe_failure(model) -> str | None:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     try:
         _register_fa4()
-        q = torch.randn(1, heads, 256, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(1, kv_heads, 256, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                for _ in range(2))
-        out, _ = fa4_attention(None, q, k, v, None, scaling=dim ** -0.5, is_causal=True)
-        out.float().square().mean().backward()
-        torch.cuda.synchronize()
-        if not all(torch.isfinite(t.grad).all() for t in (q, k, v)):
-            return "its probe's gradients were not finite"
+        boundaries = torch.tensor([0, 100, 256, 300, 512], device="cuda", dtype=torch.int32)  # 2 rows of 2 documents
+        for kwargs in [{}] + ([{"cu_seq_lens_q": boundaries, "max_length_q": 256}] if documents else []):
+            q = torch.randn(2, heads, 256, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(2, kv_heads, 256, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2))
+            out, _ = fa4_attention(None, q, k, v, None, scaling=dim ** -0.5, is_causal=True, **kwargs)
+            out.float().square().mean().backward()
+            torch.cuda.synchronize()
+            if not all(torch.isfinite(t.grad).all() for t in (q, k, v)):
+                return "its probe's gradients were not finite"
     except Exception as e:  # noqa: BLE001  (any failure of this optional kernel means SDPA instead)
         first_line = (str(e).strip().splitlines() or [""])[0]
         return f"{type(e).__name__}: {first_line[:200]}"
     return None
 
 
-def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None) -> bool:
+def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None, documents: bool = False) -> bool:
     """Patch `model` in place with the enabled levers; return whether Liger's kernels are in use. `log` reports what
     was applied (rank 0 is enough: every rank applies the same, except that a rank whose FlashAttention-4 probe fails
-    keeps SDPA); `warn` (default `log`) reports that failure, from the rank it happened on."""
+    keeps SDPA); `warn` (default `log`) reports that failure, from the rank it happened on. `documents`: the run
+    masks attention to documents (--document_mask), so FlashAttention-4's probe covers its variable-length kernels."""
     warn = warn or log
     settings = lever_settings()
     zero3 = _is_zero3(model)
@@ -368,7 +430,7 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None) -> bool
     if cuda and settings["sdpa"] != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
         _sdpa_wrap(model, settings["sdpa"], log)  # also the fall-back path of FlashAttention-4
     if use_fa4(cuda, model, settings):
-        failure = fa4_probe_failure(model) if settings["attn"] == "auto" else None
+        failure = fa4_probe_failure(model, documents) if settings["attn"] == "auto" else None
         if failure:
             warn(f"attention: FlashAttention-4 failed its setup probe ({failure}); using SDPA (DSLM_ATTN=sdpa skips "
                  "the probe)")

@@ -95,9 +95,25 @@ def build_model(name: str, config, dtype, attn_implementation: str, gradient_che
     return model
 
 
+def masks_documents_by_position(config) -> bool:
+    """Whether transformers' causal LM for this config builds its attention mask with masking_utils'
+    create_causal_mask, which masks attention to each document when the position ids restart (--document_mask)."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return False
+    return hasattr(importlib.import_module(model_class.__module__), "create_causal_mask")
+
+
 def head_dim(config) -> int:
-    """Per-head dimension: the config's `head_dim` (Qwen3 sets it) or hidden_size / num_attention_heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """Per-head dimension: the config's `head_dim` (Qwen3 sets it) or hidden_size / num_attention_heads; 0 for a model
+    without attention heads (Mamba, RWKV)."""
+    heads = getattr(config, "num_attention_heads", None)
+    return getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
 
 
 @dataclass
@@ -120,7 +136,8 @@ class FlopsModel:
         embed = config.vocab_size * config.hidden_size
         lm_head = config.vocab_size * config.hidden_size
         n = num_params - embed + (lm_head if getattr(config, "tie_word_embeddings", False) else 0)
-        return cls(n, config.num_hidden_layers, config.num_attention_heads, head_dim(config), seq_len)
+        heads = getattr(config, "num_attention_heads", None) or 0  # none: an attention-free model (Mamba)
+        return cls(n, config.num_hidden_layers, heads, head_dim(config), seq_len)
 
     def per_token(self, attention_factor: int = 12) -> float:
         return 6 * self.non_embedding_params + attention_factor * self.num_layers * self.num_heads * self.head_dim * self.seq_len

@@ -202,7 +202,8 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
 
     from . import ds_config as dsc
     from .fast import FLCE_CHUNK_AUTO, flce_chunk_budget, fused_kernels_problem, liger_available, use_fused_kernels
-    from .models import FlopsModel, check_vocab_covers_tokenizer, default_seq_len, model_config, tokenizer_source
+    from .models import (FlopsModel, check_vocab_covers_tokenizer, default_seq_len, masks_documents_by_position,
+                         model_config, tokenizer_source)
     from .tokenizer import load_tokenizer
     from .train_utils import bf16_supported
 
@@ -239,6 +240,14 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
         if max_pos and seq_len > max_pos:
             report.problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings ({max_pos})",
                                            f"use --seq_len {max_pos} or less"))
+        if cfg.document_mask and not masks_documents_by_position(mconf):
+            report.problems.append(Problem("--document_mask", True, f"this model ({type(mconf).__name__}) does not build "
+                                           "its attention mask with transformers' create_causal_mask, which turns "
+                                           "restarting positions into a mask per document",
+                                           "leave out --document_mask (documents are then separated by EOS only)"))
+        if cfg.document_mask and tokenizer.eos_token_id is None:
+            report.problems.append(Problem("--document_mask", True, "the tokenizer has no EOS token to end documents",
+                                           "use a tokenizer with an eos_token, or leave out --document_mask"))
     p = fused_kernels_problem(cfg.fused_kernels, cuda)
     if p:
         report.problems.append(p)
