@@ -94,7 +94,11 @@ def main(argv=None) -> int:
     module = Module()
 
     def sdpa(q, k, v):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, enable_gqa=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # with a mask, SDPA's GQA has no fused kernel: the KV heads repeated, as transformers' SDPA path does
+            k, v = (x.repeat_interleave(h // kv, dim=1) for x in (k, v))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out.transpose(1, 2)
 
     def run_with(fn, backend=None):

@@ -59,6 +59,7 @@ VARIANTS = {
     "host_overflow_check": {"env": {lever_env("overflow_check"): "norm"}},
     # The default path with attention within documents (the trainer's --document_mask); pair with --document_length.
     "document_mask": {"args": ["--document_mask"]},
+    "nofused_document_mask": dict(_variant(fused_kernels="off"), args=["--document_mask"]),  # its loss-check reference
     # The rest reproduce earlier sections of docs/PERFORMANCE.md (01-16).
     "compile_cudnn": _variant(compile="layers", liger="flce", sdpa="cudnn"),
     "fa4": _variant(compile="layers", liger="flce", attn="fa4"),
@@ -615,7 +616,8 @@ def make_jobs(a) -> list[dict]:
                 jobs.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks, **spec,
                                  name=f"hf-{peer}-mb{mb}", variant="hf+" + peer.replace("_", "+")))
     if a.loss_check:
-        for v in ["nofused"] + [x for x in a.loss_check_variants if x != "nofused"]:
+        ref = a.loss_check_reference
+        for v in [ref] + [x for x in a.loss_check_variants if x != ref]:
             jobs.append(engine(v, f"losscheck-{v}-mb{a.loss_check_mb}", steps=a.loss_check, warmup=0, profile=False,
                                micro_batch_size=a.loss_check_mb,
                                dummy_blocks=(a.loss_check + 1) * a.loss_check_mb * a.nproc + 8))
@@ -749,6 +751,8 @@ def main(argv=None) -> int:
     p.add_argument("--loss-check-mb", dest="loss_check_mb", type=int, default=2)
     p.add_argument("--loss-check-variants", dest="loss_check_variants", nargs="*", default=["default"],
                    choices=list(VARIANTS))
+    p.add_argument("--loss-check-reference", dest="loss_check_reference", default="nofused",
+                   choices=["nofused", "nofused_document_mask"], help="the unoptimised path the losses are compared to")
     p.add_argument("--json", default=None, help="append results (JSON lines) to this file")
     p.add_argument("--log-dir", dest="log_dir", default=None, help="full log of every measurement")
     p.add_argument("--write-doc", dest="write_doc", default=None, help="write this markdown section file")
@@ -791,12 +795,12 @@ def main(argv=None) -> int:
         text += "\n\n" + best
     lc = None
     if a.loss_check:
-        la = next(r for j, r in zip(jobs, results) if j["name"].startswith("losscheck-nofused"))
+        la = next(r for j, r in zip(jobs, results) if j["name"].startswith(f"losscheck-{a.loss_check_reference}-"))
         for v in a.loss_check_variants:
             lb = next(r for j, r in zip(jobs, results) if j["name"].startswith(f"losscheck-{v}-"))
             lc = loss_check(la, lb, a.loss_check)
             text += (f"\n\nLoss check ({a.loss_check} steps, mb {a.loss_check_mb}, same seed/data): unoptimised path "
-                     f"(--fused_kernels off, eager) vs `{v}`: {json.dumps(lc)}")
+                     f"(`{a.loss_check_reference}`: --fused_kernels off, eager) vs `{v}`: {json.dumps(lc)}")
     print("\n" + text, flush=True)
     if a.write_doc:
         title = a.title or f"{a.model}, {a.nproc} GPU(s)"
