@@ -171,7 +171,7 @@ def model_inputs(run: Run, blocks) -> dict:
     """The model's keyword arguments for packed blocks of seq_len + 1 tokens (a host array): inputs are each block's
     first T tokens, targets its last T (already shifted). With --document_mask, positions restart after each EOS,
     from which transformers masks attention to each document; FlashAttention-4 takes the documents' boundaries
-    instead. Both are computed here on the host, so the GPU is never waited for."""
+    instead. Both come from the host's copy of the tokens: nothing waits on the GPU for them."""
     import torch
 
     from model_utils.concat_dataset import document_boundaries, document_positions
