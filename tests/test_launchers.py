@@ -290,7 +290,10 @@ def test_batch_shell_forwards_stop_signals_and_returns_the_step_status(tmp_path,
             "time.sleep(60)\n")
     shell = subprocess.Popen(
         ["bash", "-c", 'source scripts/launch_common.sh; run_forwarding_signals "$@" && s=0 || s=$?; echo "status $s"',
-         "_", sys.executable, "-c", step], cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE, text=True)
+         "_", sys.executable, "-c", step], cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE, text=True,
+        # A shell cannot trap a signal it was started with ignored, and pytest run in the background (`cmd &` without
+        # job control) hands SIGINT ignored to its children: give the batch shell the default, as slurmstepd does.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 30
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
