@@ -154,11 +154,14 @@ class GpuTelemetry:
             return summarize_gpu_samples(self.samples.read().splitlines())
 
 
-def flops_per_token(config, num_params: int, seq_len: int) -> tuple[float, float]:
+def flops_per_token(config, num_params: int, seq_len: int, attention_span: float | None = None) -> tuple[float, float]:
+    """Under both attention conventions. `attention_span`: the attention query-key pairs per token, seq_len unless
+    attention stays within documents (then the mean over the timed tokens)."""
     from model_utils.models import FlopsModel
 
     fm = FlopsModel.from_config(config, num_params, seq_len)
-    return fm.per_token(12), fm.per_token(6)
+    span = seq_len if attention_span is None else attention_span
+    return fm.flops(1, span, 12), fm.flops(1, span, 6)
 
 
 def normalize_env():
@@ -327,7 +330,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     from model_utils.fast import device_skip_flag, settle_device_skip
     from model_utils.models import gpu_peak_tflops
     from model_utils.train_utils import distributed_env_problems, setup_distributed
-    from train_deepspeed import compute_loss, model_inputs, parse_args, setup
+    from train_deepspeed import attention_area, compute_loss, model_inputs, parse_args, setup
 
     steps, warmup = job["steps"], job["warmup"]
     total = steps + warmup
@@ -355,11 +358,12 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     engine = run.engine
     engine.train()
 
-    state = {}
+    state = {"area": 0}
 
     def forward():
-        indices = run.order.rank_indices(run.position, dist.rank)
-        state["loss"] = compute_loss(engine, model_inputs(run, run.data.train.batch(indices)))
+        blocks = run.data.train.batch(run.order.rank_indices(run.position, dist.rank))
+        state["area"] += attention_area(run, blocks)
+        state["loss"] = compute_loss(engine, model_inputs(run, blocks))
 
     def backward():
         engine.backward(state["loss"])
@@ -379,8 +383,10 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     times, losses = [], []
     telemetry = GpuTelemetry()  # rank 0 samples every GPU of its host
     for i in range(total):  # peak memory is kept over the whole run: warm-up steps allocate the same buffers
-        if i == warmup and dist.is_main:
-            telemetry.start()
+        if i == warmup:
+            state["area"] = 0  # the timed steps' attention pairs (FLOPs): the result is rank 0's, for its blocks
+            if dist.is_main:
+                telemetry.start()
         _sync()
         t = time.perf_counter()
         loss = train_step()
@@ -392,17 +398,19 @@ def worker_engine(job: dict, workdir: Path) -> dict:
         if dist.is_main and job.get("verbose"):
             print(f"  step {i}: {dt * 1e3:.1f} ms, loss {losses[-1]:.4f}", flush=True)
     gpu = telemetry.stop()
+    timed_area = state["area"]
     if job.get("profile"):
         profile_steps([("forward", forward), ("backward", backward), ("step", step)], dist.is_main,
                       trace=job.get("trace"))
     config = engine.module.config
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    f12, f6 = flops_per_token(config, num_params, run.seq_len)
+    tokens_per_step = run.micro_batch * run.grad_accum * run.seq_len
+    f12, f6 = flops_per_token(config, num_params, run.seq_len, timed_area / (tokens_per_step * steps) if steps else None)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     result = {"kind": "engine", "world_size": dist.world_size, "setup_s": setup_s, "losses": losses,
               "num_params": num_params, "micro_batch_size": run.micro_batch, "seq_len": run.seq_len,
               "zero_stage": run.ds_config.get("zero_optimization", {}).get("stage", 0),
-              **throughput(run.micro_batch * run.grad_accum * run.seq_len, times, f12, f6, peak), **_memory(), **gpu}
+              **throughput(tokens_per_step, times, f12, f6, peak), **_memory(), **gpu}
     mem = torch.tensor([result.get("peak_mem_gib", 0.0)], device=dist.device)
     dist.all_reduce(mem, torch.distributed.ReduceOp.MAX)
     if "peak_mem_gib" in result:

@@ -39,7 +39,7 @@ class Run:
     seq_len: int
     micro_batch: int
     grad_accum: int
-    flops_per_token: float
+    flops: object  # models.FlopsModel
     log: object
     peak_tflops: float | None = None
     document_eos: int | None = None  # --document_mask: the token that ends a document
@@ -122,7 +122,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
     run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, seq_len, micro, accum,
-              flops.per_token(), log, peak_tflops=peak, position=DataPosition(),
+              flops, log, peak_tflops=peak, position=DataPosition(),
               document_eos=tokenizer.eos_token_id if cfg.document_mask else None,
               document_boundaries=cfg.document_mask and takes_document_boundaries(model))
     if cfg.document_mask:
@@ -189,6 +189,16 @@ def model_inputs(run: Run, blocks) -> dict:
             batch.update(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=run.seq_len,
                          max_length_k=run.seq_len)
     return batch
+
+
+def attention_area(run: Run, blocks) -> int:
+    """The query-key pairs the blocks' attention covers, for FLOPs and MFU: T² per block, or each document's length
+    squared with --document_mask (model FLOPs: what the kernel computes, or skips, does not change them)."""
+    from model_utils.concat_dataset import attention_area as document_area, document_positions
+
+    if run.document_eos is None:
+        return len(blocks) * run.seq_len ** 2
+    return document_area(document_positions(blocks[:, :-1], run.document_eos))
 
 
 def compute_loss(engine, batch: dict):
@@ -263,10 +273,11 @@ def train(run: Run) -> int:
 
     cfg, dist, engine, log = run.cfg, run.dist, run.engine, run.log
     stop = StopSignal()
-    throughput = Throughput(run.flops_per_token, run.peak_tflops, dist.world_size)
+    throughput = Throughput(run.peak_tflops, dist.world_size)
     tokens_per_step = run.tokens_per_step
     loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
     steps_in_interval = 0
+    area = 0  # this rank's attention query-key pairs over the log interval (FLOPs)
     step_time = 0.0  # this rank's host wall time in forward/backward/step over the log interval
     bad_steps = 0  # consecutive steps whose loss or gradient was not finite
     can_skip = bool(run.ds_config.get("bf16", {}).get("enabled") and run.ds_config["bf16"].get("check_grad_overflow")
@@ -288,7 +299,9 @@ def train(run: Run) -> int:
         for _ in range(run.grad_accum):
             indices = run.order.rank_indices(run.position, dist.rank)
             step_blocks += indices.tolist()
-            loss = compute_loss(engine, model_inputs(run, run.data.train.batch(indices)))
+            blocks = run.data.train.batch(indices)
+            area += attention_area(run, blocks)
+            loss = compute_loss(engine, model_inputs(run, blocks))
             engine.backward(loss)
             engine.step()
             run.position = run.order.advance(run.position)
@@ -301,25 +314,27 @@ def train(run: Run) -> int:
             trace.write(json.dumps({"step": run.step, "blocks": step_blocks}) + "\n")
             trace.flush()
         steps_in_interval += 1
-        throughput.add(tokens_per_step)
 
         # --- logging: loss averaged over the interval's micro-batches on all ranks ---
         if run.step % cfg.log_interval == 0 or run.step == cfg.max_steps:
-            dist.all_reduce(loss_sum)
-            mean_loss = (loss_sum / (steps_in_interval * run.grad_accum * dist.world_size)).item()
+            sums = torch.stack([loss_sum, torch.tensor(float(area), device=dist.device, dtype=torch.float64)])
+            loss_total, area_total = dist.all_reduce(sums).tolist()
+            mean_loss = loss_total / (steps_in_interval * run.grad_accum * dist.world_size)
+            tokens = steps_in_interval * tokens_per_step
             # slowest and fastest rank's mean step time (max of t and of -t: one collective, at log steps only)
             times = torch.tensor([step_time, -step_time], device=dist.device, dtype=torch.float64) / steps_in_interval
             slowest, fastest = dist.all_reduce(times, torch.distributed.ReduceOp.MAX).tolist()
             grad_norm = engine.get_global_grad_norm()
             record = {"step": run.step, "loss": mean_loss, "lr": lr,
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                      "tokens_seen": run.tokens_seen, **throughput.read(), "step_time_s": slowest,
+                      "tokens_seen": run.tokens_seen, **throughput.read(tokens, run.flops.flops(tokens, area_total)),
+                      "step_time_s": slowest,
                       "step_time_min_s": -fastest, **memory_stats(dist.device)}
             log.metrics(record)
             log.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             log.info(format_record(record))
             loss_sum.zero_()
-            steps_in_interval = 0
+            steps_in_interval = area = 0
             step_time = 0.0
         log.bar.update(1)
 

@@ -556,6 +556,10 @@ def test_bench_cpu_smoke_run(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     losses = {r["job"]["name"]: r["result"]["losses"] for r in rows if r["job"]["kind"] == "engine"}
     assert len(losses) == 2 and losses["engine-default-mb1"] != losses["engine-document_mask-mb1"]
+    # ...and their FLOPs count each document's attention square, not the block's 32 x 32.
+    flops = {r["job"]["name"]: r["result"]["tflops_per_gpu"] / r["result"]["tokens_per_s_per_gpu"] for r in rows
+             if r["job"]["kind"] == "engine"}
+    assert flops["engine-document_mask-mb1"] < flops["engine-default-mb1"] * (1 - 1e-3)
 
 
 def test_gpu_idle_report_attributes_gaps_to_the_host():

@@ -136,7 +136,7 @@ def test_bad_data_gets_a_clear_message(case, tmp_path, tokenizer):
 
 
 def test_document_positions_restart_after_each_eos_and_boundaries_split_every_document():
-    from model_utils.concat_dataset import document_boundaries, document_positions
+    from model_utils.concat_dataset import attention_area, document_boundaries, document_positions
 
     eos = 0
     rows = np.array([[5, 6, 0, 7, 0, 0, 8, 9],    # documents: 5 6 <eos> | 7 <eos> | <eos> | 8 9 (cut by the block)
@@ -150,6 +150,18 @@ def test_document_positions_restart_after_each_eos_and_boundaries_split_every_do
     lengths = np.diff(boundaries)
     assert lengths.sum() == rows.size and (lengths > 0).all()
     assert set(boundaries) >= {0, rows.shape[1], rows.size}
+    # Attention FLOPs count each document's own square: 3² + 2² + 1² + 2² and 8², against 8² per row across them.
+    assert attention_area(positions) == 9 + 4 + 1 + 4 + 64
+    assert attention_area(np.broadcast_to(np.arange(8), (2, 8))) == 2 * 64
+
+
+def test_flops_within_documents_count_each_documents_square():
+    from model_utils.models import FlopsModel
+
+    fm = FlopsModel(non_embedding_params=1000, num_layers=2, num_heads=4, head_dim=8, seq_len=64)
+    assert fm.flops(64, 64 ** 2) == pytest.approx(64 * fm.per_token())  # one block attended across documents
+    assert fm.per_token() == 6 * 1000 + 12 * 2 * 4 * 8 * 64
+    assert fm.flops(64, 2 * 32 ** 2, 6) == 64 * 6 * 1000 + 6 * 2 * 4 * 8 * 2 * 32 ** 2  # two documents of 32
 
 
 def test_document_mask_makes_each_document_see_only_itself(tokenizer):

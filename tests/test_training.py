@@ -124,6 +124,13 @@ def test_document_mask_trains_with_attention_within_documents(baseline, tmp_path
     assert len(masked) == len(plain) == 10 and all(math.isfinite(x) for x in masked)
     assert masked != plain
     assert _blocks_by_rank(tmp_path / "ckpt") == _blocks_by_rank(baseline.checkpoint_dir)
+    # FLOPs (and MFU) count each document's attention square: fewer per token where a block holds a document's end.
+    per_token = [[r["tflops_per_device"] / r["tokens_per_s_per_device"] for r in records]
+                 for records in (run.train_records(), baseline.train_records())]
+    masked_flops, plain_flops = per_token
+    assert max(plain_flops) == pytest.approx(min(plain_flops), rel=1e-9)  # every block's square is T x T
+    assert all(m <= plain_flops[0] * (1 + 1e-9) for m in masked_flops)
+    assert min(masked_flops) < plain_flops[0] * (1 - 1e-3)
 
 
 def _assert_continues_exactly(baseline, resumed, from_step):

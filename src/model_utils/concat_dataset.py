@@ -209,6 +209,12 @@ def document_positions(inputs: np.ndarray, eos_id: int) -> np.ndarray:
     return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
+def attention_area(positions: np.ndarray) -> int:
+    """The query-key pairs of attention within documents (rows of `document_positions`): the sum of each document's
+    length squared, the T² of the FLOPs' attention term. A document's tokens at positions 0..n-1 add up 2p+1 to n²."""
+    return int((2 * positions.astype(np.int64) + 1).sum())
+
+
 def document_boundaries(positions: np.ndarray) -> np.ndarray:
     """The documents' offsets in the flattened rows, then the total (FlashAttention's cu_seqlens, int32)."""
     flat = positions.reshape(-1)

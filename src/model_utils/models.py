@@ -122,7 +122,8 @@ class FlopsModel:
 
     N counts every matrix parameter a token goes through, the LM head included and the input embedding (a lookup)
     excluded. The attention term counts QK^T and AV for the full (unmasked) T x T square, forward and backward;
-    torchtitan uses 6·L·H·Q·T (the causal half). Both are reported.
+    torchtitan uses 6·L·H·Q·T (the causal half). Both are reported. Where attention stays within documents
+    (--document_mask) each document is its own square: `flops` takes the sum of their areas.
     """
 
     non_embedding_params: int
@@ -140,7 +141,14 @@ class FlopsModel:
         return cls(n, config.num_hidden_layers, heads, head_dim(config), seq_len)
 
     def per_token(self, attention_factor: int = 12) -> float:
-        return 6 * self.non_embedding_params + attention_factor * self.num_layers * self.num_heads * self.head_dim * self.seq_len
+        """For a token of a block attended across documents: its attention square is the block's, T x T."""
+        return self.flops(self.seq_len, self.seq_len ** 2, attention_factor) / self.seq_len
+
+    def flops(self, tokens: float, attention_area: float, attention_factor: int = 12) -> float:
+        """FLOPs of `tokens` tokens whose attention squares (one per block, or one per document within a block) sum
+        to `attention_area` query-key pairs."""
+        attention = attention_factor * self.num_layers * self.num_heads * self.head_dim * attention_area
+        return 6 * self.non_embedding_params * tokens + attention
 
 
 # Dense bf16 tensor-core peak (no sparsity), TFLOP/s, by device name substring; the first match wins.

@@ -204,27 +204,23 @@ class Logger:
 
 
 class Throughput:
-    """Tokens/s, TFLOP/s per device and MFU over the interval since the last call."""
+    """Tokens/s, TFLOP/s per device and MFU over the interval since the last read."""
 
-    def __init__(self, flops_per_token: float, peak_tflops: float | None, world_size: int):
-        self.flops_per_token = flops_per_token
+    def __init__(self, peak_tflops: float | None, world_size: int):
         self.peak = peak_tflops
         self.world = world_size
         self.t0 = time.perf_counter()
-        self.tokens = 0
 
-    def add(self, tokens: int):
-        self.tokens += tokens
-
-    def read(self) -> dict:
+    def read(self, tokens: float, flops: float) -> dict:
+        """`tokens` and `flops`: what all ranks processed since the last read."""
         now = time.perf_counter()
         dt = max(now - self.t0, 1e-9)
-        tps = self.tokens / dt
-        tflops = tps * self.flops_per_token / self.world / 1e12
+        self.t0 = now
+        tps = tokens / dt
+        tflops = flops / dt / self.world / 1e12
         out = {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.world, "tflops_per_device": tflops}
         if self.peak:
             out["mfu"] = tflops / self.peak
-        self.t0, self.tokens = now, 0
         return out
 
 
