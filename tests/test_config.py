@@ -94,9 +94,10 @@ def test_invalid_json_names_line_and_column(tmp_path):
 
 def test_validate_args_reports_every_problem_at_once(tmp_path):
     cfg = TrainConfig(max_steps=0, seq_len=1, log_interval=0, ds_config=str(tmp_path / "missing.json"),
-                      dataset=str(tmp_path / "nope"), local_dataset="true", learning_rate=-1.0)
+                      dataset=str(tmp_path / "nope"), local_dataset="true", learning_rate=-1.0, max_documents=-5)
     settings = {p.setting for p in validate_args(cfg)}
-    assert {"--max_steps", "--seq_len", "--log_interval", "--ds_config", "--dataset", "--learning_rate"} <= settings
+    assert {"--max_steps", "--seq_len", "--log_interval", "--ds_config", "--dataset", "--learning_rate",
+            "--max_documents"} <= settings
 
 
 def test_explicit_flags_are_tracked():

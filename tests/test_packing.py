@@ -9,7 +9,7 @@ import pytest
 
 from model_utils.arguments import TrainConfig
 from model_utils.concat_dataset import (BlockOrder, DataError, DataPosition, PackedTokens, build_token_files,
-                                        open_packed, resolve_source, tokenize_split, write_token_file)
+                                        cache_dir_for, open_packed, resolve_source, tokenize_split, write_token_file)
 from model_utils.tokenizer import load_tokenizer
 
 
@@ -83,15 +83,28 @@ def test_order_is_deterministic_per_seed_and_epoch_and_independent_of_world_size
     assert global_sequence(2, 2, 32) == global_sequence(4, 1, 32) == global_sequence(1, 4, 32)
 
 
+TRAIN_DOCS = [f"Document number {i} talks about iterators and generators." for i in range(50)]
+VAL_DOCS = [f"Held-out document {i}." for i in range(10)]
+
+
+def _write_jsonl(path, docs, column="text"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({column: t}) + "\n" for t in docs))
+
+
+def _save_with_validation(path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": TRAIN_DOCS}),
+                          "validation": datasets.Dataset.from_dict({"text": VAL_DOCS})}).save_to_disk(path)
+
+
 def test_local_formats_and_validation_split(tmp_path, tokenizer):
     import datasets
 
-    train = [f"Document number {i} talks about iterators and generators." for i in range(50)]
-    val = [f"Held-out document {i}." for i in range(10)]
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train}),
-                          "validation": datasets.Dataset.from_dict({"text": val})}).save_to_disk(tmp_path / "saved")
-    (tmp_path / "jsonl").mkdir()
-    (tmp_path / "jsonl" / "part.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in train))
+    train = TRAIN_DOCS
+    _save_with_validation(tmp_path / "saved")
+    _write_jsonl(tmp_path / "jsonl" / "part.jsonl", train, column="content")
     (tmp_path / "a.txt").write_text("\n".join(train))
     datasets.Dataset.from_dict({"text": train}).to_parquet(str(tmp_path / "data.parquet"))
 
@@ -108,7 +121,38 @@ def test_local_formats_and_validation_split(tmp_path, tokenizer):
             assert not set(data.train_ids) & set(data.val_ids)
 
 
-@pytest.mark.parametrize("case", ["missing_path", "no_files", "missing_column", "empty"])
+def test_max_documents_takes_the_first_documents_of_each_split(tmp_path, tokenizer):
+    """--max_documents N: the files are streamed (the code path of hub datasets) and a saved dataset is sliced; either
+    way each split holds its first N documents, and the cache key tells the subsets apart."""
+    train, val = TRAIN_DOCS, VAL_DOCS
+    _save_with_validation(tmp_path / "saved")
+    _write_jsonl(tmp_path / "jsonl" / "part.jsonl", train)
+
+    def first_tokens(docs):
+        return [t for d in docs for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+
+    for dataset, splits in (("jsonl", {"train": train}), ("saved", {"train": train, "validation": val})):
+        cfg = TrainConfig(dataset=str(tmp_path / dataset), data_cache_dir=str(tmp_path / "cache"), max_documents=7)
+        out = tmp_path / "packed" / dataset
+        build_token_files(cfg, tokenizer, out, log=lambda *_: None)
+        meta = json.loads((out / "meta.json").read_text())
+        assert meta["documents"] == {"train": 7, "validation": 7 if "validation" in splits else 0}, dataset
+        for split, docs in splits.items():
+            np.testing.assert_array_equal(np.fromfile(out / f"{split}.bin", dtype=np.uint16), first_tokens(docs[:7]))
+        source = resolve_source(cfg)
+        everything = TrainConfig(dataset=cfg.dataset, data_cache_dir=cfg.data_cache_dir)
+        assert cache_dir_for(cfg, source, tokenizer) != cache_dir_for(everything, source, tokenizer)
+
+    # Edited files give the new documents, not datasets' cached copy of the old stream.
+    edited = ["An edited first document, longer than before."] + train[1:]
+    _write_jsonl(tmp_path / "jsonl" / "part.jsonl", edited)
+    cfg = TrainConfig(dataset=str(tmp_path / "jsonl"), data_cache_dir=str(tmp_path / "cache"), max_documents=7)
+    build_token_files(cfg, tokenizer, tmp_path / "packed" / "edited", log=lambda *_: None)
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "packed" / "edited" / "train.bin", dtype=np.uint16),
+                                  first_tokens(edited[:7]))
+
+
+@pytest.mark.parametrize("case", ["missing_path", "no_files", "empty_files", "missing_column", "empty"])
 def test_bad_data_gets_a_clear_message(case, tmp_path, tokenizer):
     import datasets
 
@@ -119,6 +163,11 @@ def test_bad_data_gets_a_clear_message(case, tmp_path, tokenizer):
         (tmp_path / "empty_dir").mkdir()
         cfg = TrainConfig(dataset=str(tmp_path / "empty_dir"))
         setting, words = "--dataset", "holds no dataset files"
+    elif case == "empty_files":
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "part-0.jsonl").write_text("")
+        cfg = TrainConfig(dataset=str(tmp_path / "d"), max_documents=5)
+        setting, words = "--dataset", "holds only empty files"
     elif case == "missing_column":
         datasets.Dataset.from_dict({"body": ["x y z"]}).save_to_disk(tmp_path / "d")
         cfg = TrainConfig(dataset=str(tmp_path / "d"))

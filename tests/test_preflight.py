@@ -181,6 +181,18 @@ def test_preflight_catches(case, tmp_path, session_cache, monkeypatch, capsys):
     assert seconds < 20  # seconds, not a model load
 
 
+def test_max_documents_counts_in_the_data_check(tmp_path, session_cache, monkeypatch, capsys):
+    """The same data passes with all its documents and is too small with only the first three of them."""
+    docs = [f"Document {i} holds a few words about packing and sharding data." for i in range(400)]
+    args = ["--dataset", _saved_dataset(tmp_path, {"text": docs}), "--seq_len", "128",
+            "--checkpoint_dir", str(tmp_path / "ckpt")]
+    monkeypatch.chdir(tmp_path)
+    everything, _ = preflight_in_process(args, {"WORLD_SIZE": "2"}, monkeypatch, capsys)
+    assert everything.returncode == 0, everything.stdout + everything.stderr
+    first_three, _ = preflight_in_process([*args, "--max_documents", "3"], {"WORLD_SIZE": "2"}, monkeypatch, capsys)
+    assert first_three.returncode == 2 and "fewer than one micro-batch per rank" in first_three.stdout, first_three.stdout
+
+
 def test_several_problems_are_reported_together(tmp_path, session_cache):
     bad = ds_with(tmp_path, lambda c: (_rename("scheduler", "cos_min_ratio", "cosine_min_ratio")(c),
                                        c["zero_optimization"].update(overlap_com=True), c.update(train_batch_size=12)))

@@ -47,6 +47,8 @@ class TrainConfig:
     data_cache_dir: str | None = _f(None, "Where tokenized/packed data is cached; must be shared by all nodes for "
                                           "multi-node runs to build it once. Default: ~/.cache/deepspeed-lm.")
     num_proc: int | None = _f(None, "Processes for tokenization (datasets.map). Default: CPUs available, at most 16.")
+    max_documents: int = _f(0, "Use only the first N documents of each split (0: all). Files and hub datasets are then "
+                               "streamed: of a hub dataset only the shards holding those documents are downloaded.")
     document_mask: bool = _f(False, "Attend only within each document of a packed block: positions restart after "
                                     "each EOS and attention stops at it (block-causal, as Megatron's --reset-position-ids "
                                     "--reset-attention-mask). Off: causal attention across the documents of a block.")
@@ -175,7 +177,7 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     positive("micro_batch_size", optional=True)
     positive("gradient_accumulation_steps", optional=True)
     positive("warmup_steps", allow_zero=True, optional=True)
-    for name in ("eval_interval", "checkpoint_freq", "keep_last_checkpoints", "dummy_data"):
+    for name in ("eval_interval", "checkpoint_freq", "keep_last_checkpoints", "dummy_data", "max_documents"):
         positive(name, allow_zero=True)
     positive("log_interval")
     positive("eval_iters")

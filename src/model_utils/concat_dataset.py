@@ -88,6 +88,10 @@ def resolve_source(cfg: TrainConfig) -> DataSource:
     if not files:
         raise DataError(Problem("--dataset", cfg.dataset, "holds no dataset files",
                                 f"use a save_to_disk directory or files ending in {', '.join(sorted(FILE_BUILDERS))}"))
+    # Empty files hold no documents, and datasets' JSON reader cannot infer a schema from one (StopIteration).
+    files = [f for f in files if os.path.getsize(f) > 0]
+    if not files:
+        raise DataError(Problem("--dataset", cfg.dataset, "holds only empty files", "point --dataset at files with documents"))
     builders = {FILE_BUILDERS.get(Path(f).suffix.lower()) for f in files}
     if None in builders or len(builders) != 1:
         raise DataError(Problem("--dataset", cfg.dataset, f"mixes or contains unsupported file types ({sorted(map(str, builders))})",
@@ -99,6 +103,8 @@ def load_splits(source: DataSource, cfg: TrainConfig):
     """Return (train, validation or None) as `datasets.Dataset` objects."""
     import datasets
 
+    if cfg.max_documents and source.kind != "disk":
+        return _first_documents(source, cfg)
     if source.kind == "disk":
         try:
             loaded = datasets.load_from_disk(source.location)
@@ -116,11 +122,65 @@ def load_splits(source: DataSource, cfg: TrainConfig):
                                     "check the name and DATASET_CONFIG_NAME, network access and HF_TOKEN, "
                                     "or pass a local path")) from e
     if isinstance(loaded, datasets.Dataset):
-        return loaded, None
-    names = list(loaded.keys())
-    train_name = "train" if "train" in loaded else names[0]
-    val_name = next((n for n in VALIDATION_SPLIT_NAMES if n in loaded), None)
-    return loaded[train_name], (loaded[val_name] if val_name else None)
+        loaded = datasets.DatasetDict({"train": loaded})
+    train_name, val_name = _split_names(list(loaded))
+    splits = loaded[train_name], (loaded[val_name] if val_name else None)
+    if cfg.max_documents:
+        splits = tuple(s.select(range(min(cfg.max_documents, len(s)))) if s is not None else None for s in splits)
+    return splits
+
+
+def _split_names(names: list[str]) -> tuple[str, str | None]:
+    """The training split ('train', else the first) and the validation split, if the data has one."""
+    return ("train" if "train" in names else names[0]), next((n for n in VALIDATION_SPLIT_NAMES if n in names), None)
+
+
+def _first_documents(source: DataSource, cfg: TrainConfig):
+    """--max_documents N: the first N documents of each split, streamed (of a hub dataset only the shards that hold them
+    are downloaded) and written as an Arrow dataset to tokenize as usual."""
+    import datasets
+    from datasets.arrow_writer import SchemaInferenceError
+    from datasets.exceptions import DatasetGenerationError
+
+    location = source.location if source.kind == "hub" else source.builder
+    name = cfg.dataset_config_name if source.kind == "hub" else None
+    data_files = None if source.kind == "hub" else {"train": source.files}
+
+    def fail(e: Exception) -> DataError:
+        if source.kind == "hub":
+            return DataError(Problem("--dataset", source.location, f"could not be streamed from the hub: {e}",
+                                     "check the name and DATASET_CONFIG_NAME, network access and HF_TOKEN, "
+                                     "or pass a local path"))
+        return DataError(Problem("--dataset", source.location, f"could not be read: {e}", "check the files"))
+
+    try:
+        names = list(datasets.load_dataset(location, name, data_files=data_files, streaming=True))
+    except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
+        raise fail(e) from e
+    splits = []
+    for split in _split_names(names):
+        if split is None:
+            splits.append(None)
+            continue
+        try:
+            # The source's identity is part of the generator's arguments, so datasets' own cache of this Arrow
+            # dataset changes with the files.
+            splits.append(datasets.Dataset.from_generator(
+                _stream_documents, cache_dir=_hf_cache(cfg),
+                gen_kwargs={"location": location, "name": name, "data_files": data_files, "split": split,
+                            "limit": cfg.max_documents, "identity": source.identity()}))
+        except DatasetGenerationError as e:
+            if isinstance(e.__cause__, SchemaInferenceError):  # not one document
+                raise DataError(Problem("--dataset", source.location, f"the {split} split is empty",
+                                        "point --dataset at data with documents")) from e
+            raise fail(e.__cause__ or e) from e
+    return tuple(splits)
+
+
+def _stream_documents(location, name, data_files, split, limit, identity):
+    import datasets
+
+    yield from datasets.load_dataset(location, name, data_files=data_files, split=split, streaming=True).take(limit)
 
 
 def _hf_cache(cfg: TrainConfig) -> str | None:
@@ -305,8 +365,10 @@ def _memmap(path: Path, dtype) -> np.ndarray:
 
 
 def cache_dir_for(cfg: TrainConfig, source: DataSource, tokenizer) -> Path:
-    key = hashlib.sha256("|".join([source.identity(), tokenizer_identity(tokenizer), cfg.text_column,
-                                   str(cfg.dataset_config_name)]).encode()).hexdigest()[:16]
+    parts = [source.identity(), tokenizer_identity(tokenizer), cfg.text_column, str(cfg.dataset_config_name)]
+    if cfg.max_documents:  # all documents keep the key they always had
+        parts.append(f"max_documents={cfg.max_documents}")
+    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
     root = Path(cfg.data_cache_dir) if cfg.data_cache_dir else default_cache_root()
     return root / "packed" / key
 

@@ -425,13 +425,15 @@ def _sample(source, cfg):
     if source.kind == "hub":
         try:
             stream = datasets.load_dataset(source.location, cfg.dataset_config_name, split="train", streaming=True)
-            rows = list(stream.take(SAMPLE_DOCUMENTS))
+            wanted = min(SAMPLE_DOCUMENTS, cfg.max_documents or SAMPLE_DOCUMENTS)
+            rows = list(stream.take(wanted))
         except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
             raise DataError(Problem("--dataset", source.location, f"could not be loaded from the hub: {e}".split("\n")[0],
                                     "check the name, DATASET_CONFIG_NAME, network access and HF_TOKEN, or pass a local path")) from e
         if not rows:
             raise DataError(Problem("--dataset", source.location, "is empty", "point --dataset at data with documents"))
-        return datasets.Dataset.from_list(rows), None
+        # The document count is known when the sample holds them all, or when --max_documents caps it.
+        return datasets.Dataset.from_list(rows), len(rows) if len(rows) < wanted else (cfg.max_documents or None)
     train, _ = load_splits(source, cfg)
     if len(train) == 0:
         raise DataError(Problem("--dataset", source.location, "is empty", "point --dataset at data with documents"))
