@@ -48,7 +48,7 @@ class TrainConfig:
                                           "multi-node runs to build it once. Default: ~/.cache/deepspeed-lm.")
     num_proc: int | None = _f(None, "Processes for tokenization (datasets.map). Default: CPUs available, at most 16.")
     max_documents: int = _f(0, "Use only the first N documents of each split (0: all). Files and hub datasets are then "
-                               "streamed: of a hub dataset only the shards holding those documents are downloaded.")
+                               "streamed: a hub dataset is read as far as those documents, not downloaded whole.")
     document_mask: bool = _f(False, "Attend only within each document of a packed block: positions restart after "
                                     "each EOS and attention stops at it (block-causal, as Megatron's --reset-position-ids "
                                     "--reset-attention-mask). Off: causal attention across the documents of a block.")

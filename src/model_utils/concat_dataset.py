@@ -99,6 +99,20 @@ def resolve_source(cfg: TrainConfig) -> DataSource:
     return DataSource("files", str(path), files=files, builder=builders.pop())
 
 
+# What datasets raises for a wrong name or config, a missing file or no network.
+LOAD_ERRORS = (FileNotFoundError, ValueError, ConnectionError, OSError)
+
+
+def load_problem(source: DataSource, error: Exception) -> DataError:
+    """DATASET could not be loaded: from the hub (its name, its config, the network) or from its files."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if source.kind == "hub":
+        return DataError(Problem("--dataset", source.location, f"could not be loaded from the hub: {reason}",
+                                 "check the name and DATASET_CONFIG_NAME, network access and HF_TOKEN, "
+                                 "or pass a local path"))
+    return DataError(Problem("--dataset", source.location, f"could not be read: {reason}", "check the files"))
+
+
 def load_splits(source: DataSource, cfg: TrainConfig):
     """Return (train, validation or None) as `datasets.Dataset` objects."""
     import datasets
@@ -117,10 +131,8 @@ def load_splits(source: DataSource, cfg: TrainConfig):
     else:
         try:
             loaded = datasets.load_dataset(source.location, cfg.dataset_config_name, cache_dir=_hf_cache(cfg))
-        except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
-            raise DataError(Problem("--dataset", source.location, f"could not be loaded from the hub: {e}",
-                                    "check the name and DATASET_CONFIG_NAME, network access and HF_TOKEN, "
-                                    "or pass a local path")) from e
+        except LOAD_ERRORS as e:
+            raise load_problem(source, e) from e
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
     train_name, val_name = _split_names(list(loaded))
@@ -145,18 +157,10 @@ def _first_documents(source: DataSource, cfg: TrainConfig):
     location = source.location if source.kind == "hub" else source.builder
     name = cfg.dataset_config_name if source.kind == "hub" else None
     data_files = None if source.kind == "hub" else {"train": source.files}
-
-    def fail(e: Exception) -> DataError:
-        if source.kind == "hub":
-            return DataError(Problem("--dataset", source.location, f"could not be streamed from the hub: {e}",
-                                     "check the name and DATASET_CONFIG_NAME, network access and HF_TOKEN, "
-                                     "or pass a local path"))
-        return DataError(Problem("--dataset", source.location, f"could not be read: {e}", "check the files"))
-
     try:
         names = list(datasets.load_dataset(location, name, data_files=data_files, streaming=True))
-    except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
-        raise fail(e) from e
+    except LOAD_ERRORS as e:
+        raise load_problem(source, e) from e
     splits = []
     for split in _split_names(names):
         if split is None:
@@ -166,18 +170,19 @@ def _first_documents(source: DataSource, cfg: TrainConfig):
             # The source's identity is part of the generator's arguments, so datasets' own cache of this Arrow
             # dataset changes with the files.
             splits.append(datasets.Dataset.from_generator(
-                _stream_documents, cache_dir=_hf_cache(cfg),
+                stream_documents, cache_dir=_hf_cache(cfg),
                 gen_kwargs={"location": location, "name": name, "data_files": data_files, "split": split,
                             "limit": cfg.max_documents, "identity": source.identity()}))
         except DatasetGenerationError as e:
             if isinstance(e.__cause__, SchemaInferenceError):  # not one document
                 raise DataError(Problem("--dataset", source.location, f"the {split} split is empty",
                                         "point --dataset at data with documents")) from e
-            raise fail(e.__cause__ or e) from e
+            raise load_problem(source, e.__cause__ or e) from e
     return tuple(splits)
 
 
-def _stream_documents(location, name, data_files, split, limit, identity):
+def stream_documents(location, name, data_files, split, limit, identity=None):
+    """The first `limit` documents of a split, streamed. `identity` only keys datasets' cache of the result."""
     import datasets
 
     yield from datasets.load_dataset(location, name, data_files=data_files, split=split, streaming=True).take(limit)

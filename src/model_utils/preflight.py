@@ -420,16 +420,14 @@ def _check_data(cfg, tokenizer, seq_len, world, micro, report: Report):
 def _sample(source, cfg):
     import datasets
 
-    from .concat_dataset import DataError, load_splits
+    from .concat_dataset import LOAD_ERRORS, DataError, load_problem, load_splits, stream_documents
 
     if source.kind == "hub":
         try:
-            stream = datasets.load_dataset(source.location, cfg.dataset_config_name, split="train", streaming=True)
             wanted = min(SAMPLE_DOCUMENTS, cfg.max_documents or SAMPLE_DOCUMENTS)
-            rows = list(stream.take(wanted))
-        except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
-            raise DataError(Problem("--dataset", source.location, f"could not be loaded from the hub: {e}".split("\n")[0],
-                                    "check the name, DATASET_CONFIG_NAME, network access and HF_TOKEN, or pass a local path")) from e
+            rows = list(stream_documents(source.location, cfg.dataset_config_name, None, "train", wanted))
+        except LOAD_ERRORS as e:
+            raise load_problem(source, e) from e
         if not rows:
             raise DataError(Problem("--dataset", source.location, "is empty", "point --dataset at data with documents"))
         # The document count is known when the sample holds them all, or when --max_documents caps it.
