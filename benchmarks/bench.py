@@ -599,7 +599,8 @@ def _ds_set_suffix(items: list[str]) -> str:
 
 
 def make_jobs(a) -> list[dict]:
-    """The runs of one invocation: per micro-batch the engine variants (and the HF peers), then the loss check."""
+    """The runs of one invocation: per micro-batch the engine variants (and the HF peers at theirs), `--rounds` times
+    in turn (names end in -r1, -r2... from two rounds on), then the loss check once."""
     base = {"model": a.model, "seq_len": a.seq_len, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
             "ds_config": a.ds_config, "zero_stage": a.zero_stage, "gradient_checkpointing": a.gradient_checkpointing,
             "profile": a.profile, "ds_set": a.ds_set, "document_length": a.document_length}
@@ -612,17 +613,25 @@ def make_jobs(a) -> list[dict]:
             job["trace"] = str(Path(a.trace).resolve() / f"{name}.json.gz")
         return job
 
-    jobs = []
+    def blocks(mb) -> int:
+        return max(64, (a.steps + a.warmup + 2) * (mb or 16) * a.nproc + 8)
+
+    ours = a.micro_batch_size or [None]
+    peers = ours if a.hf_micro_batch_size is None else a.hf_micro_batch_size
+    one_round = []
     suffix = (f"-z{a.zero_stage}" if a.zero_stage is not None else "") + _ds_set_suffix(a.ds_set)
-    for mb in a.micro_batch_size or [None]:
-        blocks = max(64, (a.steps + a.warmup + 2) * (mb or 16) * a.nproc + 8)
-        jobs += [engine(v, f"engine-{v}-mb{mb}{suffix}", micro_batch_size=mb, dummy_blocks=blocks) for v in a.variants]
-        if a.compare_hf:
+    for mb in ours + [mb for mb in peers if mb not in ours]:
+        if mb in ours:
+            one_round += [engine(v, f"engine-{v}-mb{mb}{suffix}", micro_batch_size=mb, dummy_blocks=blocks(mb))
+                          for v in a.variants]
+        if a.compare_hf and mb in peers:
             for peer, spec in HF_PEERS.items():
                 if peer in a.hf_skip or (peer == "liger_fa4" and not a.hf_fa4):
                     continue
-                jobs.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks, **spec,
-                                 name=f"hf-{peer}-mb{mb}", variant="hf+" + peer.replace("_", "+")))
+                one_round.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks(mb), **spec,
+                                      name=f"hf-{peer}-mb{mb}", variant="hf+" + peer.replace("_", "+")))
+    jobs = one_round if a.rounds == 1 else [dict(job, name=f"{job['name']}-r{k}", round=k)
+                                            for k in range(1, a.rounds + 1) for job in one_round]
     if a.loss_check:
         ref = a.loss_check_reference
         for v in [ref] + [x for x in a.loss_check_variants if x != ref]:
@@ -674,33 +683,60 @@ def micro_batch(job: dict, result: dict):
 
 
 def table(jobs: list[dict], results: list[dict], ref_name: str | None) -> str:
-    """One row per run. The ratio is to HF + Liger at the same micro-batch ("-" where that did not run: the best
-    micro-batch each is best_per_side's line); without any HF + Liger run, to `ref_name`."""
+    """One row per run. The ratio is to HF + Liger at the same micro-batch in the same round ("-" where that did not
+    run: the best micro-batch each is best_per_side's line); without any HF + Liger run, to `ref_name`."""
     by_name = {j["name"]: r for j, r in zip(jobs, results)}
-    same_mb = {micro_batch(j, r): r for j, r in zip(jobs, results) if is_hf_liger_peer(j) and "error" not in r}
+    same_mb = {(j.get("round"), micro_batch(j, r)): r for j, r in zip(jobs, results)
+               if is_hf_liger_peer(j) and "error" not in r}
     lines = ["| run | micro-batch | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT) | MFU (6·LHQT) | peak GiB | step ms "
              "| SM MHz / W / power-limited "
              f"| vs {'HF + Liger, same micro-batch' if same_mb else ref_name or '-'} |", "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [fmt_row(j, r, same_mb.get(micro_batch(j, r)) if same_mb else by_name.get(ref_name))
+    lines += [fmt_row(j, r, same_mb.get((j.get("round"), micro_batch(j, r))) if same_mb else by_name.get(ref_name))
               for j, r in zip(jobs, results)]
     return "\n".join(lines)
 
 
-def best_per_side(jobs: list[dict], results: list[dict]) -> str:
-    """With several micro-batches: each side at its fastest micro-batch that ran, and the ratio (the issue's measure)."""
+def _best_each(rows: list[tuple[dict, dict]]) -> dict | None:
+    """Each side's fastest micro-batch among `rows` (job, result) and its tokens/s: the mean over the rows that ran
+    at that micro-batch (one per round)."""
     def best(pick):
-        runs = [(r["tokens_per_s_per_gpu"], micro_batch(j, r)) for j, r in zip(jobs, results)
-                if pick(j) and "error" not in r]
-        return max(runs, key=lambda x: x[0]) if runs else None
+        by_mb = {}
+        for j, r in rows:
+            if pick(j) and "error" not in r:
+                by_mb.setdefault(micro_batch(j, r), []).append(r["tokens_per_s_per_gpu"])
+        return max(((statistics.mean(v), mb) for mb, v in by_mb.items()), default=None)
 
     ours = best(lambda j: j["kind"] == "engine" and j.get("variant") == "default")
     peer = best(is_hf_liger_peer)
-    if not ours or not peer or len({micro_batch(j, r) for j, r in zip(jobs, results)}) < 2:
+    if not ours or not peer:
+        return None
+    failed = sorted({j["micro_batch_size"] for j, r in rows if "error" in r and is_hf_liger_peer(j)})
+    return {"ours": ours, "peer": peer, "failed": failed, "ratio": ours[0] / peer[0]}
+
+
+def best_per_side(jobs: list[dict], results: list[dict]) -> str:
+    """With several micro-batches: each side at its fastest micro-batch that ran, and the ratio (the issue's measure).
+    With --rounds, the same per round, then over all rounds by each side's mean tokens/s at its best micro-batch."""
+    rows = list(zip(jobs, results))
+    if len({micro_batch(j, r) for j, r in rows}) < 2:
         return ""
-    failed = sorted(j["micro_batch_size"] for j, r in zip(jobs, results) if "error" in r and is_hf_liger_peer(j))
-    return (f"Best micro-batch each: default path {ours[0]:,.0f} tokens/s at {ours[1]}, HF + Liger "
-            f"{peer[0]:,.0f} at {peer[1]}" + (f" (failed at {failed})" if failed else "")
-            + f": {ours[0] / peer[0]:.2f}x")
+
+    def line(b: dict, digits: int = 2) -> str:
+        return (f"default path {b['ours'][0]:,.0f} tokens/s at {b['ours'][1]}, HF + Liger {b['peer'][0]:,.0f} at "
+                f"{b['peer'][1]}" + (f" (failed at {b['failed']})" if b["failed"] else "")
+                + f": {b['ratio']:.{digits}f}x")
+
+    overall = _best_each(rows)
+    rounds = sorted({j["round"] for j in jobs if "round" in j})
+    if not overall or not rounds:
+        return "Best micro-batch each: " + line(overall) if overall else ""
+    per_round = {k: _best_each([(j, r) for j, r in rows if j.get("round") == k]) for k in rounds}
+    out = [f"Round {k}, best micro-batch each: " + (line(b, 3) if b else "no pair ran") for k, b in per_round.items()]
+    ratios = [b["ratio"] for b in per_round.values() if b]
+    if ratios:
+        out.append(f"Over {len(rounds)} rounds, each side's mean at its best micro-batch: {line(overall, 3)} "
+                   f"(rounds {min(ratios):.3f}x-{max(ratios):.3f}x, median {statistics.median(ratios):.3f}x)")
+    return "\n".join(out)
 
 
 def loss_check(results_a: dict, results_b: dict, n: int = 50) -> dict:
@@ -745,6 +781,11 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="*", default=["default"], choices=list(VARIANTS))
     p.add_argument("--compare-hf", dest="compare_hf", action="store_true")
     p.add_argument("--hf-skip", dest="hf_skip", nargs="*", default=[], choices=list(HF_PEERS))
+    p.add_argument("--hf-micro-batch-size", dest="hf_micro_batch_size", type=int, nargs="*", default=None,
+                   help="the HF peers' micro-batches (default: --micro_batch_size's), e.g. each side at its best")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the invocation's measurements N times in turn, so both sides share the GPU's thermal and "
+                        "power state; ratios per round and over all rounds")
     p.add_argument("--hf-fa4", dest="hf_fa4", action="store_true",
                    help="also run HF Trainer + Liger with attn_implementation=flash_attention_4 (needs flash-attn-4)")
     p.add_argument("--profile", action="store_true",
@@ -770,6 +811,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: give 1 or more")
     if a.worker:
         return worker_main(a.worker, a.result)
     if a.assemble:

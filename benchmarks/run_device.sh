@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the device machine (repo root): install the carried wheels, normalise the environment, then run the
-# benchmark invocations named by PLAN (h100 | h100-checks | scale | custom), each bounded, logs and JSON under $OUT.
+# benchmark invocations named by PLAN (h100 | rounds | h100-checks | scale | custom), each bounded, logs and JSON under $OUT.
 #   PLAN=h100 bash benchmarks/run_device.sh
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -36,6 +36,11 @@ case "${PLAN:-h100}" in
   h100)  # the one-H100 table: each side at micro-batch 8, 12, 14, 16, both HF peers, one invocation (~6-7 min)
     bench best 470 --model qwen3-0.6b --micro_batch_size 8 12 14 16 --steps 6 --warmup 3 --timeout 150 --variants default \
       --compare-hf --title "Qwen3-0.6B, 1 H100: default path vs HF Trainer + DeepSpeed (with and without Liger), micro-batch 8, 12, 14, 16"
+    ;;
+  rounds)  # each side at its best micro-batch of the earlier invocations (ours 16, HF + Liger 12), 4 rounds in turn
+    bench rounds 540 --model qwen3-0.6b --micro_batch_size 16 --hf-micro-batch-size 12 --compare-hf --hf-skip noliger \
+      --variants default --steps 20 --warmup 3 --rounds 4 --timeout 150 \
+      --title "Qwen3-0.6B, 1 H100: default path at 16 vs HF Trainer + DeepSpeed + Liger at 12, four rounds in turn"
     ;;
   h100-checks)  # the loss check, the attention kernels alone, Qwen3-4B with CPU optimizer offload
     bench losscheck 130 --model qwen3-0.6b --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 150 --title "Loss check"

@@ -466,6 +466,46 @@ def test_ratios_per_micro_batch_and_best_micro_batch_each():
     assert "failed at [16]" in bench.best_per_side(jobs + [no_liger], results + [{"error": "out of memory"}])
 
 
+def test_rounds_interleave_both_sides_and_pool_their_best_micro_batches():
+    """--rounds N runs the invocation's measurements N times in turn (each side at its own micro-batches with
+    --hf-micro-batch-size); each round's ratio is to that round's peer, and the pooled line takes each side's mean
+    tokens/s at the micro-batch that is best on average."""
+    import argparse
+
+    import bench
+
+    a = argparse.Namespace(model="tiny", seq_len=32, steps=2, warmup=1, seed=1, ds_config="ds_config.json",
+                           zero_stage=None, gradient_checkpointing=False, profile=False, ds_set=[], document_length=0,
+                           trace=None, nproc=1, micro_batch_size=[16], hf_micro_batch_size=[12, 16], rounds=3,
+                           variants=["default"], compare_hf=True, hf_skip=["noliger"], hf_fa4=False, loss_check=5,
+                           loss_check_reference="nofused", loss_check_variants=["default"], loss_check_mb=2)
+    names = [j["name"] for j in bench.make_jobs(a)]
+    assert names == [f"{n}-r{k}" for k in (1, 2, 3) for n in ("engine-default-mb16", "hf-liger-mb16", "hf-liger-mb12")] \
+        + ["losscheck-nofused-mb2", "losscheck-default-mb2"]  # interleaved rounds; the loss check once
+    assert [j["name"] for j in bench.make_jobs(argparse.Namespace(**dict(vars(a), rounds=1, loss_check=0)))] == \
+        ["engine-default-mb16", "hf-liger-mb16", "hf-liger-mb12"]  # one round: the names of old
+
+    def run(mb, tps):
+        return {"micro_batch_size": mb, "tokens_per_s_per_gpu": tps, "tflops_per_gpu": 1.0, "step_s_median": 0.1}
+
+    jobs, results = [], []
+    for k, (ours16, ours12, peer12) in enumerate([(120.0, 118.0, 100.0), (126.0, 125.0, 100.0), (120.0, 130.0, 110.0)], 1):
+        jobs += [{"name": f"e16-r{k}", "kind": "engine", "variant": "default", "micro_batch_size": 16, "round": k},
+                 {"name": f"e12-r{k}", "kind": "engine", "variant": "default", "micro_batch_size": 12, "round": k},
+                 {"name": f"h12-r{k}", "kind": "hf", "liger": True, "attn": "sdpa", "micro_batch_size": 12, "round": k},
+                 {"name": f"h16-r{k}", "kind": "hf", "liger": True, "attn": "sdpa", "micro_batch_size": 16, "round": k}]
+        results += [run(16, ours16), run(12, ours12), run(12, peer12), {"error": "out of memory"}]
+    rows = bench.table(jobs, results, None).splitlines()
+    assert rows[3].endswith("| 1.18x |") and rows[11].endswith("| 1.18x |")  # each round's own peer (130/110)
+    lines = bench.best_per_side(jobs, results).splitlines()
+    assert lines[0] == ("Round 1, best micro-batch each: default path 120 tokens/s at 16, HF + Liger 100 at 12 "
+                        "(failed at [16]): 1.200x")
+    assert lines[2].endswith("default path 130 tokens/s at 12, HF + Liger 110 at 12 (failed at [16]): 1.182x")
+    # pooled: ours 124.3 at 12 (16 averages 122), the peer 103.3 at 12; rounds 1.200x, 1.260x, 1.182x
+    assert lines[3] == ("Over 3 rounds, each side's mean at its best micro-batch: default path 124 tokens/s at 12, "
+                        "HF + Liger 103 at 12 (failed at [16]): 1.203x (rounds 1.182x-1.260x, median 1.200x)")
+
+
 def test_sweep_skips_larger_micro_batches_after_out_of_memory():
     import bench
 
