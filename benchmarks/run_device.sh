@@ -30,7 +30,7 @@ bench() {  # bench NAME SECONDS_NEEDED ARGS...
   echo "=== $name ($(($(date +%s) - START))s)"
   # --log-dir: one folder per section, so runs of the same name in two sections keep both logs
   python3 benchmarks/bench.py --json "$OUT/results.jsonl" --log-dir "$OUT/logs/$name" --write-doc "$OUT/$name.md" "$@" 2>&1 \
-    | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#)' | cut -c1-400
+    | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#|Best|Round|Over)' | cut -c1-400
 }
 case "${PLAN:-h100}" in
   h100)  # the one-H100 table: each side at micro-batch 8, 12, 14, 16, both HF peers, one invocation (~6-7 min)
