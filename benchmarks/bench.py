@@ -630,8 +630,13 @@ def make_jobs(a) -> list[dict]:
                     continue
                 one_round.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks(mb), **spec,
                                       name=f"hf-{peer}-mb{mb}", variant="hf+" + peer.replace("_", "+")))
-    jobs = one_round if a.rounds == 1 else [dict(job, name=f"{job['name']}-r{k}", round=k)
-                                            for k in range(1, a.rounds + 1) for job in one_round]
+    def in_round(job: dict, k: int) -> dict:
+        out = dict(job, name=f"{job['name']}-r{k}", round=k)
+        if "trace" in job:
+            out["trace"] = str(Path(a.trace).resolve() / f"{out['name']}.json.gz")
+        return out
+
+    jobs = one_round if a.rounds == 1 else [in_round(job, k) for k in range(1, a.rounds + 1) for job in one_round]
     if a.loss_check:
         ref = a.loss_check_reference
         for v in [ref] + [x for x in a.loss_check_variants if x != ref]:

@@ -482,6 +482,9 @@ def test_rounds_interleave_both_sides_and_pool_their_best_micro_batches():
     names = [j["name"] for j in bench.make_jobs(a)]
     assert names == [f"{n}-r{k}" for k in (1, 2, 3) for n in ("engine-default-mb16", "hf-liger-mb16", "hf-liger-mb12")] \
         + ["losscheck-nofused-mb2", "losscheck-default-mb2"]  # interleaved rounds; the loss check once
+    traced = bench.make_jobs(argparse.Namespace(**dict(vars(a), profile=True, trace="/tmp/traces", loss_check=0)))
+    assert [j["trace"] for j in traced if j["kind"] == "engine"] == [
+        f"/tmp/traces/engine-default-mb16-r{k}.json.gz" for k in (1, 2, 3)]  # a trace per round, none overwritten
     assert [j["name"] for j in bench.make_jobs(argparse.Namespace(**dict(vars(a), rounds=1, loss_check=0)))] == \
         ["engine-default-mb16", "hf-liger-mb16", "hf-liger-mb12"]  # one round: the names of old
 
