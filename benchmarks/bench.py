@@ -605,13 +605,15 @@ def make_jobs(a) -> list[dict]:
             "ds_config": a.ds_config, "zero_stage": a.zero_stage, "gradient_checkpointing": a.gradient_checkpointing,
             "profile": a.profile, "ds_set": a.ds_set, "document_length": a.document_length}
 
+    def traced(job: dict) -> dict:  # --profile --trace: the run's Chrome trace, named after the run
+        if a.trace and job.get("profile"):
+            job["trace"] = str(Path(a.trace).resolve() / f"{job['name']}.json.gz")
+        return job
+
     def engine(v: str, name: str, **fields) -> dict:
         spec = VARIANTS[v]
-        job = dict(base, kind="engine", fused_kernels=spec.get("fused_kernels", "auto"), env=spec.get("env", {}),
-                   args=spec.get("args", []), name=name, variant=v, **fields)
-        if a.trace and job["profile"]:
-            job["trace"] = str(Path(a.trace).resolve() / f"{name}.json.gz")
-        return job
+        return traced(dict(base, kind="engine", fused_kernels=spec.get("fused_kernels", "auto"),
+                           env=spec.get("env", {}), args=spec.get("args", []), name=name, variant=v, **fields))
 
     def blocks(mb) -> int:
         return max(64, (a.steps + a.warmup + 2) * (mb or 16) * a.nproc + 8)
@@ -630,13 +632,8 @@ def make_jobs(a) -> list[dict]:
                     continue
                 one_round.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks(mb), **spec,
                                       name=f"hf-{peer}-mb{mb}", variant="hf+" + peer.replace("_", "+")))
-    def in_round(job: dict, k: int) -> dict:
-        out = dict(job, name=f"{job['name']}-r{k}", round=k)
-        if "trace" in job:
-            out["trace"] = str(Path(a.trace).resolve() / f"{out['name']}.json.gz")
-        return out
-
-    jobs = one_round if a.rounds == 1 else [in_round(job, k) for k in range(1, a.rounds + 1) for job in one_round]
+    jobs = one_round if a.rounds == 1 else [traced(dict(job, name=f"{job['name']}-r{k}", round=k))
+                                            for k in range(1, a.rounds + 1) for job in one_round]
     if a.loss_check:
         ref = a.loss_check_reference
         for v in [ref] + [x for x in a.loss_check_variants if x != ref]:
