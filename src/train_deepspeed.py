@@ -131,7 +131,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
                     else "transformers masks attention to each document)"))
     tokens_per_step = run.tokens_per_step
     log.info(f"model: {cfg.model}, {num_params / 1e6:.1f}M parameters, {flops.per_token() / 1e9:.3f} GFLOP/token; "
-             f"precision {'bf16' if ds.get('bf16', {}).get('enabled') else 'fp32'}, ZeRO stage {dsc.zero_stage(ds)}")
+             f"precision {dsc.precision(ds)}{' (dynamic loss scaling)' if dsc.precision(ds) == 'fp16' else ''}, "
+             f"ZeRO stage {dsc.zero_stage(ds)}")
     log.info(f"batch: micro {micro} x grad_acc {accum} x world {dist.world_size} = {micro * accum * dist.world_size} "
              f"blocks = {tokens_per_step:,} tokens/step; {cfg.max_steps} steps = {tokens_per_step * cfg.max_steps:,} "
              f"tokens ({tokens_per_step * cfg.max_steps / max(data.train_tokens, 1):.2f} epochs)")
@@ -218,6 +219,8 @@ def to_device(array, device):
 def evaluate(run: Run) -> dict:
     import torch
 
+    from model_utils.evaluation import evaluation_loss
+
     ids = run.data.val_ids
     if len(ids) == 0:
         return {}
@@ -228,7 +231,7 @@ def evaluate(run: Run) -> dict:
         for i in range(run.cfg.eval_iters):
             start = (i * dist.world_size + dist.rank) * m
             picks = [ids[(start + j) % len(ids)] for j in range(m)]
-            total += compute_loss(engine, model_inputs(run, run.data.val.batch(picks))).double()
+            total += evaluation_loss(engine, run.model, model_inputs(run, run.data.val.batch(picks))).double()
     engine.train()
     dist.all_reduce(total)
     loss = (total / (run.cfg.eval_iters * dist.world_size)).item()
@@ -267,6 +270,7 @@ def train(run: Run) -> int:
     import torch
     from tqdm import tqdm
 
+    from model_utils.ds_config import precision
     from model_utils.fast import device_skip_flag, settle_device_skip
     from model_utils.monitor import write_summary
     from model_utils.train_utils import EXIT_NONFINITE, EXIT_STOPPED_BY_SIGNAL, StopSignal, Throughput, memory_stats
@@ -280,8 +284,7 @@ def train(run: Run) -> int:
     area = 0  # this rank's attention query-key pairs over the log interval (FLOPs)
     step_time = 0.0  # this rank's host wall time in forward/backward/step over the log interval
     bad_steps = 0  # consecutive steps whose loss or gradient was not finite
-    can_skip = bool(run.ds_config.get("bf16", {}).get("enabled") and run.ds_config["bf16"].get("check_grad_overflow")
-                    or run.ds_config.get("fp16", {}).get("enabled"))
+    fp16 = precision(run.ds_config) == "fp16"
     log.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="train", disable=not dist.is_main, dynamic_ncols=True)
     trace = None
     if cfg.trace_data:
@@ -327,6 +330,7 @@ def train(run: Run) -> int:
             grad_norm = engine.get_global_grad_norm()
             record = {"step": run.step, "loss": mean_loss, "lr": lr,
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                      "skipped_steps": engine.skipped_steps, **loss_scale(engine),
                       "tokens_seen": run.tokens_seen, **throughput.read(tokens, run.flops.flops(tokens, area_total)),
                       "step_time_s": slowest,
                       "step_time_min_s": -fastest, **memory_stats(dist.device)}
@@ -350,12 +354,22 @@ def train(run: Run) -> int:
         stop_now, nonfinite_loss, skipped_on_device = (flags > 0).tolist()
         if skipped_on_device:  # DSLM_OVERFLOW_CHECK=device: the GPU skipped the update; book it as DeepSpeed would
             settle_device_skip(engine)
-        bad = nonfinite_loss or not engine.was_step_applied()
+        # What DeepSpeed did decides, not the config: it skips a non-finite update where it checks for overflow (fp16's
+        # loss scaling, bf16's check_grad_overflow, on by default) and applies it otherwise (fp32).
+        skipped = not engine.was_step_applied()
+        if skipped and fp16 and not nonfinite_loss:  # the loss scale found its level: normal, counted, not an error
+            log.info(f"step {run.step}: fp16 gradients overflowed; update skipped, loss scale lowered to "
+                     f"{loss_scale(engine).get('loss_scale', '?')}")
+            bad = False
+        else:
+            bad = nonfinite_loss or skipped
         bad_steps = bad_steps + 1 if bad else 0
         if bad:
             log.warn(f"step {run.step}: non-finite loss or gradient norm; "
-                     + ("DeepSpeed skipped this update" if can_skip else "fp32 updates cannot be skipped"))
-            if bad_steps >= cfg.max_bad_steps or not can_skip:
+                     + ("DeepSpeed skipped this update" if skipped else
+                        f"DeepSpeed applied this update ({precision(run.ds_config)} without an overflow check), so "
+                        "the weights are no longer finite"))
+            if bad_steps >= cfg.max_bad_steps or not skipped:
                 log.bar.close()
                 log.warn(f"stopping after {bad_steps} consecutive non-finite step(s) (--max_bad_steps "
                          f"{cfg.max_bad_steps}); no checkpoint written, the last saved one is intact. Lower the "
@@ -379,10 +393,22 @@ def train(run: Run) -> int:
     return 0
 
 
+def loss_scale(engine) -> dict:
+    """fp16's current loss scale, for the log ({} in bf16 and fp32)."""
+    if not engine.fp16_enabled():
+        return {}
+    scale = getattr(engine.optimizer, "loss_scale", None)
+    return {"loss_scale": float(scale)} if isinstance(scale, (int, float)) else {}
+
+
 def format_record(r: dict) -> str:
     parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
     if r.get("grad_norm") is not None:
         parts.append(f"grad_norm {r['grad_norm']:.3f}")
+    if r.get("loss_scale") is not None:
+        parts.append(f"loss_scale {r['loss_scale']:g}")
+    if r.get("skipped_steps"):
+        parts.append(f"skipped {r['skipped_steps']}")
     parts.append(f"tokens/s {r['tokens_per_s']:,.0f}")
     if "mfu" in r:
         parts.append(f"TFLOP/s/gpu {r['tflops_per_device']:.1f} MFU {100 * r['mfu']:.1f}%")
@@ -413,13 +439,13 @@ def finish(run: Run):
 # Entry point
 # ----------------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    from model_utils.train_utils import distributed_env_problems
-
-    cfg = parse_args(argv)
+    cfg = parse_args(argv)  # --help needs nothing but the standard library
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.preflight:  # no process group, no GPU needed: runs on a login node
         from model_utils.preflight import print_report, run_preflight
         return print_report(run_preflight(cfg))
+    from model_utils.train_utils import distributed_env_problems
+
     exit_on_problems(validate_args(cfg) + distributed_env_problems())
 
     from model_utils.checkpoint import ResumeError

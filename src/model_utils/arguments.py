@@ -54,12 +54,14 @@ class TrainConfig:
                                     "--reset-attention-mask). Off: causal attention across the documents of a block.")
     dummy_data: int = _f(0, "Train on N random-token blocks instead of a dataset (smoke test; needs no data).")
     # ----- optimisation (overrides of ds_config.json) -----
-    ds_config: str = _f("ds_config.json", "DeepSpeed configuration file (relative paths: working directory, then repository).")
+    ds_config: str = _f("ds_config.json", "DeepSpeed configuration file (relative paths: working directory, then "
+                                          "repository). --deepspeed_config is the same setting (DeepSpeed's launcher "
+                                          "convention).", aliases=("--deepspeed_config",))
     max_steps: int = _f(300, "Optimizer steps to train; also the scheduler's total_num_steps.")
     micro_batch_size: int | None = _f(None, "Override train_micro_batch_size_per_gpu.")
     gradient_accumulation_steps: int | None = _f(None, "Override gradient_accumulation_steps.")
     learning_rate: float | None = _f(None, "Override the optimizer's lr.")
-    warmup_steps: int | None = _f(None, "Override the scheduler's warmup_num_steps ('auto' in the config means 5%% of max_steps).")
+    warmup_steps: int | None = _f(None, "Override the scheduler's warmup_num_steps ('auto' in the config means 5% of max_steps).")
     seed: int = _f(1234, "Seed for initialisation and data order.")
     max_bad_steps: int = _f(3, "Stop after this many consecutive non-finite losses/gradients (each one is skipped).")
     # ----- evaluation and logging -----
@@ -119,21 +121,30 @@ def build_parser() -> argparse.ArgumentParser:
         if f.metadata.get("internal"):
             continue
         kind = _base_type(hints[f.name])
-        kw = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
+        kw = {"default": f.default, "help": f.metadata["help"].replace("%", "%%"), "dest": f.name}  # argparse formats help
+        names = [f"--{f.name}", *f.metadata.get("aliases", ())]
         if kind is bool:
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(f"--{f.name}", type=kind, choices=f.metadata.get("choices"), **kw)
-    # Accepted for compatibility with the deepspeed launcher, which appends --local_rank.
+            parser.add_argument(*names, type=kind, choices=f.metadata.get("choices"), **kw)
+    # DeepSpeed's launcher convention (`deepspeed train.py --deepspeed --deepspeed_config ds_config.json`, as
+    # DeepSpeedExamples write it; deepspeed.add_config_arguments' flags): --deepspeed is accepted and changes nothing
+    # (this trainer always uses DeepSpeed), and the launcher appends --local_rank, which the environment also holds.
+    parser.add_argument("--deepspeed", action="store_true", help="Accepted for DeepSpeed's launcher convention; "
+                                                                 "DeepSpeed is always used.")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
+
+
+LAUNCHER_ONLY_FLAGS = ("deepspeed", "local_rank")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser = build_parser()
     ns = parser.parse_args(argv)
     values = vars(ns)
-    values.pop("local_rank", None)
+    for name in LAUNCHER_ONLY_FLAGS:
+        values.pop(name, None)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if not f.metadata.get("internal")}
     explicit = frozenset(k for k, v in values.items() if v != defaults.get(k))
     return TrainConfig(**values, explicit=explicit)

@@ -82,12 +82,13 @@ def check_optimizer(opt: dict, where: str = "optimizer") -> list[Problem]:
     return problems
 
 
-def resolve(raw: dict, cfg: TrainConfig, world_size: int, bf16_supported: bool,
+def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str,
             hidden_size: int | None = None) -> tuple[dict, list[str], list[Problem]]:
     """Return (resolved config, notes for the log, problems).
 
     "auto" takes the matching flag's value or the default written here; a flag given explicitly replaces a concrete
-    config value, and a note says so. Batch sizes obey micro x accumulation x world = train_batch_size.
+    config value, and a note says so. Batch sizes obey micro x accumulation x world = train_batch_size. `hardware` is
+    the best precision the training devices support (`hardware_precision`): "bf16", "fp16" or "fp32".
     """
     ds = copy.deepcopy(raw)
     notes: list[str] = []
@@ -121,14 +122,9 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, bf16_supported: bool,
 
     setting(ds, "gradient_clipping", None, None, 1.0, "gradient_clipping")
 
-    # Precision: bf16 where the hardware supports it, fp32 otherwise (CPU runs, pre-Ampere GPUs).
-    for key in ("bf16", "fp16"):
-        section = ds.get(key)
-        if isinstance(section, dict) and section.get("enabled") == AUTO:
-            section["enabled"] = bf16_supported if key == "bf16" else False
-    if ds.get("bf16", {}).get("enabled") and not bf16_supported:
-        problems.append(Problem("bf16.enabled", True, "this hardware has no bf16 support",
-                                'set "bf16": {"enabled": "auto"} (fp32 where bf16 is missing) or use fp16 on GPUs'))
+    notes_, problems_ = resolve_precision(ds, hardware)
+    notes += notes_
+    problems += problems_
 
     opt = ds.get("optimizer")
     if isinstance(opt, dict):
@@ -173,6 +169,49 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, bf16_supported: bool,
         problems.append(Problem(path, value, "has no automatic value in this project",
                                 "replace \"auto\" by a concrete value"))
     return ds, notes, problems
+
+
+# DeepSpeed's dynamic loss scaling, as its fp16 defaults: the scale starts at 2^16, halves on an overflow (that step's
+# update is skipped) and doubles after 1000 steps without one.
+FP16_DYNAMIC = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                "hysteresis": 2, "min_loss_scale": 1}
+
+
+def hardware_precision(cuda: bool, bf16: bool) -> str:
+    """The half precision the training devices support: bf16 (Ampere and newer), fp16 (other CUDA GPUs: T4, V100),
+    or fp32 (CPU)."""
+    return "bf16" if cuda and bf16 else "fp16" if cuda else "fp32"
+
+
+def resolve_precision(ds: dict, hardware: str) -> tuple[list[str], list[Problem]]:
+    """Resolve "auto" in the bf16 and fp16 sections in place: bf16 where the hardware has it; fp16 with dynamic loss
+    scaling on GPUs without bf16 (bf16 "auto" falls back to it unless the config sets fp16 itself); fp32 on CPU."""
+    notes, problems = [], []
+    bf16, fp16 = ds.get("bf16"), ds.get("fp16")
+    bf16 = bf16 if isinstance(bf16, dict) else None
+    fp16 = fp16 if isinstance(fp16, dict) else None
+    if fp16 is not None and fp16.get("enabled") == AUTO:
+        fp16["enabled"] = hardware != "fp32" and not (bf16 is not None and bf16.get("enabled") is True)
+    if bf16 is not None and bf16.get("enabled") == AUTO:
+        bf16["enabled"] = hardware == "bf16" and not (fp16 is not None and fp16.get("enabled") is True)
+        if hardware == "fp16" and fp16 is None:
+            ds["fp16"] = dict(FP16_DYNAMIC)
+            notes.append('bf16 "auto": this GPU has no bf16, so training runs in fp16 with dynamic loss scaling')
+    if ds.get("bf16", {}).get("enabled") is True and hardware != "bf16":
+        problems.append(Problem("bf16.enabled", True, f"this hardware has no bf16 support ({hardware} at best)",
+                                'set "bf16": {"enabled": "auto"} (fp16 on GPUs without bf16, fp32 on CPU)'))
+    if ds.get("fp16", {}).get("enabled") is True and hardware == "fp32":
+        problems.append(Problem("fp16.enabled", True, "fp16 training needs a CUDA GPU and there is none here",
+                                'set "fp16": {"enabled": "auto"} (fp32 where no GPU is present)'))
+    if ds.get("fp16", {}).get("enabled") is True and ds.get("bf16", {}).get("enabled") is True:
+        problems.append(Problem("bf16.enabled / fp16.enabled", True, "both are on; DeepSpeed trains in one",
+                                "turn one of them off"))
+    return notes, problems
+
+
+def precision(ds: dict) -> str:
+    """The resolved config's training precision, for the log: bf16, fp16 or fp32."""
+    return "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
 
 
 def _leftover_autos(node, prefix=""):

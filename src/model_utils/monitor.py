@@ -26,6 +26,7 @@ WANDB_ID_FILE = "wandb_run_id"
 # metrics.jsonl key -> TensorBoard / W&B tag
 TAGS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_seen": "train/tokens_seen",
+    "skipped_steps": "train/skipped_steps", "loss_scale": "train/loss_scale",
     "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
     "step_time_s": "perf/step_time_s", "step_time_min_s": "perf/step_time_min_s",
@@ -304,6 +305,7 @@ def summarize(metrics_path, *, status: str, steps: int | None = None, tokens: in
         "mean_step_time_s": _mean(r.get("step_time_s") for r in steady),
         "peak_mem_gib": max(peaks) if peaks else None,
         "host_peak_mem_gib": max(host) if host else None,
+        "skipped_steps": last.get("skipped_steps"),
         "final_loss": last.get("loss"),
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
         "final_eval_ppl": evals[-1]["eval_ppl"] if evals else None,
@@ -338,6 +340,8 @@ def format_summary(s: dict) -> list[str]:
             f"GPU {s['peak_mem_gib']:.2f} GiB" if s.get("peak_mem_gib") is not None else None,
             f"host {s['host_peak_mem_gib']:.2f} GiB (rank 0)" if s.get("host_peak_mem_gib") is not None else None]
             if x) or "n/a"),
+        ("skipped updates", f"{s['skipped_steps']} (non-finite gradients: overflow)"
+         if s.get("skipped_steps") is not None else "n/a"),
         ("final loss", f"train {num(s['final_loss'], '.4f')}, validation {num(s['final_eval_loss'], '.4f')} "
                        f"(perplexity {num(s['final_eval_ppl'], '.2f')})"),
         ("checkpoint", s.get("checkpoint") or "none"),

@@ -255,8 +255,9 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     ds = None
     if raw is not None:
         report.problems += check_known_keys(raw)
-        bf16_ok = bf16_supported() if cuda or on_training_hardware else True
-        ds, notes, problems = dsc.resolve(raw, cfg, world, bf16_ok, mconf.hidden_size if mconf else None)
+        # A login node without GPUs assumes GPU nodes with bf16; the run's own start checks its hardware.
+        hardware = dsc.hardware_precision(cuda, bf16_supported()) if cuda or on_training_hardware else "bf16"
+        ds, notes, problems = dsc.resolve(raw, cfg, world, hardware, mconf.hidden_size if mconf else None)
         report.notes += notes
         report.problems += problems
         if not (cuda or on_training_hardware) and raw.get("bf16", {}).get("enabled") is True:
