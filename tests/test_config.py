@@ -21,24 +21,58 @@ def problems_text(problems):
 
 def test_shipped_config_resolves_cleanly_and_fills_run_values():
     cfg = parse_args(["--max_steps", "200"])
-    ds, notes, problems = resolve(SHIPPED, cfg, world_size=2, bf16_supported=False, hidden_size=192)
+    ds, notes, problems = resolve(SHIPPED, cfg, world_size=2, hardware="fp32", hidden_size=192)
     assert problems == [] and notes == []
     assert ds["train_batch_size"] == SHIPPED["train_micro_batch_size_per_gpu"] * 1 * 2
     assert ds["scheduler"]["params"]["total_num_steps"] == 200
     assert ds["scheduler"]["params"]["warmup_num_steps"] == 10  # "auto": 5% of max_steps
-    assert ds["bf16"]["enabled"] is False  # "auto" on hardware without bf16
+    assert ds["bf16"]["enabled"] is False and "fp16" not in ds  # "auto" on CPU: fp32
     assert SHIPPED["scheduler"]["params"]["total_num_steps"] == "auto"  # the input is not modified
 
 
 def test_bf16_auto_turns_on_where_supported():
-    ds, _, problems = resolve(SHIPPED, parse_args([]), 1, bf16_supported=True)
-    assert ds["bf16"]["enabled"] is True and problems == []
+    ds, _, problems = resolve(SHIPPED, parse_args([]), 1, hardware="bf16")
+    assert ds["bf16"]["enabled"] is True and problems == [] and "fp16" not in ds
+
+
+def test_bf16_auto_becomes_fp16_with_dynamic_loss_scaling_on_gpus_without_bf16():
+    """A T4 or V100 (the seeds' template targets T4): the capability is a stand-in here, there is no GPU."""
+    from model_utils.ds_config import hardware_precision, precision
+
+    assert hardware_precision(cuda=True, bf16=False) == "fp16"
+    assert hardware_precision(cuda=True, bf16=True) == "bf16" and hardware_precision(False, False) == "fp32"
+    ds, notes, problems = resolve(SHIPPED, parse_args([]), 1, hardware="fp16")
+    assert problems == [] and precision(ds) == "fp16"
+    assert ds["bf16"]["enabled"] is False
+    assert ds["fp16"]["enabled"] is True and ds["fp16"]["loss_scale"] == 0  # 0: dynamic
+    assert any("fp16 with dynamic loss scaling" in n for n in notes)
+    # An explicit bf16 there is refused with the fix; an fp16 section the config writes is kept as written.
+    raw = copy.deepcopy(SHIPPED)
+    raw["bf16"]["enabled"] = True
+    _, _, problems = resolve(raw, parse_args([]), 1, hardware="fp16")
+    assert [p.setting for p in problems] == ["bf16.enabled"] and '"auto"' in problems[0].fix
+    raw = copy.deepcopy(SHIPPED)
+    raw["fp16"] = {"enabled": "auto", "initial_scale_power": 12}
+    ds, _, _ = resolve(raw, parse_args([]), 1, hardware="fp16")
+    assert ds["fp16"] == {"enabled": True, "initial_scale_power": 12} and ds["bf16"]["enabled"] is False
+
+
+def test_fp16_preset_trains_in_fp16_on_gpus_and_fp32_on_cpu():
+    from model_utils.ds_config import precision
+
+    raw, _ = load_json(REPO / "configs" / "fp16.json")
+    for hardware, expected in (("bf16", "fp16"), ("fp16", "fp16"), ("fp32", "fp32")):
+        ds, _, problems = resolve(raw, parse_args([]), 1, hardware=hardware)
+        assert problems == [] and precision(ds) == expected, hardware
+    raw["fp16"]["enabled"] = True
+    _, _, problems = resolve(raw, parse_args([]), 1, hardware="fp32")
+    assert [p.setting for p in problems] == ["fp16.enabled"]
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_every_preset_resolves(preset):
     raw, problems = load_json(preset)
-    ds, _, problems = resolve(raw, parse_args([]), 2, False, hidden_size=1024)
+    ds, _, problems = resolve(raw, parse_args([]), 2, "fp32", hidden_size=1024)
     assert problems == [], problems_text(problems)
     if ds["zero_optimization"]["stage"] == 3:
         assert ds["zero_optimization"]["reduce_bucket_size"] == 1024 * 1024
@@ -48,7 +82,7 @@ def test_auto_values_take_flags_and_flags_override_concrete_values():
     raw = copy.deepcopy(SHIPPED)
     raw["train_micro_batch_size_per_gpu"] = "auto"
     cfg = parse_args(["--micro_batch_size", "3", "--learning_rate", "1e-3", "--gradient_accumulation_steps", "4"])
-    ds, notes, problems = resolve(raw, cfg, 2, False)
+    ds, notes, problems = resolve(raw, cfg, 2, "fp32")
     assert problems == []
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["train_batch_size"] == 3 * 4 * 2
     assert ds["optimizer"]["params"]["lr"] == 1e-3
@@ -61,7 +95,7 @@ def test_seed_readme_config_names_the_right_scheduler_key():
     raw = copy.deepcopy(SHIPPED)
     raw["scheduler"] = {"type": "WarmupCosineLR",
                         "params": {"warmup_min_ratio": 0.0, "warmup_num_steps": 10, "cosine_min_ratio": 0.0}}
-    _, _, problems = resolve(raw, parse_args([]), 1, False)
+    _, _, problems = resolve(raw, parse_args([]), 1, "fp32")
     text = problems_text(problems)
     assert "scheduler.params.cosine_min_ratio" in text and "did you mean `cos_min_ratio`?" in text
 
@@ -79,7 +113,7 @@ def test_seed_readme_config_names_the_right_scheduler_key():
 def test_bad_config_values_name_setting_and_fix(mutate, setting, fix):
     raw = copy.deepcopy(SHIPPED)
     mutate(raw)
-    _, _, problems = resolve(raw, parse_args(["--max_steps", "300"]), 2, bf16_supported=False)
+    _, _, problems = resolve(raw, parse_args(["--max_steps", "300"]), 2, hardware="fp32")
     matching = [p for p in problems if p.setting == setting]
     assert matching, problems_text(problems)
     assert fix in str(matching[0])

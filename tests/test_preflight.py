@@ -271,3 +271,61 @@ def test_only_the_scanning_rank_reads_checkpoints(tmp_path):
     assert any(p.setting == "--checkpoint_dir" for p in scanned.problems)
     assert not any(p.setting == "--checkpoint_dir" for p in skipped.problems) and skipped.resume is None
     assert skipped.ds_config == scanned.ds_config and skipped.seq_len == scanned.seq_len
+
+
+def test_memory_estimate_covers_evaluation_export_and_generation(tmp_path, session_cache, monkeypatch, capsys):
+    """Qwen3-8B under ZeRO-3 on 8 GPUs of 24 GiB (a stand-in size: no GPU here) trains, evaluates and exports within
+    them, but the end-of-run sample loads the whole exported model beside the engine on rank 0: refused, naming
+    --generate_prompt and the fix. At Qwen3-0.6B and micro-batch 16 the training step is the peak; evaluation, whose
+    loss never holds the batch's logits, needs a fraction of it."""
+    import re
+    import shutil
+    from collections import namedtuple
+
+    from model_utils import preflight as preflight_module
+
+    monkeypatch.chdir(tmp_path)
+    usage = namedtuple("usage", "total used free")  # the checkpoints' disk check is not this test's subject
+    monkeypatch.setattr(preflight_module.shutil, "disk_usage", lambda path: usage(2**50, 0, 2**50))
+    assert shutil.disk_usage is preflight_module.shutil.disk_usage
+    base = ["--model", "qwen3-8b", "--ds_config", str(REPO / "configs" / "zero3.json"), "--micro_batch_size", "1",
+            "--gradient_checkpointing", "--dummy_data", "64", "--checkpoint_dir", str(tmp_path / "ckpt")]
+    env = {"GPU_MEMORY_GIB": "24"}
+    ok, _ = preflight_in_process(base, {**env, "WORLD_SIZE": "8"}, monkeypatch, capsys)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert ok.returncode == 0, ok.stdout
+    bad, _ = preflight_in_process([*base, "--generate_prompt", "Hello"], env, monkeypatch, capsys)
+    assert bad.returncode == 2, bad.stdout
+    assert "--generate_prompt = Hello: loading the exported model" in bad.stdout
+    assert "python -m model_utils.generate" in bad.stdout
+    small, _ = preflight_in_process(["--model", "qwen3-0.6b", "--micro_batch_size", "16", "--dummy_data", "64",
+                                     "--checkpoint_dir", str(tmp_path / "c2")], {"GPU_MEMORY_GIB": "80"},
+                                    monkeypatch, capsys)
+    line = re.search(r"memory: ~([\d.]+) GiB per GPU estimated, at its peak in (\w+) \(train step ([\d.]+).*"
+                     r"evaluation ([\d.]+); export ([\d.]+)", small.stdout)
+    assert line, small.stdout
+    total, phase, train, evaluation, export = line.groups()
+    assert phase == "train" and float(total) == float(train) and float(evaluation) < float(train) / 3
+
+
+def test_config_checks_run_without_torch(tmp_path):
+    """A login node with a bare Python: --help and --preflight's configuration checks need no torch, DeepSpeed or
+    transformers; the report says what it could not check."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE")}
+    assert subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode != 0
+    help_ = subprocess.run([str(python), str(TRAINER), "--help"], capture_output=True, text=True, env=env)
+    assert help_.returncode == 0 and "--deepspeed_config" in help_.stdout, help_.stderr
+    ok = subprocess.run([str(python), str(TRAINER), "--preflight", "--max_steps", "40"], capture_output=True,
+                        text=True, env=env, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "batch: micro 8 x grad_acc 1 x world 1" in ok.stdout and "not checked:" in ok.stdout
+    bad_config = tmp_path / "ds.json"
+    bad_config.write_text(json.dumps(dict(SHIPPED, train_batch_size=12)))
+    bad = subprocess.run([str(python), str(TRAINER), "--preflight", "--ds_config", str(bad_config), "--max_steps", "0"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stdout + bad.stderr
+    assert "train_batch_size = 12: must equal micro (8) x grad_acc (1) x world size (1) = 8" in bad.stdout
+    assert "--max_steps = 0" in bad.stdout

@@ -82,13 +82,15 @@ def check_optimizer(opt: dict, where: str = "optimizer") -> list[Problem]:
     return problems
 
 
-def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str,
-            hidden_size: int | None = None) -> tuple[dict, list[str], list[Problem]]:
+def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_size: int | None = None,
+            check_classes: bool = True) -> tuple[dict, list[str], list[Problem]]:
     """Return (resolved config, notes for the log, problems).
 
     "auto" takes the matching flag's value or the default written here; a flag given explicitly replaces a concrete
     config value, and a note says so. Batch sizes obey micro x accumulation x world = train_batch_size. `hardware` is
     the best precision the training devices support (`hardware_precision`): "bf16", "fp16" or "fp32".
+    `check_classes` False skips checking the optimizer's and scheduler's parameters against their classes (a machine
+    without torch and DeepSpeed).
     """
     ds = copy.deepcopy(raw)
     notes: list[str] = []
@@ -130,12 +132,14 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str,
     if isinstance(opt, dict):
         params = opt.setdefault("params", {})
         setting(params, "lr", "learning_rate", cfg.learning_rate, 3e-4, "optimizer.params.lr")
-        problems += check_optimizer(opt)
+        if check_classes:
+            problems += check_optimizer(opt)
 
     sched = ds.get("scheduler")
     if isinstance(sched, dict):
         params = sched.setdefault("params", {})
-        problems += check_scheduler(sched)
+        if check_classes:
+            problems += check_scheduler(sched)
         if "total_num_steps" in params or sched.get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
             total = params.get("total_num_steps", AUTO)
             if total not in (AUTO, cfg.max_steps):

@@ -9,6 +9,7 @@ the data is checked on a sample (or read from the packed cache when it exists).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -151,6 +152,49 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     return acts * scale + logits
 
 
+def evaluation_bytes(config, seq_len: int, micro: int, bf16: bool) -> float:
+    """Evaluation's working memory beyond the model states (model_utils.evaluation): a forward without gradients keeps
+    one layer's working set, the final hidden states, and one chunk of logits (16-bit, their fp32 upcast and the
+    cross-entropy's log-probabilities), never the whole batch's."""
+    from .evaluation import CHUNK_TOKENS
+
+    h, scale = config.hidden_size, 1 if bf16 else 2
+    layer = micro * seq_len * h * (10 + 8 * config.intermediate_size / h) * scale
+    return layer + micro * seq_len * h * 2 * scale + min(CHUNK_TOKENS, micro * seq_len) * config.vocab_size * 10
+
+
+def largest_parameter_bytes(config, bf16: bool) -> float:
+    """The largest single tensor a ZeRO-3 export gathers on a GPU at once: the embedding or the LM head."""
+    return config.vocab_size * config.hidden_size * (2 if bf16 else 4)
+
+
+@dataclass
+class PhaseMemory:
+    """Estimated peak bytes per GPU in each phase of a run; the run needs the largest."""
+
+    train: float
+    evaluation: float
+    export: float
+    generation: float
+
+    @property
+    def peak(self) -> tuple[str, float]:
+        return max(vars(self).items(), key=lambda item: item[1])
+
+
+def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, stage: int, off_opt: bool,
+                 off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
+                 generate: bool) -> PhaseMemory:
+    states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16)
+    return PhaseMemory(
+        train=states + bucket_bytes(zero, stage, off_opt, bf16)
+        + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk),
+        evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
+        export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
+        # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states
+        generation=states + num_params * 2 if generate else 0.0)
+
+
 def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool) -> float:
     """ZeRO-1/2 gradient reduction buckets: reduce_bucket_size elements of the gradients' dtype, doubled with
     overlap_comm; none under ZeRO-3 or with the optimizer offloaded. `zero` is the zero_optimization section."""
@@ -198,6 +242,9 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     """Every check; `on_training_hardware` (the run's own start) decides bf16 "auto" by this machine, where a login
     node without GPUs assumes the GPU nodes support it. `scan_checkpoints` False skips reading the existing
     checkpoints (a run's ranks other than 0: rank 0 chooses the resume point for all)."""
+    missing = [name for name in ("torch", "deepspeed", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        return config_only_preflight(cfg, world_size or planned_world_size(), missing)
     import torch
 
     from . import ds_config as dsc
@@ -277,7 +324,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
         tokens_per_step = micro * accum * world * seq_len
         stage = dsc.zero_stage(ds)
         off_opt, off_par = dsc.offloads(ds)
-        bf16 = bool(ds.get("bf16", {}).get("enabled"))
+        bf16 = dsc.precision(ds) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
         report.lines.append("effective DeepSpeed config:\n" + json.dumps(ds, indent=2))
         report.lines.append(f"batch: micro {micro} x grad_acc {accum} x world {world} = {micro * accum * world} blocks "
                             f"of {seq_len} tokens = {tokens_per_step:,} tokens/step")
@@ -296,12 +343,15 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
             except ValueError:  # a bad DSLM_* value, already reported by fused_kernels_problem
                 chunk = FLCE_CHUNK_AUTO
             zero = ds.get("zero_optimization", {})
-            total = (model_state_bytes(num_params, world, stage, off_opt, off_par, bf16)
-                     + bucket_bytes(zero, stage, off_opt, bf16)
-                     + activation_bytes(mconf, seq_len, micro, cfg.gradient_checkpointing, fused, bf16, chunk))
+            phases = phase_memory(num_params, mconf, world, seq_len, micro, stage, off_opt, off_par, bf16, zero,
+                                  cfg.gradient_checkpointing, fused, chunk, bool(cfg.generate_prompt and cfg.export))
+            peak_phase, total = phases.peak
             memory, where = gpu_memory_gib()
-            report.estimate(f"memory: ~{total / GIB:.1f} GiB per GPU estimated (model states, ZeRO buckets, "
-                            f"activations); GPU: {f'{memory:.0f} GiB' if memory else where}")
+            report.estimate(f"memory: ~{total / GIB:.1f} GiB per GPU estimated, at its peak in {peak_phase} (train "
+                            f"step {phases.train / GIB:.1f}: model states, ZeRO buckets, activations; evaluation "
+                            f"{phases.evaluation / GIB:.1f}; export {phases.export / GIB:.1f}"
+                            + (f"; generation {phases.generation / GIB:.1f}" if phases.generation else "")
+                            + f"); GPU: {f'{memory:.0f} GiB' if memory else where}")
             if fused and not here and not liger_available():
                 logits = activation_bytes(mconf, seq_len, micro, False, False, bf16, chunk) - activation_bytes(
                     mconf, seq_len, micro, False, True, bf16, chunk)
@@ -309,7 +359,12 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
                                 f"here); without it the logits add ~{logits / GIB:.0f} GiB")
             if memory and 0.92 * memory * GIB < total <= memory * GIB:
                 report.notes.append(f"the memory estimate is within 8% of the GPU's {memory:.0f} GiB: expect little headroom")
-            if memory and total > memory * GIB:
+            if memory and total > memory * GIB and peak_phase == "generation":
+                report.problems.append(Problem(
+                    "--generate_prompt", cfg.generate_prompt, f"loading the exported model for the sample needs "
+                    f"~{total / GIB:.0f} GiB per GPU beside the engine, more than the {memory:.0f} GiB available",
+                    "drop --generate_prompt and run `python -m model_utils.generate --model EXPORT_DIR` after the run"))
+            elif memory and total > memory * GIB:
                 report.problems.append(Problem(
                     "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
                     f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
@@ -323,6 +378,32 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     info = _check_resume(cfg, ds, world, seq_len, report) if scan_checkpoints else None
     report.tokenizer, report.model_config, report.ds_config = tokenizer, mconf, ds
     report.seq_len, report.resume = seq_len, info
+    return report
+
+
+def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> Report:
+    """The checks a machine without torch/DeepSpeed can make (a login node): the arguments, the DeepSpeed config's
+    JSON, its "auto" values and batch arithmetic; the report says what was left unchecked."""
+    from . import ds_config as dsc
+
+    report = Report()
+    report.problems += validate_args(cfg)
+    ds_path = cfg.resolved_ds_config_path()
+    raw, problems = dsc.load_json(ds_path) if ds_path.is_file() else (None, [])
+    report.problems += problems
+    if raw is not None:
+        ds, notes, problems = dsc.resolve(raw, cfg, world, "bf16", None, check_classes=False)
+        report.notes += notes
+        report.problems += problems
+        if not any(p.setting.startswith(("train_", "gradient_acc")) for p in problems):
+            micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+            report.lines.append("effective DeepSpeed config:\n" + json.dumps(ds, indent=2))
+            report.lines.append(f"batch: micro {micro} x grad_acc {accum} x world {world} = {micro * accum * world} "
+                                f"blocks per step; {cfg.max_steps} steps")
+    report.notes.append(f"{', '.join(missing)} not installed here: checked the arguments and the DeepSpeed config's "
+                        "JSON, batch and schedule; not checked: DeepSpeed key names, optimizer and scheduler "
+                        "parameters, tokenizer, model, memory, data and checkpoints (pip install -e . here checks "
+                        "them too; the run's own start checks them on the GPU nodes)")
     return report
 
 

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The user journeys on one GPU machine, each run through ./train-singlenode.sh to its end, one line per run:
+#
+#   default     Qwen3-0.6B at the benchmark's fastest micro-batch: train, evaluate, checkpoint, export, generate
+#   resume      the same checkpoint directory, more steps: resumes from default's last checkpoint
+#   presets     every configs/*.json (ZeRO-1, ZeRO-2 + optimizer offload, ZeRO-3, ZeRO-3 + offload, fp16)
+#   documents   --document_mask
+#   checkpointing  --gradient_checkpointing
+#   finetune    the model default exported, fine-tuned (MODEL=<its hf directory>)
+#
+#   bash benchmarks/journey.sh                       # all of them (~10 minutes on one H100)
+#   JOURNEY_ONLY="presets" bash benchmarks/journey.sh
+#
+# Rerun it whenever the GPU path changes; docs/JOURNEY.md holds its latest output.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+: "${JOURNEY_MODEL:=qwen3-0.6b}"
+: "${JOURNEY_MICRO_BATCH:=16}" # the fastest micro-batch docs/PERFORMANCE.md reports for Qwen3-0.6B on one H100
+: "${JOURNEY_DIR:=/tmp/journey}"
+: "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
+
+mkdir -p "$JOURNEY_DIR"
+failed=0
+
+wanted() { [[ -z $JOURNEY_ONLY || " $JOURNEY_ONLY " == *" $1 "* ]]; }
+
+# run NAME CHECKPOINT_DIR ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: one line with the run's exit status and summary.
+run() {
+    local name=$1 dir=$2 start status
+    shift 2
+    local settings=()
+    while [[ $1 != -- ]]; do
+        settings+=("$1")
+        shift
+    done
+    shift
+    start=$(date +%s)
+    env MODEL="$JOURNEY_MODEL" CHECKPOINT_DIR="$dir" "${settings[@]}" ./train-singlenode.sh "$@" \
+        >"$JOURNEY_DIR/$name.log" 2>&1 && status=0 || status=$?
+    python3 - "$name" "$status" "$(($(date +%s) - start))" "$dir" "$JOURNEY_DIR/$name.log" <<'EOF' | tee -a "$JOURNEY_DIR/journey.txt"
+import json, re, sys
+from pathlib import Path
+
+name, status, wall, ckpt, log = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5])
+text = log.read_text(errors="replace")
+summary = json.loads((ckpt / "summary.json").read_text()) if (ckpt / "summary.json").exists() else {}
+def grab(pattern):
+    found = re.findall(pattern, text)
+    return found[-1] if found else None
+parts = [f"journey {name}: exit {status}", f"wall {wall}s"]
+if summary:
+    mfu = summary.get("mean_mfu")
+    parts += [f"steps {summary['steps']}", f"{summary.get('mean_tokens_per_s') or 0:,.0f} tokens/s",
+              f"MFU {100 * mfu:.1f}%" if mfu else "MFU n/a", f"peak {summary.get('peak_mem_gib') or 0:.1f} GiB",
+              f"eval loss {summary['final_eval_loss']:.4f}" if summary.get("final_eval_loss") else "no eval",
+              f"skipped {summary.get('skipped_steps')}", f"export {'yes' if summary.get('export') else 'no'}"]
+for label, pattern in (("precision", r"precision (\w+)"), ("attention", r"attention: ([^(;]+)"),
+                       ("estimate", r"memory: ~([\d.]+ GiB) per GPU"), ("resumed from", r"resume: continuing from \S+ at step (\d+)"),
+                       ("sample", r"sample: (.{0,60})")):
+    value = grab(pattern)
+    if value:
+        parts.append(f"{label} {value.strip()!r}" if label == "sample" else f"{label} {value.strip()}")
+if status:
+    parts.append("last error: " + (grab(r"(?m)^.*(?:[Ee]rror|Traceback).*$") or "see log")[:200])
+print(" | ".join(parts))
+EOF
+    ((status == 0)) || failed=1
+}
+
+flags=(--micro_batch_size "$JOURNEY_MICRO_BATCH" --log_interval 5 --eval_iters 8)
+if wanted default; then
+    run default "$JOURNEY_DIR/default" MAX_STEPS=30 -- "${flags[@]}" --eval_interval 20 --checkpoint_freq 20 \
+        --generate_prompt "The"
+fi
+if wanted resume; then
+    run resume "$JOURNEY_DIR/default" MAX_STEPS=40 -- "${flags[@]}" --eval_interval 20 --checkpoint_freq 20
+fi
+if wanted presets; then
+    for preset in configs/*.json; do
+        name=preset-$(basename "$preset" .json)
+        run "$name" "$JOURNEY_DIR/$name" MAX_STEPS=8 DS_CONFIG="$preset" -- --micro_batch_size 8 --log_interval 2 \
+            --eval_iters 2 --checkpoint_freq 0
+    done
+fi
+if wanted documents; then
+    run documents "$JOURNEY_DIR/documents" MAX_STEPS=10 -- "${flags[@]}" --document_mask --checkpoint_freq 0
+fi
+if wanted checkpointing; then
+    run checkpointing "$JOURNEY_DIR/checkpointing" MAX_STEPS=10 -- "${flags[@]}" --gradient_checkpointing \
+        --checkpoint_freq 0
+fi
+if wanted finetune; then
+    [[ -d $JOURNEY_DIR/default/hf ]] || echo "journey finetune: needs the default journey's export ($JOURNEY_DIR/default/hf)"
+    run finetune "$JOURNEY_DIR/finetune" MAX_STEPS=10 JOURNEY_MODEL="$JOURNEY_DIR/default/hf" \
+        MODEL="$JOURNEY_DIR/default/hf" -- --micro_batch_size 8 --log_interval 5 --eval_iters 2 --checkpoint_freq 0
+fi
+exit "$failed"
