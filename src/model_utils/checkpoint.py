@@ -261,14 +261,30 @@ def write_hf_model(model, tokenizer, out_dir: Path, state_dict: dict | None = No
     tokenizer.save_pretrained(out_dir)
 
 
+def gathered_state_dict(model, dist) -> dict | None:
+    """The full state dict of a ZeRO-3 model on rank 0 (CPU tensors), None elsewhere. Every rank takes part."""
+    import deepspeed
+
+    state, copies = {}, {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in copies:  # tied weights: one gather, the same tensor under both names
+            if dist.is_main:
+                state[name] = copies[id(tensor)]
+            continue
+        with deepspeed.zero.GatheredParameters([tensor] if hasattr(tensor, "ds_id") else [], modifier_rank=None):
+            if dist.is_main:
+                state[name] = copies[id(tensor)] = tensor.detach().cpu().clone()
+    return state if dist.is_main else None
+
+
 def export_hf(engine, model, tokenizer, out_dir: Path, zero_stage: int, dist, log) -> Path | None:
     """Write safetensors + config + tokenizer that `AutoModelForCausalLM.from_pretrained` loads.
 
-    ZeRO-3 parameters are partitioned: they are gathered into a full 16-bit state dict on rank 0 first (this works
-    whatever `stage3_gather_16bit_weights_on_model_save` says, so the export is never silently empty).
+    ZeRO-3 parameters are partitioned: each is gathered in turn (DeepSpeed's public `GatheredParameters`, one tensor
+    on the GPU at a time) into a full 16-bit state dict on rank 0, so the export is never silently empty.
     """
     if zero_stage == 3:
-        state_dict = engine._zero3_consolidated_16bit_state_dict()
+        state_dict = gathered_state_dict(model, dist)
     else:
         state_dict = model.state_dict() if dist.is_main else None
     if dist.is_main:

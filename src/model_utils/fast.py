@@ -75,6 +75,7 @@ import os
 
 from .arguments import Problem
 from .models import head_dim
+from .versions import DEEPSPEED_ZERO_STEP, FA4_INTERNALS, LIGER_INTERNALS, gate, installed
 
 COMPILE_CHOICES = ("auto", "layers", "off")
 LIGER_CHOICES = ("auto", "all", "flce")
@@ -222,6 +223,9 @@ def fa4_unavailable_reason() -> str | None:
         importlib.import_module("flash_attn.cute.interface")
     except ImportError as e:  # the package, or one of its CUDA libraries, is missing
         return f"flash-attn-4 is not importable ({e})"
+    if not gate(FA4_INTERNALS):  # its kernels are called below the package's public wrapper
+        return (f"flash-attn-4 {installed('flash-attn-4')} is not {FA4_INTERNALS.oldest}, the version whose kernels "
+                "this project calls directly")
     return None
 
 
@@ -413,13 +417,11 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None, documen
         if which == "auto":
             which = "flce" if compiled else "all"
         if which == "all":
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-            _apply_liger_kernel_to_instance(model=model)
-            log("kernels: Liger fused RoPE, RMSNorm, SwiGLU and linear cross-entropy enabled")
+            _apply_liger_all(model, log)
         else:
             _apply_liger_flce_only(model, log)
-        _set_flce_chunk_budget(flce_chunk_budget(settings), log)
+        if gate(LIGER_INTERNALS, log):
+            _set_flce_chunk_budget(flce_chunk_budget(settings), log)
         if zero3:
             _register_lm_head_for_zero3(model, log)
     elif setting == "auto" and cuda:
@@ -442,16 +444,34 @@ def apply_fused_kernels(model, setting: str, cuda: bool, log, warn=None, documen
     return liger
 
 
-def _apply_liger_flce_only(model, log):
-    model_type = getattr(model.config, "model_type", "")
+def _liger_entry_point(model):
+    """Liger's public apply_liger_kernel_to_<model type>, or None for a model type it has none for."""
     from liger_kernel.transformers import monkey_patch
 
-    fn = getattr(monkey_patch, f"apply_liger_kernel_to_{model_type}", None)
-    if fn is None:
+    return getattr(monkey_patch, f"apply_liger_kernel_to_{getattr(model.config, 'model_type', '')}", None)
+
+
+def _apply_liger_all(model, log):
+    """All of Liger's kernels on this model instance: through its public entry point for the model type, or, for
+    types without one, its generic instance patching (private: only on the liger-kernel versions tested)."""
+    fn = _liger_entry_point(model)
+    if fn is not None:
+        fn(model=model)
+    elif gate(LIGER_INTERNALS, log):
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
-        log(f"kernels: no Liger entry point for {model_type!r} alone; all Liger kernels enabled")
+    else:
+        log(f"kernels: Liger has no entry point for {model.config.model_type!r}; its kernels are not applied")
+        return
+    log("kernels: Liger fused RoPE, RMSNorm, SwiGLU and linear cross-entropy enabled")
+
+
+def _apply_liger_flce_only(model, log):
+    fn = _liger_entry_point(model)
+    if fn is None:
+        log(f"kernels: no Liger entry point for {model.config.model_type!r} alone; trying all Liger kernels")
+        _apply_liger_all(model, log)
         return
     fn(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model)
     log("kernels: Liger fused linear cross-entropy enabled (norms, RoPE, SwiGLU left to torch.compile)")
@@ -505,7 +525,7 @@ def streamline_zero_step(engine, log) -> bool:
     except ImportError:
         return False
     opt = getattr(engine, "optimizer", None)
-    if not isinstance(opt, DeepSpeedZeroOptimizer):
+    if not isinstance(opt, DeepSpeedZeroOptimizer) or not gate(DEEPSPEED_ZERO_STEP, log):
         return False
     settings = lever_settings()
     applied = False
