@@ -20,6 +20,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,13 +105,91 @@ LOAD_ERRORS = (FileNotFoundError, ValueError, ConnectionError, OSError)
 
 
 def load_problem(source: DataSource, error: Exception) -> DataError:
-    """DATASET could not be loaded: from the hub (its name, its config, the network) or from its files."""
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    """DATASET could not be loaded: from the hub (its name, its config, the network) or from its files (the file and
+    line at fault, found by `locate_bad_file`)."""
+    if source.files:
+        found = locate_bad_file(source.files)
+        if found:
+            return DataError(Problem("--dataset", found[0], found[1], "fix or remove that part of the file (or the "
+                                     "file), then run again; nothing was trained"))
+    cause = error.__cause__ or error.__context__ or error
+    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     if source.kind == "hub":
         return DataError(Problem("--dataset", source.location, f"could not be loaded from the hub: {reason}",
                                  "check the name and DATASET_CONFIG_NAME, network access and HF_TOKEN, "
                                  "or pass a local path"))
     return DataError(Problem("--dataset", source.location, f"could not be read: {reason}", "check the files"))
+
+
+# What datasets (through pyarrow, pandas or Python's decoder) raises for a file it cannot parse.
+def _parse_errors() -> tuple:
+    import pyarrow
+    from datasets.exceptions import DatasetGenerationError
+
+    return (DatasetGenerationError, pyarrow.ArrowException, UnicodeDecodeError, ValueError, OSError)
+
+
+def locate_bad_file(files: list[str]) -> tuple[str, str] | None:
+    """(file, what is wrong where) for the first of `files` that does not parse, checked line by line where the format
+    has lines; None when each parses (the failure was elsewhere). Run only after a load failed."""
+    for path in files:
+        try:
+            reason = _file_problem(path)
+        except OSError as e:  # vanished or unreadable
+            reason = f"cannot be read ({e.strerror or e})"
+        if reason:
+            return path, reason
+    return None
+
+
+def _file_problem(path: str) -> str | None:
+    import json as json_module
+
+    suffix = Path(path).suffix.lower()
+    builder = FILE_BUILDERS.get(suffix)
+    if builder == "parquet":
+        import pyarrow
+        import pyarrow.parquet
+
+        try:
+            pyarrow.parquet.ParquetFile(path)
+        except pyarrow.ArrowException as e:
+            return f"is not a readable Parquet file ({str(e).splitlines()[0]})"
+        return None
+    if builder == "arrow":
+        return None
+    raw = Path(path).read_bytes()
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return f"line {number} is not UTF-8 text (byte {e.start + 1} of the line: {line[e.start:e.start + 1]!r})"
+    text = raw.decode("utf-8")
+    if builder == "json":
+        if text.lstrip().startswith("["):  # one JSON document (a list of records)
+            try:
+                json_module.loads(text)
+            except json_module.JSONDecodeError as e:
+                return f"is not valid JSON at line {e.lineno}, column {e.colno} ({e.msg})"
+            return None
+        for number, line in enumerate(text.splitlines(), start=1):  # JSON Lines: one record per line
+            if line.strip():
+                try:
+                    record = json_module.loads(line)
+                except json_module.JSONDecodeError as e:
+                    return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
+                if not isinstance(record, dict):
+                    return f"line {number} is not a JSON object ({type(record).__name__}): each line must be one record"
+        return None
+    if builder == "csv":
+        import csv
+
+        rows = csv.reader(text.splitlines())
+        header = next(rows, [])
+        for number, row in enumerate(rows, start=2):
+            if row and len(row) != len(header):
+                return f"line {number} has {len(row)} fields, the header has {len(header)}"
+    return None
 
 
 def load_splits(source: DataSource, cfg: TrainConfig):
@@ -126,8 +205,11 @@ def load_splits(source: DataSource, cfg: TrainConfig):
             raise DataError(Problem("--dataset", source.location, "this saved dataset is empty",
                                     "point --dataset at data with documents")) from e
     elif source.kind in ("files", "embedded"):
-        loaded = datasets.load_dataset(source.builder, data_files={"train": source.files},
-                                       cache_dir=_hf_cache(cfg))
+        try:
+            loaded = datasets.load_dataset(source.builder, data_files={"train": source.files},
+                                           cache_dir=_hf_cache(cfg))
+        except _parse_errors() as e:
+            raise load_problem(source, e) from e
     else:
         try:
             loaded = datasets.load_dataset(source.location, cfg.dataset_config_name, cache_dir=_hf_cache(cfg))
@@ -177,7 +259,7 @@ def _first_documents(source: DataSource, cfg: TrainConfig):
             if isinstance(e.__cause__, SchemaInferenceError):  # not one document
                 raise DataError(Problem("--dataset", source.location, f"the {split} split is empty",
                                         "point --dataset at data with documents")) from e
-            raise load_problem(source, e.__cause__ or e) from e
+            raise load_problem(source, e) from e
     return tuple(splits)
 
 
@@ -382,6 +464,7 @@ def build_token_files(cfg: TrainConfig, tokenizer, out_dir: Path, log=print,
                       source: DataSource | None = None) -> None:
     """Load, tokenize and write train.bin (and validation.bin when the data has that split). One process only."""
     source = source or resolve_source(cfg)
+    before = _identity_now(source)
     train_ds, val_ds = load_splits(source, cfg)
     dtype = token_dtype(len(tokenizer))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,11 +478,24 @@ def build_token_files(cfg: TrainConfig, tokenizer, out_dir: Path, log=print,
             raise DataError(Problem("--dataset", cfg.dataset or "embedded corpus",
                                     f"the {split} split is empty after tokenization",
                                     f"check that column '{cfg.text_column}' holds text"))
-    meta = {"source": source.identity(), "dtype": np.dtype(dtype).name, "tokens": counts,
+    if _identity_now(source) != before:  # the cache is keyed by the data as it was: refuse to key the new one so
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise DataError(Problem("--dataset", source.location, "changed while it was being read and tokenized",
+                                "let whatever writes it finish, then run again (the partial cache was removed)"))
+    meta = {"source": before, "dtype": np.dtype(dtype).name, "tokens": counts,
             "documents": {"train": len(train_ds), "validation": len(val_ds) if val_ds is not None else 0}}
     # Written last: its presence marks a complete cache entry.
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"data: wrote {counts} tokens to {out_dir}")
+
+
+def _identity_now(source: DataSource) -> str:
+    try:
+        return source.identity()
+    except OSError as e:  # a file listed a moment ago is gone
+        raise DataError(Problem("--dataset", getattr(e, "filename", None) or source.location,
+                                f"disappeared while the data was being prepared ({e.strerror or e})",
+                                "restore it (or remove it from the dataset directory), then run again")) from e
 
 
 def open_packed(cfg: TrainConfig, out_dir: Path, seq_len: int) -> PackedData:
