@@ -453,10 +453,20 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.train_utils import setup_distributed
 
     dist = setup_distributed()
+    lock = None
     try:
         if cfg.sanity_check:
             from model_utils.sanity import all_reduce_check
             return all_reduce_check(dist)
+        # One run per checkpoint directory, decided by rank 0 before anything is written there.
+        from model_utils.run_lock import acquire
+
+        lock, problem = acquire(cfg.checkpoint_dir, cfg.force_unlock, print) if dist.is_main else (None, None)
+        problem = dist.broadcast_object(problem)
+        if problem:
+            if dist.is_main:
+                exit_on_problems([problem])
+            return 2
         t0 = time.perf_counter()
         run = setup(cfg, dist)
         run.log.info(f"setup: ready in {time.perf_counter() - t0:.1f}s")
@@ -476,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         import torch
 
+        if lock is not None:
+            lock.release()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

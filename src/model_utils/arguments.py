@@ -80,6 +80,9 @@ class TrainConfig:
     keep_last_checkpoints: int = _f(3, "Complete checkpoints to keep (older ones are deleted; 0 keeps all).")
     resume: str = _f("auto", "auto: resume from the newest complete checkpoint in checkpoint_dir; never: start fresh "
                              "(refuses if checkpoints exist).", choices=("auto", "never"))
+    force_unlock: bool = _f(False, "Take over CHECKPOINT_DIR/run.lock although its holder looks alive (only when that "
+                                   "run is known to be dead; a stale heartbeat, a dead process on this host or the "
+                                   "same SLURM job after a requeue are taken over without it).")
     resume_from_checkpoint: str | None = _f(None, "Resume from this checkpoint directory (a step-XXXXXXXX dir, or a "
                                                   "checkpoint_dir holding `latest`).")
     export_dir: str | None = _f(None, "Where the final Hugging Face model is written. Default: CHECKPOINT_DIR/hf.")
