@@ -260,7 +260,9 @@ def save(run: Run):
     client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
               # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)
               UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+    t0 = time.perf_counter()
     save_checkpoint(run.engine, ctx, run.step, client, rng_state(), run.dist, run.log.info)
+    run.log.metrics({"step": run.step, "checkpoint_s": time.perf_counter() - t0})  # how long training stood still
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -291,6 +293,7 @@ def train(run: Run) -> int:
         (Path(cfg.checkpoint_dir) / "data_trace").mkdir(parents=True, exist_ok=True)
         trace = open(Path(cfg.checkpoint_dir) / "data_trace" / f"rank-{dist.rank:05d}.jsonl", "a", encoding="utf-8")
     engine.train()
+    last_save = time.monotonic()
     while run.step < cfg.max_steps:
         # --- learning rate used by this step ---
         lr = engine.get_lr()[0]
@@ -348,10 +351,12 @@ def train(run: Run) -> int:
 
         # --- non-finite loss or gradient: DeepSpeed skipped the update (bf16/fp16 overflow check) or, in fp32,
         #     could not; after max_bad_steps in a row (at once in fp32) stop without saving: the last checkpoint is good ---
+        save_due = (dist.is_main and cfg.checkpoint_minutes > 0
+                    and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)  # rank 0's clock, for all
         flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=dist.device), nonfinite.float(),
-                             device_skip_flag(engine, dist.device)])
+                             device_skip_flag(engine, dist.device), torch.tensor(float(save_due), device=dist.device)])
         dist.all_reduce(flags, torch.distributed.ReduceOp.MAX)
-        stop_now, nonfinite_loss, skipped_on_device = (flags > 0).tolist()
+        stop_now, nonfinite_loss, skipped_on_device, save_due = (flags > 0).tolist()
         if skipped_on_device:  # DSLM_OVERFLOW_CHECK=device: the GPU skipped the update; book it as DeepSpeed would
             settle_device_skip(engine)
         # What DeepSpeed did decides, not the config: it skips a non-finite update where it checks for overflow (fp16's
@@ -378,8 +383,10 @@ def train(run: Run) -> int:
                 return EXIT_NONFINITE
 
         # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
-        if stop_now or (cfg.checkpoint_freq and run.step % cfg.checkpoint_freq == 0) or run.step == cfg.max_steps:
+        if (stop_now or save_due or (cfg.checkpoint_freq and run.step % cfg.checkpoint_freq == 0)
+                or run.step == cfg.max_steps):
             save(run)
+            last_save = time.monotonic()
         if stop_now and run.step < cfg.max_steps:
             log.bar.close()
             log.info(f"stop: {stop.received or 'a signal on another rank'} received; checkpoint saved at step "

@@ -301,3 +301,18 @@ def test_kill_9_of_one_rank_during_a_save(baseline, tmp_path):
         assert "skipping incomplete checkpoint step-00000007" in resumed.output
         assert "step-00000006" in resumed.output.split("resume: continuing from")[1].splitlines()[0]
     _assert_continues_exactly(baseline, resumed, 7 if step7_complete else 6)
+
+
+def test_checkpoints_by_the_clock_and_their_stall_is_recorded(session_cache, tmp_path):
+    """--checkpoint_minutes with a threshold shorter than any step saves after every step (rank 0's clock decides for
+    both ranks, which must agree or the save's barriers would hang); each save's stall is a metrics record and the
+    summary counts them. --checkpoint_freq 0: no save by step count."""
+    ckpt = tmp_path / "ckpt"
+    run = run_trainer(ckpt, [*FAST_ARGS, "--max_steps", "4", "--checkpoint_freq", "0", "--checkpoint_minutes", "0.0001",
+                             "--keep_last_checkpoints", "0", "--no-export"])
+    assert_ok(run)
+    assert sorted(p.name for p in ckpt.glob("step-*")) == [f"step-{s:08d}" for s in (1, 2, 3, 4)]
+    stalls = [r for r in run.metrics() if "checkpoint_s" in r]
+    assert [r["step"] for r in stalls] == [1, 2, 3, 4] and all(r["checkpoint_s"] > 0 for r in stalls)
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["checkpoint_saves"] == 4 and summary["checkpoint_s_max"] >= summary["checkpoint_s_mean"] > 0

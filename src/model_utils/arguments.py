@@ -77,6 +77,9 @@ class TrainConfig:
     # ----- checkpoints -----
     checkpoint_dir: str = _f("checkpoints", "Directory for step-XXXXXXXX checkpoints, `latest`, metrics.jsonl.")
     checkpoint_freq: int = _f(100, "Save a checkpoint every N steps (0: only at the end and on preemption).")
+    checkpoint_minutes: float = _f(0.0, "Also save when N minutes have passed since the last save (or the start), "
+                                        "whatever the step time: a job with a time limit loses at most N minutes. "
+                                        "0: off. Rank 0's clock decides for all ranks.")
     keep_last_checkpoints: int = _f(3, "Complete checkpoints to keep (older ones are deleted; 0 keeps all).")
     resume: str = _f("auto", "auto: resume from the newest complete checkpoint in checkpoint_dir; never: start fresh "
                              "(refuses if checkpoints exist).", choices=("auto", "never"))
@@ -199,6 +202,9 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     if cfg.seq_len is not None and cfg.seq_len < 2:
         problems.append(Problem("--seq_len", cfg.seq_len, "a block needs at least 2 tokens to predict one",
                                 "use --seq_len 256 or more"))
+    if not cfg.checkpoint_minutes >= 0:
+        problems.append(Problem("--checkpoint_minutes", cfg.checkpoint_minutes, "must be 0 (off) or a positive number "
+                                "of minutes", "use e.g. --checkpoint_minutes 30"))
     if not 0.0 <= cfg.validation_fraction < 0.5:
         problems.append(Problem("--validation_fraction", cfg.validation_fraction, "must be in [0, 0.5)",
                                 "use a small fraction such as 0.01"))

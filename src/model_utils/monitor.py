@@ -32,7 +32,7 @@ TAGS = {
     "step_time_s": "perf/step_time_s", "step_time_min_s": "perf/step_time_min_s",
     "mem_gib": "memory/mem_gib", "peak_mem_gib": "memory/peak_mem_gib",
     "host_mem_gib": "memory/host_mem_gib", "host_peak_mem_gib": "memory/host_peak_mem_gib",
-    "eval_loss": "eval/loss", "eval_ppl": "eval/ppl",
+    "eval_loss": "eval/loss", "eval_ppl": "eval/ppl", "checkpoint_s": "checkpoint/save_s",
 }
 
 
@@ -276,6 +276,22 @@ def read_metrics(path) -> tuple[list[dict], list[dict]]:
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
+def _save_stalls(metrics_path) -> dict:
+    """How many checkpoints were saved and how long training stood still for them (the `checkpoint_s` records)."""
+    path = Path(metrics_path)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    stalls = []
+    for line in (path.read_text(encoding="utf-8").splitlines() if path.exists() else []):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "checkpoint_s" in record:
+            stalls.append(record["checkpoint_s"])
+    return {"checkpoint_saves": len(stalls), "checkpoint_s_mean": _mean(stalls),
+            "checkpoint_s_max": max(stalls) if stalls else None}
+
+
 def _mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -306,6 +322,7 @@ def summarize(metrics_path, *, status: str, steps: int | None = None, tokens: in
         "peak_mem_gib": max(peaks) if peaks else None,
         "host_peak_mem_gib": max(host) if host else None,
         "skipped_steps": last.get("skipped_steps"),
+        **_save_stalls(metrics_path),
         "final_loss": last.get("loss"),
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
         "final_eval_ppl": evals[-1]["eval_ppl"] if evals else None,
@@ -344,7 +361,9 @@ def format_summary(s: dict) -> list[str]:
          if s.get("skipped_steps") is not None else "n/a"),
         ("final loss", f"train {num(s['final_loss'], '.4f')}, validation {num(s['final_eval_loss'], '.4f')} "
                        f"(perplexity {num(s['final_eval_ppl'], '.2f')})"),
-        ("checkpoint", s.get("checkpoint") or "none"),
+        ("checkpoint", (s.get("checkpoint") or "none") + (
+            f" ({s['checkpoint_saves']} saves, training stood still {s['checkpoint_s_mean']:.1f} s per save, "
+            f"{s['checkpoint_s_max']:.1f} s at most)" if s.get("checkpoint_saves") else "")),
         ("export", s.get("export") or "none"),
     ]
     width = max(len(k) for k, _ in rows)
