@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The oldest versions pyproject.toml allows: a virtual environment with each floor of deepspeed, transformers and
-# datasets installed exactly (torch: the CPU build CI has, 2.13.0; the GPU journey runs the torch floor), then the main
+# The oldest versions pyproject.toml allows: a virtual environment with the floor of each dependency installed exactly
+# (torch aside: the CPU build CI has, 2.13.0; the GPU journey runs the torch floor), then the main
 # job (./train-singlenode.sh, shortened) and the exact-resume test on it. FLOORS_ONLY=1 prints the pins and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +14,8 @@ mapfile -t pins < <([[ -n $OLDEST_PINS ]] && tr ' ' '\n' <<<"$OLDEST_PINS" || py
 import re, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 for dep in deps:
-    m = re.match(r"^\s*(deepspeed|transformers|datasets)\s*>=\s*([\w.]+)", dep)
-    if m:
+    m = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*>=\s*([\w.]+)", dep)
+    if m and m.group(1) != "torch":  # torch: the CPU build CI has (see the header)
         print(f"{m.group(1)}=={m.group(2)}")
 PY
 )
