@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, TrainerRun, assert_ok, run_trainer
 from model_utils.checkpoint import inspect_checkpoint
 from model_utils.train_utils import free_port
-from test_training import RESUME_ARGS, _assert_continues_exactly, last_by_step
+from test_training import RESUME_ARGS, _assert_continues_exactly, baseline  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.slow
 INJECT = Path(__file__).with_name("fault_injection.py")
@@ -40,13 +40,6 @@ def run_with_fault(ckpt: Path, args: list[str], fault: str, timeout: float = 300
                 p.kill()
     codes = [p.wait(timeout=max(1, deadline - time.monotonic())) for p in procs]
     return TrainerRun(codes, [log.read_text() for log in logs], ckpt)
-
-
-@pytest.fixture(scope="module")
-def baseline(session_cache, tmp_path_factory):
-    run = run_trainer(tmp_path_factory.mktemp("faults-baseline") / "ckpt", RESUME_ARGS)
-    assert_ok(run)
-    return run
 
 
 def test_kill_9_of_one_rank_before_the_manifest(baseline, tmp_path):
