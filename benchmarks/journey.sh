@@ -66,6 +66,8 @@ if status:
 print(" | ".join(parts))
 EOF
     ((status == 0)) || failed=1
+    # Checkpoints take disk (8 GiB each for Qwen3-0.6B): only default's stay, for resume and finetune.
+    [[ $name == default || $name == resume ]] || rm -rf "$dir"
 }
 
 flags=(--micro_batch_size "$JOURNEY_MICRO_BATCH" --log_interval 5 --eval_iters 8)
