@@ -265,15 +265,16 @@ def gathered_state_dict(model, dist) -> dict | None:
     """The full state dict of a ZeRO-3 model on rank 0 (CPU tensors), None elsewhere. Every rank takes part."""
     import deepspeed
 
-    state, copies = {}, {}
+    state, first_name = {}, {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in copies:  # tied weights: one gather, the same tensor under both names
+        if id(tensor) in first_name:  # tied weights: gathered once (on every rank alike), the same tensor twice
             if dist.is_main:
-                state[name] = copies[id(tensor)]
+                state[name] = state[first_name[id(tensor)]]
             continue
+        first_name[id(tensor)] = name
         with deepspeed.zero.GatheredParameters([tensor] if hasattr(tensor, "ds_id") else [], modifier_rank=None):
             if dist.is_main:
-                state[name] = copies[id(tensor)] = tensor.detach().cpu().clone()
+                state[name] = tensor.detach().cpu().clone()
     return state if dist.is_main else None
 
 
