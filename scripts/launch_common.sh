@@ -260,6 +260,36 @@ detect_gpus_per_node() {
     "${probe[@]}" | grep -c '^GPU ' || true
 }
 
+# GPUs SLURM gave this job on this node: SLURM_GPUS_ON_NODE, else the entries of SLURM_JOB_GPUS or
+# CUDA_VISIBLE_DEVICES; 0 when it gave none.
+allocated_gpus() {
+    local list=${SLURM_JOB_GPUS:-${CUDA_VISIBLE_DEVICES:-}}
+    if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+        echo "$SLURM_GPUS_ON_NODE"
+    elif [[ -z $list || $list == NoDevFiles ]]; then
+        echo 0
+    else
+        local entries
+        IFS=, read -ra entries <<<"$list"
+        echo "${#entries[@]}"
+    fi
+}
+
+# Inside a job on a cluster where SLURM manages GPUs (GresTypes has gpu): stop before anything starts when the node
+# has GPUs (nvidia-smi lists them, or its Gres says so) but the job was given none. Such a job would train on CPU, or
+# on GPUs it was not allocated. An --exclusive job is given all of its nodes' GRES (sbatch's documentation), so this
+# catches a configuration or SLURM version that does not, and a GPU request removed from the script.
+check_job_gpus() { # check_job_gpus VISIBLE_GPUS
+    [[ -n $GPUS_PER_NODE ]] && return 0  # the user said how many
+    in_allocation || return 0
+    scontrol show config 2>/dev/null | grep -Eq '^GresTypes *= *.*gpu' || return 0
+    local node=${SLURMD_NODENAME:-$(hostname -s)} configured
+    configured=$(configured_gpus node "$node")
+    (($1 > 0 || configured > 0)) || return 0
+    (($(allocated_gpus) > 0)) && return 0
+    die "job ${SLURM_JOB_ID} was given no GPUs, but node $node has $(($1 > configured ? $1 : configured)): it would train on CPU. Submit with ./$LAUNCHER (it requests them), or sbatch --gpus-per-node=N $LAUNCHER, or uncomment the '#SBATCH --gpus-per-node' line in $LAUNCHER"
+}
+
 # ---- Command lines.
 
 # TRAINER_ARGS: the flags of the settings that are set, --preflight, then "$@".
@@ -397,6 +427,7 @@ run_job_step() {
     resolve_python
     build_trainer_args "$@"
     gpus=$(detect_gpus_per_node)
+    check_job_gpus "$gpus"
     tasks=$(tasks_per_node "$gpus")
     cpus=${SLURM_JOB_CPUS_PER_NODE:-1}
     cpus=${cpus%%[(,]*}

@@ -21,7 +21,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_fixtures import *  # noqa: E402,F401,F403
+from slurm_fixtures import LAUNCHER_SETTINGS  # noqa: E402
 from model_utils.train_utils import free_port  # noqa: E402
+
+# Hermetic: what a user's shell commonly exports must not change a test's outcome. Every launcher setting
+# (scripts/launch_common.sh), SLURM's job variables, a distributed rank environment, GPU selection and the overrides
+# the trainer reads (the DSLM_* switches, GPU_MEMORY_GIB, GPU_PEAK_TFLOPS, W&B's) are dropped for the whole session;
+# tests that need one set it themselves. The interpreter running pytest comes first on PATH, so `python3` in a
+# launcher is the environment under test even when its virtualenv is not activated.
+USER_ENVIRONMENT = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "DSLM_", "WANDB_")
+for _name in list(os.environ):
+    if (_name in LAUNCHER_SETTINGS or _name.startswith(USER_ENVIRONMENT)
+            or _name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+                         "GPU_MEMORY_GIB", "GPU_PEAK_TFLOPS", "DEEPSPEED_LM_CACHE", "VIRTUAL_ENV")):
+        del os.environ[_name]
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 # Small and fast, but the real code path: 2 gloo ranks, the tiny Qwen3 preset, the embedded corpus.
 FAST_ARGS = ["--seq_len", "64", "--micro_batch_size", "2", "--eval_iters", "2", "--log_interval", "1",

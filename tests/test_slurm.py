@@ -72,6 +72,30 @@ def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
     log.unlink()
 
 
+def test_the_seeds_sbatch_on_a_gpu_node_given_no_gpus_stops_before_training(slurm, tmp_path):
+    """`sbatch train.sbatch`, as the seeds write it. nvidia-smi is a stand-in listing two GPUs (there is no GPU here) on
+    a cluster that manages GPUs (GresTypes=gpu) but gave this job none: the job stops in one line naming the fix and
+    never starts the trainer. The script's request is --exclusive (all of a node's GRES where SLURM has them)."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n"
+                                        "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    ckpt = tmp_path / "ckpt"
+    env = {**FAST_ENV, "CHECKPOINT_DIR": str(ckpt), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    job_id = submitted_job(slurm.run("sbatch", "train.sbatch", *FAST_ARGS, env=env))
+    info = slurm.wait_job(job_id, timeout=120)
+    log = job_log(job_id)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "FAILED" and info["OverSubscribe"] == "NO", text[-3000:]  # exclusive: the request
+    assert f"job {job_id} was given no GPUs, but node node1 has 2: it would train on CPU" in text
+    assert "sbatch --gpus-per-node=N train.sbatch" in text and "#SBATCH --gpus-per-node" in text
+    assert "task: rank" not in text and not ckpt.exists()
+    log.unlink()
+
+
 def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
     """USR1 to the batch shell (what --signal=B:USR1@300 does before the time limit): the trainer saves and exits 75,
     the job requeues itself, and the second run resumes from that checkpoint and finishes."""
