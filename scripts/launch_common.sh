@@ -282,7 +282,9 @@ allocated_gpus() {
 check_job_gpus() { # check_job_gpus VISIBLE_GPUS
     [[ -n $GPUS_PER_NODE ]] && return 0  # the user said how many
     in_allocation || return 0
-    scontrol show config 2>/dev/null | grep -Eq '^GresTypes *= *.*gpu' || return 0
+    local config
+    config=$(scontrol show config 2>/dev/null || true)  # read whole: grep -q would cut the pipe (pipefail)
+    grep -Eq '^GresTypes *= *.*gpu' <<<"$config" || return 0
     local node=${SLURMD_NODENAME:-$(hostname -s)} configured
     configured=$(configured_gpus node "$node")
     (($1 > 0 || configured > 0)) || return 0
