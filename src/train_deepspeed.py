@@ -349,8 +349,8 @@ def train(run: Run) -> int:
         if cfg.eval_interval and run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps:
             log_evaluation(run, "eval")
 
-        # --- non-finite loss or gradient: DeepSpeed skipped the update (bf16/fp16 overflow check) or, in fp32,
-        #     could not; after max_bad_steps in a row (at once in fp32) stop without saving: the last checkpoint is good ---
+        # --- what all ranks decide together, in one collective: a stop signal on any rank, a non-finite loss, an
+        #     update the GPU skipped, a save due by rank 0's clock (--checkpoint_minutes) ---
         save_due = (dist.is_main and cfg.checkpoint_minutes > 0
                     and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)  # rank 0's clock, for all
         flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=dist.device), nonfinite.float(),
@@ -359,8 +359,10 @@ def train(run: Run) -> int:
         stop_now, nonfinite_loss, skipped_on_device, save_due = (flags > 0).tolist()
         if skipped_on_device:  # DSLM_OVERFLOW_CHECK=device: the GPU skipped the update; book it as DeepSpeed would
             settle_device_skip(engine)
-        # What DeepSpeed did decides, not the config: it skips a non-finite update where it checks for overflow (fp16's
-        # loss scaling, bf16's check_grad_overflow, on by default) and applies it otherwise (fp32).
+        # --- non-finite loss or gradient: what DeepSpeed did decides, not the config. It skips such an update where it
+        #     checks for overflow (fp16's loss scaling, bf16's check_grad_overflow, on by default) and applies it
+        #     otherwise (fp32); after max_bad_steps skipped in a row, or one applied, stop without saving: the last
+        #     checkpoint is good ---
         skipped = not engine.was_step_applied()
         if skipped and fp16 and not nonfinite_loss:  # the loss scale found its level: normal, counted, not an error
             log.info(f"step {run.step}: fp16 gradients overflowed; update skipped, loss scale lowered to "
