@@ -294,6 +294,7 @@ def train(run: Run) -> int:
         trace = open(Path(cfg.checkpoint_dir) / "data_trace" / f"rank-{dist.rank:05d}.jsonl", "a", encoding="utf-8")
     engine.train()
     last_save = time.monotonic()
+    save_deferred = False  # a periodic save that fell on a step whose update was skipped
     while run.step < cfg.max_steps:
         # --- learning rate used by this step ---
         lr = engine.get_lr()[0]
@@ -385,8 +386,12 @@ def train(run: Run) -> int:
                 return EXIT_NONFINITE
 
         # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
-        if (stop_now or save_due or (cfg.checkpoint_freq and run.step % cfg.checkpoint_freq == 0)
-                or run.step == cfg.max_steps):
+        periodic = save_deferred or save_due or (cfg.checkpoint_freq and run.step % cfg.checkpoint_freq == 0)
+        save_deferred = False
+        if bad and periodic and not stop_now and run.step < cfg.max_steps:  # all ranks agree on `bad`
+            log.info(f"checkpoint: not saved at step {run.step}, whose update was skipped; the next good step saves")
+            periodic, save_deferred = False, True
+        if stop_now or periodic or run.step == cfg.max_steps:
             save(run)
             last_save = time.monotonic()
         if stop_now and run.step < cfg.max_steps:

@@ -245,11 +245,12 @@ def test_bad_arguments_exit_2_before_any_work(tmp_path):
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(session_cache, tmp_path):
-    """A learning rate of 1e30 blows the weights up within a few steps. fp32 (CPU) updates cannot be skipped, so the
-    run stops at the first non-finite step with status 3, saving nothing: `latest` stays the step before."""
+    """A learning rate of 1e30 blows the weights up within a few steps. DeepSpeed's ZeRO step skips the non-finite
+    update (its norm check covers fp32 too); with --max_bad_steps 1 the run stops there with status 3, saving
+    nothing: `latest` stays the step before."""
     ckpt = tmp_path / "ckpt"
     run = run_trainer(ckpt, [*FAST_ARGS, "--max_steps", "6", "--checkpoint_freq", "1", "--learning_rate", "1e30",
-                             "--warmup_steps", "1", "--no-export"])
+                             "--warmup_steps", "1", "--no-export", "--max_bad_steps", "1"])
     import re
 
     assert run.returncode == 3, run.output
@@ -258,6 +259,22 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(session_cache, 
     assert 2 <= bad_step <= 6
     assert (ckpt / "latest").read_text() == f"step-{bad_step - 1:08d}"  # every step before it was saved (freq 1)
     assert not (ckpt / f"step-{bad_step:08d}").exists()
+
+
+def test_skipped_steps_are_not_saved_and_the_run_goes_on(session_cache, tmp_path):
+    """With the default --max_bad_steps 3 a single skipped update does not stop the run, and the periodic save that
+    falls on it waits for the next good step (the checkpoint of a skipped step would resume into the same trouble).
+    The blow-up above gives bad steps from some step on: every checkpoint written is of a step whose update applied."""
+    ckpt = tmp_path / "ckpt"
+    run = run_trainer(ckpt, [*FAST_ARGS, "--max_steps", "6", "--checkpoint_freq", "1", "--learning_rate", "1e30",
+                             "--warmup_steps", "1", "--no-export", "--keep_last_checkpoints", "0"])
+    import re
+
+    bad = sorted({int(s) for s in re.findall(r"step (\d+): non-finite loss or gradient norm", run.output)})
+    assert bad and "DeepSpeed skipped this update" in run.output
+    saved = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*"))
+    assert not (set(saved) - {6}) & set(bad), (saved, bad)  # the end of the run saves whatever its last step was
+    assert all(f"checkpoint: not saved at step {s}" in run.output for s in bad if s < 6)
 
 
 EPOCH_ARGS = [*FAST_ARGS, "--dummy_data", "40", "--max_steps", "14", "--no-export", "--seed", "3"]
