@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # DeepSpeed training on one node.
 #
-#   ./train-singlenode.sh [TRAINER FLAGS...]       on this machine: torchrun --standalone over all
-#                                                  its GPUs (CPU_PROCS processes without GPU); inside
+#   ./train-singlenode.sh [TRAINER FLAGS...]       on this machine: one process per GPU (CPU_PROCS
+#                                                  processes without GPU), exit status the trainer's; inside
 #                                                  an salloc allocation: srun, one task per GPU
 #   ./train-singlenode.sh NODE [TRAINER FLAGS...]  on SLURM node NODE (salloc, then srun there)
 #

@@ -50,6 +50,8 @@ TASK_WRAPPER='[[ -z ${VENV:-} ]] || source "$VENV/bin/activate"; export RANK=$SL
 RESUME_STATUS=75
 # A TERM this close to the time limit (seconds) is the limit itself: the job is requeued as after USR1.
 REQUEUE_TERM_WITHIN=120
+# Seconds the other ranks of a run on this machine get to exit after one rank failed, before KILL.
+RANK_STOP_GRACE=30
 
 die() {
     echo "$LAUNCHER: error: $*" >&2
@@ -470,18 +472,81 @@ preview_job_step() {
     show_cmd "${STEP[@]}"
 }
 
-# Outside SLURM: torchrun --standalone over the local GPUs, or CPU_PROCS processes.
+# Outside SLURM: one trainer process per local GPU, or CPU_PROCS processes, started by run_local_ranks.
 run_standalone() {
-    local gpus nproc
+    local gpus nproc status
     check_before_allocation "$@"
     build_trainer_args "$@"
     gpus=$(detect_gpus_per_node)
     nproc=$((gpus > 0 ? gpus : CPU_PROCS))
-    log "this machine: $nproc processes ($gpus GPUs)"
-    local cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}")
+    export MASTER_ADDR=127.0.0.1
+    if [[ $DRY_RUN == 1 ]]; then
+        log "this machine: $nproc processes ($gpus GPUs), each running with RANK=LOCAL_RANK=0..$((nproc - 1)) WORLD_SIZE=$nproc MASTER_ADDR=$MASTER_ADDR MASTER_PORT=${MASTER_PORT:-<a free port>}:"
+    else
+        export MASTER_PORT=${MASTER_PORT:-$(free_port)}
+        log "this machine: $nproc processes ($gpus GPUs), each running with RANK=LOCAL_RANK=0..$((nproc - 1)) WORLD_SIZE=$nproc MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT:"
+    fi
+    local cmd=("$PYTHON" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}")
     show_cmd "${cmd[@]}"
     [[ $DRY_RUN == 1 ]] && exit 0
-    exec "${cmd[@]}"
+    run_local_ranks "$nproc" "${cmd[@]}" && status=0 || status=$?
+    log "training finished with status $status"
+    ((status != RESUME_STATUS)) || log "the trainer saved a checkpoint and stopped: run the same command again to resume"
+    exit "$status"
+}
+
+# A TCP port free on this machine now (the kernel picks it).
+free_port() {
+    "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# Run NPROC copies of COMMAND as the ranks of one job on this machine (RANK, LOCAL_RANK, WORLD_SIZE set) and return
+# the job's exit status: the first failing rank's, else 75 when the ranks stopped after a signal's checkpoint, else 0.
+# Started here rather than by torchrun, so that USR1 and TERM (and INT, as TERM) reach every rank and the status is
+# the trainer's own: torchrun exits 1 with a traceback when it is signalled. A rank that fails stops the others (TERM,
+# then KILL after RANK_STOP_GRACE seconds) instead of leaving them waiting in a collective.
+run_local_ranks() { # run_local_ranks NPROC COMMAND...
+    local nproc=$1 rank pid code status=0 failed=0 killer=""
+    shift
+    local -a ranks=() running=()
+    local -A rank_of=()
+    export WORLD_SIZE=$nproc LOCAL_WORLD_SIZE=$nproc
+    for ((rank = 0; rank < nproc; rank++)); do
+        RANK=$rank LOCAL_RANK=$rank "$@" &
+        ranks+=("$!")
+        rank_of[$!]=$rank
+    done
+    trap 'FORWARDED_SIGNAL=USR1; log "USR1: forwarding to the $nproc ranks (checkpoint, then stop)"; kill -USR1 "${ranks[@]}" 2>/dev/null || true' USR1
+    trap 'FORWARDED_SIGNAL=TERM; log "TERM: forwarding to the $nproc ranks (checkpoint, then stop)"; kill -TERM "${ranks[@]}" 2>/dev/null || true' TERM
+    trap 'FORWARDED_SIGNAL=INT; log "INT: forwarding TERM to the $nproc ranks (checkpoint, then stop)"; kill -TERM "${ranks[@]}" 2>/dev/null || true' INT
+    while ((${#ranks[@]})); do
+        # A trapped signal interrupts this wait at once; a rank's exit is seen within a second.
+        sleep 1 >/dev/null 2>&1 &
+        wait "$!" || true
+        running=()
+        for pid in "${ranks[@]}"; do
+            if kill -0 "$pid" 2>/dev/null; then
+                running+=("$pid")
+                continue
+            fi
+            wait "$pid" && code=0 || code=$?
+            if ((code == RESUME_STATUS && status == 0)); then
+                status=$code
+            elif ((code != 0 && code != RESUME_STATUS && !failed)); then
+                failed=1 status=$code
+                log "rank ${rank_of[$pid]} exited with status $code: stopping the other ranks"
+            fi
+        done
+        ranks=("${running[@]}")
+        if ((failed && ${#ranks[@]})) && [[ -z $killer ]]; then
+            kill -TERM "${ranks[@]}" 2>/dev/null || true
+            (sleep "$RANK_STOP_GRACE" && kill -KILL "${ranks[@]}") >/dev/null 2>&1 &
+            killer=$!
+        fi
+    done
+    [[ -z $killer ]] || kill "$killer" 2>/dev/null || true
+    trap - USR1 TERM INT
+    return "$status"
 }
 
 # Before anything is allocated: every check of the settings and the
@@ -527,7 +592,7 @@ sbatch_main() { # sbatch_main SCRIPT CONTAINER(0|1) TRAINER_ARGS...
 # The single-node launchers. With a first argument NODE (or always, for the
 # container), allocate one node with salloc and run this launcher again inside
 # the allocation; inside an allocation, run the training step; otherwise run
-# on this machine with torchrun.
+# on this machine (run_standalone).
 single_node_main() { # single_node_main CONTAINER(0|1) [NODE] TRAINER_ARGS...
     CONTAINER=$1
     shift

@@ -109,22 +109,24 @@ def test_dry_run_standalone_maps_every_setting_to_its_flag(tmp_path):
                     DS_CONFIG="ds_config.json", SEQ_LEN="128", OUTPUT_DIR=str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     assert commands(result) == [
-        f"+ {DEFAULT_PYTHON} -m torch.distributed.run --standalone --nproc_per_node=2 src/train_deepspeed.py "
+        f"+ {DEFAULT_PYTHON} src/train_deepspeed.py "
         "--dataset data/x.jsonl --dataset_config_name en --local_dataset true --model qwen3-0.6b --tokenizer tok "
         f"--max_steps 20 --checkpoint_freq 5 --checkpoint_dir {tmp_path}/ck --ds_config ds_config.json --seq_len 128 "
         f"--export_dir {tmp_path}/hf --seed 7 --resume never"]
-    assert "this machine: 2 processes (0 GPUs)" in result.stdout
+    assert ("this machine: 2 processes (0 GPUs), each running with RANK=LOCAL_RANK=0..1 WORLD_SIZE=2 "
+            "MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>:") in result.stdout
 
 
 def test_dry_run_standalone_passes_no_unset_setting():
     """A setting left unset is not passed: the trainer's own default applies."""
     result = launch("./train-singlenode.sh", DRY_RUN="1")
-    assert commands(result) == [f"+ {DEFAULT_PYTHON} -m torch.distributed.run --standalone --nproc_per_node=2 "
-                                "src/train_deepspeed.py"]
+    assert commands(result) == [f"+ {DEFAULT_PYTHON} src/train_deepspeed.py"]
     result = launch("./train-singlenode.sh", "--max_steps", "3", DRY_RUN="1", GPUS_PER_NODE="4")
-    assert commands(result)[0].endswith("--nproc_per_node=4 src/train_deepspeed.py --max_steps 3")
-    result = launch("./train-singlenode.sh", DRY_RUN="1", CPU_PROCS="3")
-    assert "--nproc_per_node=3 " in commands(result)[0]
+    assert commands(result)[0].endswith(" src/train_deepspeed.py --max_steps 3")
+    assert "this machine: 4 processes (4 GPUs), each running with RANK=LOCAL_RANK=0..3 WORLD_SIZE=4 " in result.stdout
+    result = launch("./train-singlenode.sh", DRY_RUN="1", CPU_PROCS="3", MASTER_PORT="29999")
+    assert "3 processes (0 GPUs), each running with RANK=LOCAL_RANK=0..2 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 " \
+           "MASTER_PORT=29999:" in result.stdout
 
 
 def test_dry_run_quotes_arguments_for_the_shell():
@@ -182,7 +184,7 @@ def test_venv_is_activated_and_its_python_used(tmp_path):
     venv = venv_seeing_these_packages(tmp_path / "venv")
     result = launch("./train-singlenode.sh", DRY_RUN="1", VENV=str(venv))
     assert result.returncode == 0, result.stderr
-    assert commands(result)[0].startswith("+ python -m torch.distributed.run ")
+    assert commands(result)[0] == "+ python src/train_deepspeed.py"
     which = lib('activate_venv; resolve_python; command -v "$PYTHON"', VENV=str(venv))
     assert which.stdout.strip() == f"{venv}/bin/python"
 
@@ -329,3 +331,41 @@ def test_batch_shell_forwards_stop_signals_and_returns_the_step_status(tmp_path,
     out, _ = shell.communicate(timeout=30)
     assert f"{sig}: forwarding" in out and f"step got SIG{forwarded}" in out, out
     assert out.rstrip().endswith("status 75") and shell.returncode == 0
+
+
+def test_standalone_run_exits_with_the_trainers_status(tmp_path, session_cache):
+    """./train-singlenode.sh outside SLURM starts its ranks itself: TERM reaches both ranks, they save and stop, and
+    the launcher's status is the trainer's 75, with no traceback; bad input is the trainer's 2; a rank that fails
+    stops the other and its status is the launcher's."""
+    ckpt = tmp_path / "ck"
+    env = clean_env(MAX_STEPS="400", CHECKPOINT_DIR=str(ckpt), DEEPSPEED_LM_CACHE=str(session_cache),
+                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = subprocess.Popen(["./train-singlenode.sh", "--seq_len", "64", "--micro_batch_size", "2", "--log_interval",
+                            "1", "--eval_interval", "0", "--checkpoint_freq", "1000"], cwd=REPO_ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if re.match(r"step 3 \|", line):
+            run.send_signal(signal.SIGTERM)
+            break
+    lines += run.stdout.readlines()
+    out = "".join(lines)
+    assert run.wait(timeout=120) == 75, out[-4000:]
+    assert "TERM: forwarding to the 2 ranks" in out and "Traceback" not in out, out[-4000:]
+    assert "training finished with status 75" in out and "run the same command again to resume" in out
+    saved = (ckpt / "latest").read_text().strip()
+    assert int(saved.removeprefix("step-")) >= 3 and (ckpt / saved).is_dir(), saved
+
+    bad = launch("./train-singlenode.sh", "--dataset", str(tmp_path / "missing.jsonl"), timeout=300,
+                 DEEPSPEED_LM_CACHE=str(session_cache), OMP_NUM_THREADS="1")
+    assert bad.returncode == 2, bad.stdout[-3000:] + bad.stderr[-3000:]
+    assert "missing.jsonl: this path does not exist" in bad.stdout + bad.stderr
+
+    # One rank failing (here: a trainer that cannot start on rank 1) ends the run with that rank's status.
+    crash = lib('RANK_STOP_GRACE=5; run_local_ranks 2 "$PYTHON" -c "import os, sys, time; '
+                'sys.exit(3) if os.environ[\'RANK\'] == \'1\' else time.sleep(60)" && s=0 || s=$?; echo "status $s"',
+                PYTHON=sys.executable)
+    assert crash.stdout.rstrip().endswith("status 3"), crash.stdout + crash.stderr
+    assert "rank 1 exited with status 3: stopping the other ranks" in crash.stdout

@@ -6,6 +6,7 @@ composed srun line, printed by a real batch job); that is the only thing these t
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -156,6 +157,42 @@ def test_scancel_during_saves_leaves_a_resumable_state(slurm, tmp_path):
     assert (ckpt / "step-00000040" / "manifest.json").exists()
     job_log(first).unlink(missing_ok=True)
     job_log(second).unlink()
+
+
+def test_requeued_job_takes_its_own_run_lock_back(slurm, tmp_path):
+    """A job killed without releasing its run lock (a node failure: the lock names a host that is gone, with a fresh
+    heartbeat) is requeued under the same job id and takes its lock back; another job finds the same lock held and
+    stops with exit status 2 before any step, leaving the lock as it was. Each job is held at submission so that
+    its lock can be planted with the id SLURM gave it."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    lock = ckpt / "run.lock"
+    env = {**FAST_ENV, "MAX_STEPS": "2", "CHECKPOINT_DIR": str(ckpt), "SBATCH_HOLD": "1"}
+
+    def held_job_with_lock_of(owner: str) -> int:
+        job_id = submitted_job(slurm.run("./train.sbatch", *FAST_ARGS, env=env))
+        holder = job_id if owner == "itself" else job_id + 1000
+        lock.write_text(json.dumps({"job_id": str(holder), "host": "node-that-failed", "pid": 4242,
+                                    "started": "2026-01-01T00:00:00+0000", "token": "planted"}))
+        assert slurm.run("scontrol", "release", str(job_id)).returncode == 0
+        return job_id
+
+    other = held_job_with_lock_of("another job")
+    info = slurm.wait_job(other, timeout=240)
+    text = job_log(other).read_text(errors="replace")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", text[-3000:]
+    assert f"is in use by another run (SLURM job {other + 1000}, host node-that-failed, pid 4242" in text
+    assert "--force_unlock" in text and "Traceback" not in text and not list(ckpt.glob("step-*"))
+    assert json.loads(lock.read_text())["token"] == "planted"
+
+    own = held_job_with_lock_of("itself")
+    info = slurm.wait_job(own, timeout=240)
+    text = job_log(own).read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED", text[-3000:]
+    assert f"run lock: taking over {lock} from node-that-failed pid 4242 (the same SLURM job {own} (requeued))" in text
+    assert (ckpt / "step-00000002").is_dir() and not lock.exists()  # released at the end
+    job_log(other).unlink()
+    job_log(own).unlink()
 
 
 def test_singlenode_runs_on_the_named_node(slurm, tmp_path):
