@@ -47,6 +47,7 @@ class Run:
     step: int = 0
     tokens_seen: int = 0
     position: object = None
+    saves: object = None  # background_save.BackgroundSaves (--background_checkpoint), else None: saves block
 
     @property
     def tokens_per_step(self) -> int:
@@ -119,12 +120,19 @@ def setup(cfg: TrainConfig, dist) -> Run:
               {"params": [p for p, m in zip(trainable, matrix) if not m], "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     streamline_zero_step(engine, log.info)
+    writer = None
+    if report.background_checkpoint:
+        from model_utils.background_save import install
+        writer = install(engine, log.info)
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
     run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, seq_len, micro, accum,
               flops, log, peak_tflops=peak, position=DataPosition(),
               document_eos=tokenizer.eos_token_id if cfg.document_mask else None,
               document_boundaries=cfg.document_mask and takes_document_boundaries(model))
+    if writer is not None:
+        from model_utils.background_save import BackgroundSaves
+        run.saves = BackgroundSaves(writer, dist, log.info)
     if cfg.document_mask:
         log.info("attention: within documents (--document_mask; positions restart after each EOS, "
                  + ("FlashAttention-4 takes the documents' boundaries)" if run.document_boundaries
@@ -245,7 +253,9 @@ def log_evaluation(run: Run, label: str):
         run.log.info(f"{label} step {run.step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
 
 
-def save(run: Run):
+def save(run: Run, wait: bool = False):
+    """Save a checkpoint of this step on every rank. In the background (run.saves), training goes on once the state
+    is in host memory, after the checkpoint still in flight, if any, is complete; `wait` also finishes this one."""
     from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                 UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
@@ -261,7 +271,19 @@ def save(run: Run):
               # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)
               UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
     t0 = time.perf_counter()
-    save_checkpoint(run.engine, ctx, run.step, client, rng_state(), run.dist, run.log.info)
+    if run.saves is None:
+        save_checkpoint(run.engine, ctx, run.step, client, rng_state(), run.dist, run.log.info)
+    else:
+        run.saves.finish()  # one checkpoint in flight at a time
+        waited = time.perf_counter() - t0
+        run.saves.started(save_checkpoint(run.engine, ctx, run.step, client, rng_state(), run.dist, run.log.info,
+                                          run.saves.writer))
+        if wait:
+            run.saves.finish()
+        else:
+            run.log.info(f"checkpoint: step {run.step} in host memory after {time.perf_counter() - t0:.1f}s"
+                         + (f" ({waited:.1f}s waiting for the previous save)" if waited >= 0.05 else "")
+                         + "; writing it in the background")
     run.log.metrics({"step": run.step, "checkpoint_s": time.perf_counter() - t0})  # how long training stood still
 
 
@@ -351,13 +373,18 @@ def train(run: Run) -> int:
             log_evaluation(run, "eval")
 
         # --- what all ranks decide together, in one collective: a stop signal on any rank, a non-finite loss, an
-        #     update the GPU skipped, a save due by rank 0's clock (--checkpoint_minutes) ---
+        #     update the GPU skipped, a save due by rank 0's clock (--checkpoint_minutes), the state of a checkpoint
+        #     being written in the background (committed once every rank has written it) ---
         save_due = (dist.is_main and cfg.checkpoint_minutes > 0
                     and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)  # rank 0's clock, for all
+        writes = run.saves.local_state() if run.saves else 0.0
         flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=dist.device), nonfinite.float(),
-                             device_skip_flag(engine, dist.device), torch.tensor(float(save_due), device=dist.device)])
+                             device_skip_flag(engine, dist.device), torch.tensor(float(save_due), device=dist.device),
+                             torch.tensor(writes, device=dist.device)])
         dist.all_reduce(flags, torch.distributed.ReduceOp.MAX)
-        stop_now, nonfinite_loss, skipped_on_device, save_due = (flags > 0).tolist()
+        stop_now, nonfinite_loss, skipped_on_device, save_due = (flags[:4] > 0).tolist()
+        if run.saves:
+            run.saves.agreed(flags[4].item())
         if skipped_on_device:  # DSLM_OVERFLOW_CHECK=device: the GPU skipped the update; book it as DeepSpeed would
             settle_device_skip(engine)
         # --- non-finite loss or gradient: what DeepSpeed did decides, not the config. It skips such an update where it
@@ -382,6 +409,8 @@ def train(run: Run) -> int:
                 log.warn(f"stopping after {bad_steps} consecutive non-finite step(s) (--max_bad_steps "
                          f"{cfg.max_bad_steps}); no checkpoint written, the last saved one is intact. Lower the "
                          "learning rate, raise warmup, or check the data")
+                if run.saves:
+                    run.saves.finish()  # saved at a good step: completed
                 write_summary(run, f"stopped: {bad_steps} consecutive non-finite step(s), exit {EXIT_NONFINITE}")
                 return EXIT_NONFINITE
 
@@ -392,7 +421,7 @@ def train(run: Run) -> int:
             log.info(f"checkpoint: not saved at step {run.step}, whose update was skipped; the next good step saves")
             periodic, save_deferred = False, True
         if stop_now or periodic or run.step == cfg.max_steps:
-            save(run)
+            save(run, wait=stop_now or run.step == cfg.max_steps)
             last_save = time.monotonic()
         if stop_now and run.step < cfg.max_steps:
             log.bar.close()
@@ -462,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
 
     exit_on_problems(validate_args(cfg) + distributed_env_problems())
 
+    from model_utils.background_save import SaveFailed
     from model_utils.checkpoint import ResumeError
     from model_utils.concat_dataset import DataError
     from model_utils.train_utils import setup_distributed
@@ -497,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_main:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except SaveFailed as e:
+        print(f"error (rank {dist.rank}): {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         import torch
 

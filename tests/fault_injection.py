@@ -6,8 +6,11 @@ POINT is where the rank RANK acts at step STEP:
   kill-before-manifest   SIGKILL itself once its shards are written and fsynced, before the manifest exists
   kill-after-manifest    (rank 0) SIGKILL itself after writing the manifest, before `latest` moves
   usr1-in-eval           SIGUSR1 to itself inside the evaluation at that step
-  usr1-in-save           SIGUSR1 to itself while that step's checkpoint is being written
-FAULT is read by this test program only; the trainer has no such switch.
+  usr1-in-save           SIGUSR1 to itself once the first file of that step's checkpoint is written
+  disk-full              its writes of that step's checkpoint fail with ENOSPC
+The points are found by the checkpoint's step (its directory's name), so they act alike whether the files are written
+in the background (--background_checkpoint, the default) or not. FAULT is read by this test program only; the trainer
+has no such switch.
 """
 
 from __future__ import annotations
@@ -21,12 +24,11 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
 
-from model_utils import checkpoint, evaluation  # noqa: E402
+from model_utils import background_save, checkpoint, evaluation  # noqa: E402
 
 point, rank, step = os.environ["FAULT"].split(":")
 rank, step = int(rank), int(step)
 me = int(os.environ["RANK"])
-saving = {"step": None}
 
 
 def act(sig):
@@ -34,48 +36,49 @@ def act(sig):
     os.kill(os.getpid(), sig)
 
 
-original_save = checkpoint.save_checkpoint
+tag = checkpoint.tag_for(step)
 
 
-def save_checkpoint(engine, ctx, at_step, *args, **kw):
-    saving["step"] = at_step
-    try:
-        return original_save(engine, ctx, at_step, *args, **kw)
-    finally:
-        saving["step"] = None
+def in_this_save(path) -> bool:
+    return me == rank and Path(path).parent.name == tag
 
 
-checkpoint.save_checkpoint = save_checkpoint
+def on_fsync(act_on):
+    """Wrap both fsyncs of a checkpoint's files (a synchronous save's, the background writer's)."""
+    def wrap(original):
+        def fsync(path):
+            original(path)
+            if in_this_save(path):
+                act_on(Path(path))
+        return fsync
+
+    checkpoint._fsync_file = wrap(checkpoint._fsync_file)
+    background_save.fsync_path = wrap(background_save.fsync_path)
+
 
 if point == "kill-before-manifest":
-    original_fsync = checkpoint._fsync_file
-    fsynced = []
-
-    def _fsync_file(path):
-        original_fsync(path)
-        fsynced.append(path)
-        if me == rank and saving["step"] == step and Path(path).name.startswith("rng_state"):  # its last file
-            act(signal.SIGKILL)
-
-    checkpoint._fsync_file = _fsync_file
+    on_fsync(lambda path: path.name.startswith("rng_state") and act(signal.SIGKILL))  # the rank's last file
 elif point == "kill-after-manifest":
     original_write = checkpoint.atomic_write_text
 
     def atomic_write_text(path, text):
-        if me == rank and saving["step"] == step and Path(path).name == checkpoint.LATEST:
+        if me == rank and Path(path).name == checkpoint.LATEST and text == tag:
             act(signal.SIGKILL)
         return original_write(path, text)
 
     checkpoint.atomic_write_text = atomic_write_text
 elif point == "usr1-in-save":
-    original_rng = checkpoint.rng_state_file
+    signalled = []
+    on_fsync(lambda path: not signalled and (signalled.append(path) or act(signal.SIGUSR1)))  # its first file
+elif point == "disk-full":
+    original_fsync = background_save.fsync_path
 
-    def rng_state_file(path, at_rank):
-        if me == rank and saving["step"] == step:
-            act(signal.SIGUSR1)
-        return original_rng(path, at_rank)
+    def fsync_path(path):
+        if in_this_save(path):
+            raise OSError(28, "No space left on device", str(path))
+        original_fsync(path)
 
-    checkpoint.rng_state_file = rng_state_file
+    background_save.fsync_path = fsync_path
 elif point == "usr1-in-eval":
     original_loss = evaluation.evaluation_loss
     evaluated = {"done": False}

@@ -42,9 +42,12 @@ def run_with_fault(ckpt: Path, args: list[str], fault: str, timeout: float = 300
     return TrainerRun(codes, [log.read_text() for log in logs], ckpt)
 
 
-def test_kill_9_of_one_rank_before_the_manifest(baseline, tmp_path):
+@pytest.mark.parametrize("writes", [[], ["--no-background_checkpoint"]], ids=["in-the-background", "synchronous"])
+def test_kill_9_of_one_rank_before_the_manifest(baseline, tmp_path, writes):
+    """Rank 1 dies once it has written and fsynced its files of step 7: in the background (while training went on)
+    or in a synchronous save. Step 7 never gets a manifest; the resumed run is exact from step 6."""
     ckpt = tmp_path / "ckpt"
-    first = run_with_fault(ckpt, EVERY_STEP, "kill-before-manifest:1:7")
+    first = run_with_fault(ckpt, [*EVERY_STEP, *writes], "kill-before-manifest:1:7")
     assert first.returncodes[1] == -9
     assert (ckpt / "step-00000007").is_dir() and not (ckpt / "step-00000007" / "manifest.json").exists()
     assert (ckpt / "latest").read_text() == "step-00000006"

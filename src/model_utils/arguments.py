@@ -80,6 +80,10 @@ class TrainConfig:
     checkpoint_minutes: float = _f(0.0, "Also save when N minutes have passed since the last save (or the start), "
                                         "whatever the step time: a job with a time limit loses at most N minutes. "
                                         "0: off. Rank 0's clock decides for all ranks.")
+    background_checkpoint: bool = _f(True, "Write checkpoints in the background: training stops only while the state "
+                                           "is copied to host memory, and a checkpoint counts once every rank has "
+                                           "written it (a crash meanwhile leaves the previous one `latest`). Off by "
+                                           "itself where the copy would not fit in the node's memory.")
     keep_last_checkpoints: int = _f(3, "Complete checkpoints to keep (older ones are deleted; 0 keeps all).")
     resume: str = _f("auto", "auto: resume from the newest complete checkpoint in checkpoint_dir; never: start fresh "
                              "(refuses if checkpoints exist).", choices=("auto", "never"))

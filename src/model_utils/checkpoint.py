@@ -206,31 +206,59 @@ class SaveContext:
     manifest_extra: dict = field(default_factory=dict)
 
 
-def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng: dict, dist, log) -> Path:
-    """Save on every rank; the checkpoint becomes visible (manifest, `latest`) only once all ranks are done."""
+@dataclass
+class PendingSave:
+    """A checkpoint whose files are written (or being written) on every rank, not yet visible."""
+    ctx: SaveContext
+    path: Path
+    step: int
+    manifest_fields: dict
+    started: float  # time.perf_counter() when the save began
+
+
+def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng: dict, dist, log,
+                    writer=None) -> PendingSave:
+    """Save on every rank. Without `writer`, returns once the checkpoint is complete and visible (manifest, `latest`).
+    With a background_save.HostCopyWriter installed as the engine's checkpoint engine, returns once the state is in
+    host memory; commit_save makes it visible after every rank's writes are done."""
     tag = tag_for(step)
     path = ctx.ckpt_dir / tag
-    t0 = time.perf_counter()
+    pending = PendingSave(ctx, path, step, {k: v for k, v in client_state.items()
+                                            if k in ("tokens_seen", "data_position")}, time.perf_counter())
     if dist.is_main and path.exists():
         shutil.rmtree(path)  # a leftover from a crash at this same step
     dist.barrier()
     engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    if writer is not None:
+        writer.save_file(rng, rng_state_file(path, dist.rank))
+        return pending
     torch.save(rng, rng_state_file(path, dist.rank))
     for f in path.iterdir():
         if f.is_file():
             _fsync_file(f)
     dist.barrier()  # every rank's shards are on disk
-    if dist.is_main:
-        files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
-        manifest = dict(step=step, world_size=dist.world_size, files=files, code_version=code_version(),
-                        saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), **ctx.manifest_extra,
-                        **{k: v for k, v in client_state.items() if k in ("tokens_seen", "data_position")})
-        atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=1, default=str))
-        atomic_write_text(ctx.ckpt_dir / LATEST, tag)
-        apply_retention(ctx.ckpt_dir, ctx.keep_last, log)
+    commit_save(pending, dist, log)
     dist.barrier()
-    log(f"checkpoint: saved {path} in {time.perf_counter() - t0:.1f}s")
-    return path
+    log(f"checkpoint: saved {path} in {time.perf_counter() - pending.started:.1f}s")
+    return pending
+
+
+def commit_save(pending: PendingSave, dist, log):
+    """Make a checkpoint whose files every rank has written and fsynced visible: rank 0 writes its manifest (the
+    commit point), then `latest`, then applies retention."""
+    if not dist.is_main:
+        return
+    path = pending.path
+    for f in path.iterdir():  # rank 0's own files not written through the engine (DeepSpeed's recovery script)
+        if f.is_file():
+            _fsync_file(f)
+    files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+    manifest = dict(step=pending.step, world_size=dist.world_size, files=files, code_version=code_version(),
+                    saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), **pending.ctx.manifest_extra,
+                    **pending.manifest_fields)
+    atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=1, default=str))
+    atomic_write_text(pending.ctx.ckpt_dir / LATEST, path.name)
+    apply_retention(pending.ctx.ckpt_dir, pending.ctx.keep_last, log)
 
 
 def apply_retention(ckpt_dir: Path, keep_last: int, log):

@@ -216,6 +216,7 @@ class Report:
     ds_config: dict | None = None
     seq_len: int | None = None
     resume: object = None  # checkpoint.CheckpointInfo of the checkpoint to resume from, or None
+    background_checkpoint: bool = False  # --background_checkpoint, and this node's memory holds a host copy
 
     def estimate(self, line: str) -> None:
         self.lines.append(line)
@@ -371,6 +372,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
                     _cheapest_fit(num_params, mconf, world, seq_len, micro, bf16, fused, chunk, memory, zero)))
             ckpt_bytes = num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
             _check_checkpoint_dir(cfg, ckpt_bytes, report)
+            _plan_background_writes(cfg, ckpt_bytes, world, off_opt or off_par, report)
         if check_data:
             _check_data(cfg, tokenizer, seq_len, world, micro, report)
 
@@ -455,6 +457,39 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
         report.problems.append(Problem("--keep_last_checkpoints", cfg.keep_last_checkpoints,
                                        f"{count} checkpoint(s) need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free",
                                        "free space, keep fewer checkpoints, or use another --checkpoint_dir"))
+
+
+def host_memory_available() -> float | None:
+    """Bytes of memory this machine can still give (MemAvailable), None where /proc/meminfo is not there."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _plan_background_writes(cfg: TrainConfig, ckpt_bytes: float, world: int, offloaded: bool, report: Report):
+    """--background_checkpoint copies each rank's share of a checkpoint to host memory: on when a node's copy, beside
+    the optimizer states an offload keeps there, fits in 3/4 of the memory this node has available."""
+    if not cfg.background_checkpoint:
+        report.estimate("checkpoint writes: synchronous (--no-background_checkpoint)")
+        return
+    import torch
+
+    per_node = world if not torch.cuda.is_available() else min(world, torch.cuda.device_count())
+    copy = ckpt_bytes * per_node / world
+    need = copy * (2 if offloaded else 1)  # the offloaded states (~ the checkpoint's size) live in host memory too
+    available = host_memory_available()
+    if available is not None and need > 0.75 * available:
+        report.estimate(f"checkpoint writes: synchronous: the host copy (~{copy / GIB:.1f} GiB per node"
+                        + (", beside the offloaded optimizer states" if offloaded else "")
+                        + f") does not fit in 3/4 of the {available / GIB:.0f} GiB available")
+        return
+    report.background_checkpoint = True
+    report.estimate(f"checkpoint writes: in the background, from a host copy of ~{copy / GIB:.1f} GiB per node"
+                    + (f" ({available / GIB:.0f} GiB available)" if available is not None else ""))
 
 
 def _check_data(cfg, tokenizer, seq_len, world, micro, report: Report):

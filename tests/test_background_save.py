@@ -1,0 +1,96 @@
+"""Checkpoints written in the background (--background_checkpoint, the default): the same files as a synchronous
+save, byte for byte; visible only once every rank has written them; a failed write stops the run with the previous
+checkpoint intact. Kill -9 and USR1 during a background write: tests/test_save_faults.py."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from conftest import assert_ok, run_trainer
+from model_utils.background_save import host_copy
+from test_save_faults import run_with_fault
+from test_training import RESUME_ARGS
+
+
+def saved_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def test_host_copy_pickles_exactly_as_the_original():
+    """What the state shares stays shared in the copy, so torch.save writes the same bytes: tied weights, views of a
+    flat buffer, a tuple used by two param groups, a state dict's _metadata, requires_grad, Parameters, sizes."""
+    flat = torch.arange(12, dtype=torch.float32)
+    embedding = torch.randn(4, 3)
+    module = OrderedDict([("embed.weight", embedding), ("head.weight", embedding), ("a", flat[:6].view(2, 3)),
+                          ("b", flat[6:])])
+    module._metadata = OrderedDict([("", {"version": 1})])
+    betas = (0.9, 0.95)
+    master = torch.randn(5, requires_grad=True)
+    placeholder = torch.empty(0)
+    master.ds_id = "0_42"  # an attribute ZeRO-3 sets, which torch.save keeps
+    state = {"module": module, "groups": [{"betas": betas, "lr": 1e-3}, {"betas": betas, "lr": 0.0}],
+             "fp32": [master], "param": torch.nn.Parameter(torch.ones(2)), "shape": torch.Size([2, 3]),
+             "step": 7, "half": flat.to(torch.bfloat16)[2:5],
+             # ZeRO-3's partitioned parameters: empty, distinct storages, but one for a tied weight
+             "placeholders": [torch.empty(0), torch.empty(0), placeholder, placeholder.detach()]}
+    copy = host_copy(state)
+    assert saved_bytes(copy) == saved_bytes(state)
+    assert copy["module"]["embed.weight"] is not embedding  # a copy, not the live tensor
+    assert copy["module"]["embed.weight"].untyped_storage().data_ptr() == \
+        copy["module"]["head.weight"].untyped_storage().data_ptr()
+    assert copy["groups"][0]["betas"] is copy["groups"][1]["betas"] and copy["module"]._metadata == module._metadata
+    embedding.add_(1.0)  # training goes on: the copy keeps the state as it was
+    assert saved_bytes(copy) != saved_bytes(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ds_config", ["ds_config.json", "configs/zero3.json"])
+def test_background_files_equal_a_synchronous_save(tmp_path, ds_config):
+    """Two runs, same seed: every file of step 3 (DeepSpeed's model and optimizer states, the RNG states) is
+    byte-identical whether written in the background or not; the background run says when each became complete."""
+    args = [*RESUME_ARGS, "--checkpoint_freq", "3", "--max_steps", "6", "--ds_config", ds_config]
+    background = run_trainer(tmp_path / "background", args)
+    synchronous = run_trainer(tmp_path / "synchronous", [*args, "--no-background_checkpoint"])
+    assert_ok(background)
+    assert_ok(synchronous)
+    out = background.output
+    assert "checkpoint: step 3 in host memory after" in out and "writing it in the background" in out
+    assert "checkpoint: step-00000003 complete, written in the background" in out
+    assert "checkpoint writes: synchronous (--no-background_checkpoint)" in synchronous.output
+    first, second = tmp_path / "background/step-00000003", tmp_path / "synchronous/step-00000003"
+    names = sorted(f.name for f in first.iterdir() if f.is_file())
+    assert names == sorted(f.name for f in second.iterdir() if f.is_file())
+    assert any(n.startswith("zero_pp_rank_1") for n in names) and "rng_state_rank00001.pt" in names
+    for name in names:
+        if name != "manifest.json":
+            assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    manifests = [json.loads((d / "manifest.json").read_text()) for d in (first, second)]
+    assert manifests[0]["files"] == manifests[1]["files"]
+    stalls = [r["checkpoint_s"] for r in background.metrics() if "checkpoint_s" in r]
+    assert len(stalls) == 2
+
+
+@pytest.mark.slow
+def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path):
+    """Rank 1's writes of step 6 fail (ENOSPC, injected): every rank learns it at the next step's collective and
+    exits 1 with the reason; step 3 stays `latest`, step 6 never gets a manifest, and a new run resumes from 3."""
+    ckpt = tmp_path / "ckpt"
+    args = [*RESUME_ARGS, "--checkpoint_freq", "3"]
+    failed = run_with_fault(ckpt, args, "disk-full:1:6")
+    assert failed.returncodes == [1, 1], failed.outputs[1][-3000:]
+    assert "checkpoint step-00000006 could not be written (writing" in failed.outputs[1]
+    assert "No space left on device" in failed.outputs[1]
+    assert "the previous complete checkpoint stays `latest`" in failed.outputs[0]
+    assert not any("Traceback" in o for o in failed.outputs), failed.outputs[0][-3000:]
+    assert (ckpt / "latest").read_text() == "step-00000003"
+    assert not (ckpt / "step-00000006" / "manifest.json").exists()
+    resumed = run_trainer(ckpt, args)
+    assert_ok(resumed)
+    assert "resume: continuing from" in resumed.output and "step-00000003" in resumed.output
