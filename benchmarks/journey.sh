@@ -7,6 +7,8 @@
 #   documents   --document_mask
 #   checkpointing  --gradient_checkpointing
 #   finetune    the model default exported, fine-tuned (MODEL=<its hf directory>)
+#   saves       a save every 10 steps, in the background and synchronously: how long training stands still per save
+#   saves-large the same for one save of JOURNEY_LARGE_MODEL (Qwen3-4B: 55 GiB; the disk holds one), 2 steps
 #
 #   bash benchmarks/journey.sh                       # all of them (~10 minutes on one H100)
 #   JOURNEY_ONLY="presets" bash benchmarks/journey.sh
@@ -18,6 +20,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_MODEL:=qwen3-0.6b}"
 : "${JOURNEY_MICRO_BATCH:=16}" # the fastest micro-batch docs/PERFORMANCE.md reports for Qwen3-0.6B on one H100
 : "${JOURNEY_DIR:=/tmp/journey}"
+: "${JOURNEY_LARGE_MODEL:=qwen3-4b}" # saves-large: ZeRO-2, micro-batch 1, activation checkpointing (fits one H100)
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
 
 mkdir -p "$JOURNEY_DIR"
@@ -61,6 +64,14 @@ for label, pattern in (("precision", r"precision (\w+)"), ("attention", r"attent
     value = grab(pattern)
     if value:
         parts.append(f"{label} {value.strip()!r}" if label == "sample" else f"{label} {value.strip()}")
+metrics = ckpt / "metrics.jsonl"
+stalls = [json.loads(line).get("checkpoint_s") for line in metrics.read_text().splitlines()] if metrics.exists() else []
+stalls = [f"{s:.1f}" for s in stalls if s is not None]
+if stalls:
+    parts.append(f"save stalls {', '.join(stalls)} s")
+copies = re.findall(r"in host memory after ([\d.]+)s", text)
+if copies:
+    parts.append(f"host copies {', '.join(copies)} s")
 if status:
     parts.append("last error: " + (grab(r"(?m)^.*(?:[Ee]rror|Traceback).*$") or "see log")[:200])
 print(" | ".join(parts))
@@ -91,6 +102,23 @@ fi
 if wanted checkpointing; then
     run checkpointing "$JOURNEY_DIR/checkpointing" MAX_STEPS=10 -- "${flags[@]}" --gradient_checkpointing \
         --checkpoint_freq 0
+fi
+if wanted saves; then
+    for writes in background synchronous; do
+        extra=()
+        [[ $writes == background ]] || extra=(--no-background_checkpoint)
+        run "saves-$writes" "$JOURNEY_DIR/saves-$writes" MAX_STEPS=40 -- "${flags[@]}" --eval_interval 0 \
+            --checkpoint_freq 10 --keep_last_checkpoints 1 --no-export "${extra[@]}"
+    done
+fi
+if wanted saves-large; then
+    for writes in background synchronous; do
+        extra=()
+        [[ $writes == background ]] || extra=(--no-background_checkpoint)
+        run "saves-large-$writes" "$JOURNEY_DIR/saves-large-$writes" MAX_STEPS=2 MODEL="$JOURNEY_LARGE_MODEL" -- \
+            --micro_batch_size 1 --gradient_checkpointing --log_interval 1 --eval_interval 0 --eval_iters 1 \
+            --checkpoint_freq 0 --no-export "${extra[@]}"
+    done
 fi
 if wanted finetune; then
     [[ -d $JOURNEY_DIR/default/hf ]] || echo "journey finetune: needs the default journey's export ($JOURNEY_DIR/default/hf)"

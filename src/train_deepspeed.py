@@ -278,12 +278,12 @@ def save(run: Run, wait: bool = False):
         waited = time.perf_counter() - t0
         run.saves.started(save_checkpoint(run.engine, ctx, run.step, client, rng_state(), run.dist, run.log.info,
                                           run.saves.writer))
+        run.log.info(f"checkpoint: step {run.step} in host memory after {time.perf_counter() - t0:.1f}s"
+                     + (f" ({waited:.1f}s waiting for the previous save)" if waited >= 0.05 else "")
+                     + ("; waiting for its writes (the last step, or a stop)" if wait else
+                        "; writing it in the background"))
         if wait:
             run.saves.finish()
-        else:
-            run.log.info(f"checkpoint: step {run.step} in host memory after {time.perf_counter() - t0:.1f}s"
-                         + (f" ({waited:.1f}s waiting for the previous save)" if waited >= 0.05 else "")
-                         + "; writing it in the background")
     run.log.metrics({"step": run.step, "checkpoint_s": time.perf_counter() - t0})  # how long training stood still
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_ok, run_trainer
-from model_utils.background_save import host_copy
+from model_utils.background_save import HostBuffers, host_copy
 from test_save_faults import run_with_fault
 from test_training import RESUME_ARGS
 
@@ -48,6 +48,17 @@ def test_host_copy_pickles_exactly_as_the_original():
     assert copy["groups"][0]["betas"] is copy["groups"][1]["betas"] and copy["module"]._metadata == module._metadata
     embedding.add_(1.0)  # training goes on: the copy keeps the state as it was
     assert saved_bytes(copy) != saved_bytes(state)
+
+    # Into reused buffers (what each save after the first does): the same bytes, no new storage.
+    buffers, memo = HostBuffers(pinned=False), {"taken": []}
+    first = host_copy(state, memo, buffers)
+    expected = saved_bytes(state)
+    assert saved_bytes(first) == expected and memo["taken"]
+    buffers.give_back(memo["taken"])
+    again = {"taken": []}
+    second = host_copy(state, again, buffers)
+    assert saved_bytes(second) == expected
+    assert {s.data_ptr() for s in again["taken"]} == {s.data_ptr() for s in memo["taken"]}
 
 
 @pytest.mark.slow

@@ -329,3 +329,38 @@ def test_config_checks_run_without_torch(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stdout + bad.stderr
     assert "train_batch_size = 12: must equal micro (8) x grad_acc (1) x world size (1) = 8" in bad.stdout
     assert "--max_steps = 0" in bad.stdout
+
+
+@pytest.mark.parametrize("args, on_disk", [
+    (["--checkpoint_freq", "0"], 1),  # the last step's save only
+    (["--checkpoint_freq", "0", "--checkpoint_minutes", "30", "--keep_last_checkpoints", "2"], 3),  # by the clock
+    (["--checkpoint_freq", "10", "--keep_last_checkpoints", "3"], 4),  # 3 kept + the one being written
+])
+def test_disk_need_counts_every_checkpoint_that_can_exist_at_once(args, on_disk, tmp_path, session_cache, monkeypatch,
+                                                                  capsys):
+    monkeypatch.chdir(tmp_path)
+    proc, _ = preflight_in_process([*args, "--checkpoint_dir", str(tmp_path / "c")], {}, monkeypatch, capsys)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f" each, {on_disk} on disk at most;" in proc.stdout
+
+
+def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, session_cache, monkeypatch, capsys):
+    """--background_checkpoint (the default) holds a copy of the node's share of a checkpoint in host memory: the
+    preflight says so, and falls back to synchronous writes where the copy would not fit."""
+    from model_utils import preflight as pf
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--checkpoint_dir", str(tmp_path / "c")]
+    roomy, _ = preflight_in_process(args, {}, monkeypatch, capsys)
+    assert "checkpoint writes: in the background, from a host copy of ~0.0 GiB per node" in roomy.stdout, roomy.stdout
+    off, _ = preflight_in_process([*args, "--no-background_checkpoint"], {}, monkeypatch, capsys)
+    assert "checkpoint writes: synchronous (--no-background_checkpoint)" in off.stdout
+    monkeypatch.setattr(pf, "host_memory_available", lambda: 1e6)  # 1 MB left on this node
+    tight, _ = preflight_in_process(args, {}, monkeypatch, capsys)
+    assert tight.returncode == 0
+    assert "checkpoint writes: synchronous: the host copy (~0.0 GiB per node) does not fit in 3/4 of the 0 GiB" \
+           in tight.stdout, tight.stdout
+    report = pf.run_preflight(pf.TrainConfig(checkpoint_dir=str(tmp_path / "c")), 1, check_data=False)
+    assert report.background_checkpoint is False
+    monkeypatch.setattr(pf, "host_memory_available", lambda: 64e9)
+    assert pf.run_preflight(pf.TrainConfig(checkpoint_dir=str(tmp_path / "c")), 1, check_data=False).background_checkpoint

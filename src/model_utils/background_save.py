@@ -28,10 +28,35 @@ import torch
 IDLE, WRITING, FAILED = 0.0, 1.0, 2.0  # this rank's writer state, agreed across ranks with a MAX all-reduce
 
 
-def host_copy(obj, memo: dict | None = None):
-    """`obj` with every tensor copied to host memory. What `obj` shares stays shared (tensors on one storage: tied
-    weights, views of a flat buffer; containers met twice), so torch.save pickles the copy exactly as it would `obj`."""
-    memo = {} if memo is None else memo
+class HostBuffers:
+    """Host storages reused from one save to the next: allocating gigabytes anew each time costs more than the copy
+    (Qwen3-0.6B on one H100: 7.0 s of page faults for 8.2 GiB, against 15 s for the whole synchronous save). Pinned
+    where there is a GPU, so that the copies from it run at full speed."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self._free: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.UntypedStorage:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
+
+    def give_back(self, storages) -> None:
+        with self._lock:
+            for storage in storages:
+                self._free.setdefault(storage.nbytes(), []).append(storage)
+
+
+def host_copy(obj, memo: dict | None = None, buffers: HostBuffers | None = None):
+    """`obj` with every tensor copied to host memory (into `buffers`' storages, if given: memo["taken"] lists them;
+    copies from a GPU are queued on its stream: synchronize before reading). What `obj` shares stays shared (tensors
+    on one storage: tied weights, views of a flat buffer; containers met twice), so torch.save pickles the copy
+    exactly as it would `obj`."""
+    memo = {"taken": []} if memo is None else memo
     if id(obj) in memo:  # an object met before (a tensor listed twice, two groups' betas): shared in the copy too
         return memo[id(obj)]
     if isinstance(obj, torch.Tensor):
@@ -42,8 +67,13 @@ def host_copy(obj, memo: dict | None = None):
         key = ("storage", getattr(storage, "_cdata", (str(storage.device), storage.data_ptr(), storage.nbytes())))
         host_storage = memo.get(key)
         if host_storage is None:
-            host_storage = memo[key] = torch.UntypedStorage(storage.nbytes())
-            host_storage.copy_(storage)
+            if buffers is not None and storage.nbytes():
+                host_storage = buffers.take(storage.nbytes())
+                memo["taken"].append(host_storage)
+            else:
+                host_storage = torch.UntypedStorage(storage.nbytes())
+            host_storage.copy_(storage, non_blocking=True)
+            memo[key] = host_storage
         host = torch.empty(0, dtype=obj.dtype).set_(host_storage, obj.storage_offset(), obj.size(), obj.stride())
         if isinstance(obj, torch.nn.Parameter):
             host = torch.nn.Parameter(host, requires_grad=obj.requires_grad)
@@ -51,19 +81,19 @@ def host_copy(obj, memo: dict | None = None):
             host.requires_grad_(obj.requires_grad)  # ZeRO's fp32 partitions are saved with requires_grad
         memo[id(obj)] = host
         for name, value in vars(obj).items():  # Python attributes torch.save keeps (ZeRO-3's `ds_id`)
-            setattr(host, name, host_copy(value, memo))
+            setattr(host, name, host_copy(value, memo, buffers))
         return host
     if isinstance(obj, dict):
         copied = memo[id(obj)] = copy.copy(obj)  # the same type and attributes (a state dict's _metadata)
         for k, v in obj.items():
-            copied[k] = host_copy(v, memo)
+            copied[k] = host_copy(v, memo, buffers)
         return copied
     if type(obj) is list:
         copied = memo[id(obj)] = []
-        copied.extend(host_copy(v, memo) for v in obj)
+        copied.extend(host_copy(v, memo, buffers) for v in obj)
         return copied
     if type(obj) is tuple:
-        copied = memo[id(obj)] = tuple(host_copy(v, memo) for v in obj)
+        copied = memo[id(obj)] = tuple(host_copy(v, memo, buffers) for v in obj)
         return copied
     return obj  # numbers, strings, dtypes, torch.Size, configs: not changed by training
 
@@ -81,7 +111,7 @@ class HostCopyWriter:
         self.stock = stock
         self.jobs: queue.Queue = queue.Queue()
         self.error: str | None = None
-        self.copy_s = 0.0  # host-copy time of the save being staged (training stands still for it)
+        self.buffers = HostBuffers(pinned=torch.cuda.is_available())
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -89,18 +119,19 @@ class HostCopyWriter:
         return getattr(self.stock, name)
 
     def save(self, state_dict, path: str):
-        t0 = time.perf_counter()
-        state_copy = host_copy(state_dict)
-        self.copy_s += time.perf_counter() - t0
-        self.jobs.put((self.stock.save, state_copy, path))
+        memo = {"taken": []}
+        state_copy = host_copy(state_dict, memo, self.buffers)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the copies from the GPU have landed
+        self.jobs.put((self.stock.save, state_copy, path, memo["taken"]))
 
     def save_file(self, obj, path: str):
         """A file of ours (the rank's RNG state), written in order with DeepSpeed's."""
-        self.jobs.put((torch.save, host_copy(obj), path))
+        self.jobs.put((torch.save, host_copy(obj), path, []))
 
     def _write_loop(self):
         while True:
-            write, obj, path = self.jobs.get()
+            write, obj, path, taken = self.jobs.get()
             try:
                 if self.error is None:  # after a failure the checkpoint is lost anyway: drop the rest
                     write(obj, str(path))
@@ -109,6 +140,7 @@ class HostCopyWriter:
                 self.error = f"writing {path} failed: {e}"
             finally:
                 del obj
+                self.buffers.give_back(taken)
                 self.jobs.task_done()
 
     def state(self) -> float:

@@ -445,9 +445,13 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
         report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, f"{probe} is not writable",
                                        "choose a directory you can write to (on a filesystem all nodes share)"))
         return
-    # Periodic saves keep K complete checkpoints plus the one being written; with --checkpoint_freq 0 the run saves
-    # only at the end (or on a stop signal): one checkpoint.
-    keep = (cfg.keep_last_checkpoints or max(1, cfg.max_steps // cfg.checkpoint_freq)) if cfg.checkpoint_freq else 0
+    # Periodic saves (by steps or by the clock) keep K complete checkpoints plus the one being written; without them
+    # the run saves only at the end (or on a stop signal): one checkpoint. Keeping all (K = 0) by the clock alone:
+    # at least two.
+    if cfg.checkpoint_freq or cfg.checkpoint_minutes:
+        keep = cfg.keep_last_checkpoints or (max(1, cfg.max_steps // cfg.checkpoint_freq) if cfg.checkpoint_freq else 1)
+    else:
+        keep = 0
     count = keep + 1
     need = ckpt_bytes * count
     free = shutil.disk_usage(probe).free
