@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Attention kernels alone, forward + backward, on the trainer's shapes: SDPA (flash, cuDNN) against FlashAttention-4
-through the project's own wrapper (src/model_utils/fast.py: custom op, eager and under torch.compile).
+through the project's own wrapper (src/model_utils/patches/flash_attn4.py: custom op, eager and under torch.compile).
 
     python benchmarks/attention.py                       # Qwen3-0.6B at seq 4096, micro-batch 8 (bf16, causal, GQA)
     python benchmarks/attention.py --batch 2 --heads 32 --kv_heads 8
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from model_utils import fast
+    from model_utils.patches import flash_attn4
 
     if not torch.cuda.is_available():
         print("attention benchmark: no CUDA GPU here")
@@ -118,12 +118,12 @@ def main(argv=None) -> int:
     kernels = ({"sdpa-flash": run_with(sdpa, SDPBackend.FLASH_ATTENTION)} if mask is None
                else {"sdpa-efficient (mask)": run_with(sdpa, SDPBackend.EFFICIENT_ATTENTION)})
     kernels["sdpa-cudnn" + (" (mask)" if mask is not None else "")] = run_with(sdpa, SDPBackend.CUDNN_ATTENTION)
-    reason = fast.fa4_unavailable_reason()
+    reason = flash_attn4.fa4_unavailable_reason()
     if reason is None:
-        fast._register_fa4()
+        flash_attn4._register_fa4()
 
         def fa4(q, k, v):
-            return fast.fa4_attention(module, q, k, v, mask, scaling=d ** -0.5, **(documents or {}))[0]
+            return flash_attn4.fa4_attention(module, q, k, v, mask, scaling=d ** -0.5, **(documents or {}))[0]
 
         kind = "fa4 varlen" if documents else "fa4"
         kernels[f"{kind} (project op)"] = run_with(fa4)

@@ -13,7 +13,8 @@ the project's 6N + 12·L·H·Q·T convention and by torchtitan's 6N + 6·L·H·Q
 nvidia-smi runs the mean SM clock, power draw and share of samples held back by the power limit over the timed steps.
 
 `--variants` runs named lever combinations (see VARIANTS); `--compare-hf` adds HF Trainer + DeepSpeed with and without
-Liger on the same model, seq len, micro-batch and ZeRO config. `--write-doc` regenerates docs/PERFORMANCE.md.
+Liger on the same model, seq len, micro-batch and ZeRO config. `--json` appends every result as a JSON line;
+`--write-doc` writes the invocation's tables as a markdown file.
 """
 
 from __future__ import annotations
@@ -37,37 +38,41 @@ SRC = REPO / "src"
 sys.path.insert(0, str(SRC))
 
 GIB = 1024**3
-from model_utils.fast import LEVERS, lever_env  # noqa: E402  (src/ is on the path from here on)
+from model_utils.arguments import PerfConfig  # noqa: E402  (src/ is on the path from here on)
+
+# Each speed lever's value that leaves it off (the libraries' own behaviour), for every lever a variant does not name.
+LEVERS_OFF = {"fused_kernels": "auto", "liger_kernels": "all", "flce_chunk_budget": 1, "compile": "off",
+              "activation_budget": 1.0, "attention_kernel": "sdpa", "sdpa_backend": "auto", "overflow_check": "scan"}
+assert set(LEVERS_OFF) == set(PerfConfig().as_dict()), "every speed lever needs its 'off' value here"
 
 
-# Lever combinations: environment switches read by src/model_utils/fast.py plus trainer flags.
-# "Off" for every lever a variant does not name, so each variant measures exactly its own levers.
-def _variant(fused_kernels: str = "auto", **levers) -> dict:
-    env = {lever_env(name): levers.pop(name, off) for name, (_, off) in LEVERS.items()}
-    assert not levers, f"unknown levers {sorted(levers)}"
-    return {"fused_kernels": fused_kernels, "env": env}
+def _variant(**levers) -> dict:
+    """Trainer flags for exactly `levers`: every other lever off, so each variant measures its own levers."""
+    unknown = set(levers) - set(LEVERS_OFF)
+    assert not unknown, f"unknown levers {sorted(unknown)}"
+    return {"args": [arg for name, off in LEVERS_OFF.items() for arg in (f"--{name}", str(levers.get(name, off)))]}
 
 
+# Lever combinations by name (trainer flags). `default` is the trainer's defaults as they stand; the others are the
+# steps of docs/PERFORMANCE.md's lever table and the references of its loss checks.
 VARIANTS = {
-    "default": {},                                                     # whatever ds_config.json + fast.py defaults are
+    "default": {},
     "liger": _variant(),                                               # all Liger kernels, eager
     "nofused": _variant(fused_kernels="off"),                          # the unoptimised path
-    "compile": _variant(compile="layers", liger="flce"),               # compiled layers + Liger fused linear CE
-    "cudnn": _variant(sdpa="cudnn"),
-    # The default path with the overflow verdict on the host (the default before DSLM_OVERFLOW_CHECK=device): only that
-    # switch is set, the others keep their defaults as in "default".
-    "host_overflow_check": {"env": {lever_env("overflow_check"): "norm"}},
+    "compile": _variant(compile="layers", liger_kernels="flce"),       # compiled layers + Liger fused linear CE
+    "cudnn": _variant(sdpa_backend="cudnn"),
+    # The default path with the overflow verdict on the host: only that lever differs from "default".
+    "host_overflow_check": {"args": ["--overflow_check", "norm"]},
     # The default path with attention within documents (the trainer's --document_mask); pair with --document_length.
     "document_mask": {"args": ["--document_mask"]},
-    "nofused_document_mask": dict(_variant(fused_kernels="off"), args=["--document_mask"]),  # its loss-check reference
-    # The rest reproduce earlier sections of docs/PERFORMANCE.md (01-16).
-    "compile_cudnn": _variant(compile="layers", liger="flce", sdpa="cudnn"),
-    "fa4": _variant(compile="layers", liger="flce", attn="fa4"),
-    "liger_fa4": _variant(attn="fa4"),
-    "compile_norm": _variant(compile="layers", liger="flce", overflow_check="norm"),
-    "compile_norm_chunk4": _variant(compile="layers", liger="flce", overflow_check="norm", flce_chunk="4"),
-    "compile_norm_chunk8_budget90": _variant(compile="layers", liger="flce", overflow_check="norm", flce_chunk="8",
-                                             activation_budget="0.9"),
+    "nofused_document_mask": {"args": _variant(fused_kernels="off")["args"] + ["--document_mask"]},  # its reference
+    "compile_cudnn": _variant(compile="layers", liger_kernels="flce", sdpa_backend="cudnn"),
+    "fa4": _variant(compile="layers", liger_kernels="flce", attention_kernel="fa4"),
+    "liger_fa4": _variant(attention_kernel="fa4"),
+    "compile_norm": _variant(compile="layers", liger_kernels="flce", overflow_check="norm"),
+    "compile_norm_chunk4": _variant(compile="layers", liger_kernels="flce", overflow_check="norm", flce_chunk_budget=4),
+    "compile_norm_chunk8_budget90": _variant(compile="layers", liger_kernels="flce", overflow_check="norm",
+                                             flce_chunk_budget=8, activation_budget=0.9),
 }
 # Hugging Face Trainer peers (--compare-hf): Liger on/off, and (--hf-fa4) Liger with transformers' own FA4 path.
 HF_PEERS = {"noliger": {"liger": False, "attn": "sdpa"}, "liger": {"liger": True, "attn": "sdpa"},
@@ -322,12 +327,10 @@ def end_documents(tokens, mean_length: int, eos_id: int, seed: int) -> None:
 
 
 def worker_engine(job: dict, workdir: Path) -> dict:
-    for key, value in job.get("env", {}).items():
-        os.environ[key] = value
     normalize_env()
     import torch
 
-    from model_utils.fast import device_skip_flag, settle_device_skip
+    from model_utils.patches.deepspeed_zero import device_skip_flag, settle_device_skip
     from model_utils.models import gpu_peak_tflops
     from model_utils.train_utils import distributed_env_problems, setup_distributed
     from train_deepspeed import attention_area, compute_loss, model_inputs, parse_args, setup
@@ -338,7 +341,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
             "--ds_config", str(ds_config_for(job, workdir / "ds_config.json")),
             "--checkpoint_dir", str(workdir / "ckpt"), "--resume", "never", "--eval_interval", "0",
             "--checkpoint_freq", "0", "--no-export", "--log_interval", str(10**6),
-            "--fused_kernels", job.get("fused_kernels", "auto"), "--seed", str(job.get("seed", 1234))]
+            "--seed", str(job.get("seed", 1234))]
     if job.get("seq_len"):
         argv += ["--seq_len", str(job["seq_len"])]
     if job.get("micro_batch_size"):
@@ -556,7 +559,6 @@ def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    env.update(job.get("env", {}))
     t0 = time.perf_counter()
     log_path = (log_dir / f"{job['name']}.log") if log_dir else None
     try:
@@ -612,8 +614,7 @@ def make_jobs(a) -> list[dict]:
 
     def engine(v: str, name: str, **fields) -> dict:
         spec = VARIANTS[v]
-        return traced(dict(base, kind="engine", fused_kernels=spec.get("fused_kernels", "auto"),
-                           env=spec.get("env", {}), args=spec.get("args", []), name=name, variant=v, **fields))
+        return traced(dict(base, kind="engine", args=spec.get("args", []), name=name, variant=v, **fields))
 
     def blocks(mb) -> int:
         return max(64, (a.steps + a.warmup + 2) * (mb or 16) * a.nproc + 8)
@@ -752,18 +753,6 @@ def loss_check(results_a: dict, results_b: dict, n: int = 50) -> dict:
             "last": (a[k - 1], b[k - 1])}
 
 
-def assemble(folder: Path, out: Path) -> int:
-    """docs/PERFORMANCE.md = the hand-written summary + every section the device runs wrote (--write-doc)."""
-    parts = [(folder / "summary.md").read_text().rstrip(), "", "## Raw sections, as the benchmark wrote them", ""]
-    for section in sorted(folder.glob("*.md")):
-        if section.name != "summary.md":
-            parts += [section.read_text().rstrip(), ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(parts) + "\n")
-    print(f"wrote {out}")
-    return 0
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
@@ -808,8 +797,6 @@ def main(argv=None) -> int:
     p.add_argument("--log-dir", dest="log_dir", default=None, help="full log of every measurement")
     p.add_argument("--write-doc", dest="write_doc", default=None, help="write this markdown section file")
     p.add_argument("--title", default=None)
-    p.add_argument("--assemble", default=None, metavar="DIR",
-                   help="regenerate docs/PERFORMANCE.md from DIR/summary.md and the --write-doc sections in DIR")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -817,8 +804,6 @@ def main(argv=None) -> int:
         p.error(f"--rounds {a.rounds}: give 1 or more")
     if a.worker:
         return worker_main(a.worker, a.result)
-    if a.assemble:
-        return assemble(Path(a.assemble), REPO / "docs" / "PERFORMANCE.md")
 
     normalize_env()
     a.nproc = a.nproc or max(gpu_count(), 1)

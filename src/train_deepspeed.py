@@ -48,6 +48,7 @@ class Run:
     tokens_seen: int = 0
     position: object = None
     saves: object = None  # background_save.BackgroundSaves (--background_checkpoint), else None: saves block
+    levers: dict | None = None  # the speed levers in force (levers.apply_speed_levers, streamline_zero_step)
 
     @property
     def tokens_per_step(self) -> int:
@@ -64,7 +65,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils import ds_config as dsc
     from model_utils.checkpoint import convert_to_universal, needs_universal
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
-    from model_utils.fast import apply_fused_kernels, streamline_zero_step, takes_document_boundaries
+    from model_utils.levers import apply_speed_levers, streamline_zero_step
+    from model_utils.patches.flash_attn4 import takes_document_boundaries
     from model_utils.models import FlopsModel, build_model, gpu_peak_tflops
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
     from model_utils.preflight import merge_rank_problems, raise_on_problems, run_preflight
@@ -106,8 +108,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
         from transformers.integrations import HfDeepSpeedConfig
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
     model = build_model(cfg.model, mconf, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing)
-    apply_fused_kernels(model, cfg.fused_kernels, dist.device.type == "cuda", log.info,
-                        warn=lambda message: log.warn(message, all_ranks=True), documents=cfg.document_mask)
+    levers = apply_speed_levers(model, cfg.perf, dist.device.type == "cuda", log.info,
+                                warn=lambda message: log.warn(message, all_ranks=True), documents=cfg.document_mask)
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     flops = FlopsModel.from_config(model.config, num_params, seq_len)
 
@@ -119,7 +121,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     groups = [{"params": [p for p, m in zip(trainable, matrix) if m], "weight_decay": wd},
               {"params": [p for p, m in zip(trainable, matrix) if not m], "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
-    streamline_zero_step(engine, log.info)
+    levers.update(streamline_zero_step(engine, cfg.perf, log.info))
     writer = None
     if report.background_checkpoint:
         from model_utils.background_save import install
@@ -127,7 +129,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
     run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, seq_len, micro, accum,
-              flops, log, peak_tflops=peak, position=DataPosition(),
+              flops, log, peak_tflops=peak, position=DataPosition(), levers=levers,
               document_eos=tokenizer.eos_token_id if cfg.document_mask else None,
               document_boundaries=cfg.document_mask and takes_document_boundaries(model))
     if writer is not None:
@@ -171,6 +173,20 @@ def load_checkpoint(run: Run, info, tag: str):
         set_rng_state(torch.load(rng_file, weights_only=False))
     run.log.info(f"resume: continuing from {info.path} at step {run.step} "
                  f"(epoch {run.position.epoch}, {run.position.blocks_consumed} blocks into it)")
+    changed = lever_changes(info.manifest or {}, run.cfg.perf, run.levers)
+    if changed:
+        run.log.warn(f"resume: speed levers that change the numerics differ from the checkpoint's ({'; '.join(changed)})"
+                     ": the run continues, but its losses will not match an uninterrupted run's bit for bit")
+
+
+def lever_changes(manifest: dict, perf, in_force: dict | None) -> list[str]:
+    """The numerics-changing speed levers that differ from a checkpoint's manifest: the settings, and what those
+    settings resolved to on the machine (an `auto` that chose another kernel in another environment)."""
+    changes = perf.numerics_changes(manifest.get("perf", {}))
+    recorded = manifest.get("levers_in_force", {})
+    changes += [f"{name} in force: {recorded[name]} -> {value}" for name, value in (in_force or {}).items()
+                if name in recorded and recorded[name] != value and name != "overflow_check"]
+    return changes
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -266,7 +282,7 @@ def save(run: Run, wait: bool = False):
     ctx = SaveContext(Path(run.cfg.checkpoint_dir), run.cfg.keep_last_checkpoints,
                       {"model": run.cfg.model, "tokenizer": run.cfg.tokenizer, "seq_len": run.seq_len,
                        "zero_stage": zero_stage(run.ds_config),
-                       "ds_config": run.ds_config})
+                       "ds_config": run.ds_config, "perf": run.cfg.perf.as_dict(), "levers_in_force": run.levers})
     client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
               # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)
               UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
@@ -295,7 +311,7 @@ def train(run: Run) -> int:
     from tqdm import tqdm
 
     from model_utils.ds_config import precision
-    from model_utils.fast import device_skip_flag, settle_device_skip
+    from model_utils.patches.deepspeed_zero import device_skip_flag, settle_device_skip
     from model_utils.monitor import write_summary
     from model_utils.train_utils import EXIT_NONFINITE, EXIT_STOPPED_BY_SIGNAL, StopSignal, Throughput, memory_stats
 
@@ -385,7 +401,7 @@ def train(run: Run) -> int:
         stop_now, nonfinite_loss, skipped_on_device, save_due = (flags[:4] > 0).tolist()
         if run.saves:
             run.saves.agreed(flags[4].item())
-        if skipped_on_device:  # DSLM_OVERFLOW_CHECK=device: the GPU skipped the update; book it as DeepSpeed would
+        if skipped_on_device:  # --overflow_check device: the GPU skipped the update; book it as DeepSpeed would
             settle_device_skip(engine)
         # --- non-finite loss or gradient: what DeepSpeed did decides, not the config. It skips such an update where it
         #     checks for overflow (fp16's loss scaling, bf16's check_grad_overflow, on by default) and applies it

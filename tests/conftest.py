@@ -26,9 +26,9 @@ from model_utils.train_utils import free_port  # noqa: E402
 
 # Hermetic: what a user's shell commonly exports must not change a test's outcome. Every launcher setting
 # (scripts/launch_common.sh), SLURM's job variables, a distributed rank environment, GPU selection and the overrides
-# the trainer reads (the DSLM_* switches, GPU_MEMORY_GIB, GPU_PEAK_TFLOPS, W&B's) are dropped for the whole session;
-# tests that need one set it themselves. The interpreter running pytest comes first on PATH, so `python3` in a
-# launcher is the environment under test even when its virtualenv is not activated.
+# the trainer reads or refuses (GPU_MEMORY_GIB, GPU_PEAK_TFLOPS, W&B's, the retired DSLM_* switches) are dropped for
+# the whole session; tests that need one set it themselves. The interpreter running pytest comes first on PATH, so
+# `python3` in a launcher is the environment under test even when its virtualenv is not activated.
 USER_ENVIRONMENT = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "DSLM_", "WANDB_")
 for _name in list(os.environ):
     if (_name in LAUNCHER_SETTINGS or _name.startswith(USER_ENVIRONMENT)

@@ -227,10 +227,10 @@ def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(t
     8, 70.3 at 16), so a configuration that runs is not refused; the unfused loss's logits still are."""
     import re
 
-    from model_utils import fast
+    from model_utils import levers
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(fast, "liger_available", lambda: False)
+    monkeypatch.setattr(levers, "liger_available", lambda: False)
     base = ["--model", "qwen3-0.6b", "--dummy_data", "64", "--checkpoint_dir", str(tmp_path / "ckpt")]
     estimates = {}
     for micro in (8, 16):

@@ -22,6 +22,55 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+@dataclass(frozen=True)
+class PerfConfig:
+    """Speed levers: how the same model and optimisation run faster on GPUs. Each takes the libraries' own path where
+    it cannot apply (no GPU, ZeRO-3, a package or tested version missing) and the log says which path runs, so CPU runs
+    and CI take the trainer's code path. docs/PERFORMANCE.md gives each lever's measured gain and the command that
+    reproduces it. The settings are recorded in the run header, summary.json, W&B and every checkpoint's manifest; a
+    resume whose levers change the numerics says so."""
+
+    fused_kernels: str = _f("auto", "Liger-Kernel's Triton kernels: on, off, or auto (on with CUDA and liger-kernel "
+                                    "installed). Liger's fused linear cross-entropy never materialises the batch's "
+                                    "fp32 logits.", choices=("auto", "on", "off"), numerics=True)
+    liger_kernels: str = _f("auto", "Which Liger kernels --fused_kernels applies: all (RoPE, RMSNorm, SwiGLU and the "
+                                    "fused linear cross-entropy) or flce (the fused linear cross-entropy alone). auto: "
+                                    "flce where the decoder layers are compiled (Inductor fuses the rest), else all.",
+                            choices=("auto", "all", "flce"), numerics=True)
+    flce_chunk_budget: int = _f(8, "Transient logits of Liger's fused linear cross-entropy, in multiples of the hidden "
+                                   "states' size (Liger's chunk_mem_const; its own default, 1, cuts a 32k-token batch "
+                                   "with a 152k vocabulary into 128 chunks that each re-read the LM-head gradient; 8 "
+                                   "makes 16 chunks of 2,048 tokens).", choices=(1, 2, 4, 8, 16), numerics=True)
+    compile: str = _f("auto", "torch.compile each decoder layer in place (one graph shared by all layers): layers, off; "
+                              "auto = layers with CUDA outside ZeRO-3 (whose parameter hooks live inside the layers).",
+                      choices=("auto", "layers", "off"), numerics=True)
+    activation_budget: float = _f(0.9, "torch.compile's activation memory budget for the compiled layers: the share of "
+                                       "what they would save for the backward pass that they keep (the cheapest rest "
+                                       "is recomputed). 1.0 recomputes nothing.", numerics=False)
+    attention_kernel: str = _f("auto", "fa4: FlashAttention-4 (package flash-attn-4) for causal attention on "
+                                       "Hopper/Blackwell GPUs, SDPA for anything it does not cover; sdpa: SDPA only; "
+                                       "auto: fa4 where it is installed, the GPU supports it and a setup probe passes.",
+                               choices=("auto", "fa4", "sdpa"), numerics=True)
+    sdpa_backend: str = _f("auto", "SDPA kernel tried first (the others stay as fall-backs): cudnn, flash, efficient, "
+                                   "math; auto keeps PyTorch's order.",
+                           choices=("auto", "cudnn", "flash", "efficient", "math"), numerics=True)
+    overflow_check: str = _f("auto", "How ZeRO-1/2 in bf16 finds a non-finite gradient and skips the step (the same "
+                                     "steps in every mode): scan (DeepSpeed's scan of every gradient tensor), norm "
+                                     "(through the all-reduced global gradient norm), device (norm, with the skip done "
+                                     "by the fused AdamW on the GPU and booked by the loop). auto = device where it "
+                                     "applies (torch's fused AdamW, no offload, a DeepSpeed LR scheduler), else norm.",
+                             choices=("auto", "device", "norm", "scan"), numerics=False)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def numerics_changes(self, recorded: dict) -> list[str]:
+        """The levers that change the numerics (kernels, rounding) whose value differs from `recorded` (a checkpoint
+        manifest's), as 'name: old -> new'."""
+        return [f"{f.name}: {recorded[f.name]} -> {getattr(self, f.name)}" for f in dataclasses.fields(self)
+                if f.metadata.get("numerics") and f.name in recorded and recorded[f.name] != getattr(self, f.name)]
+
+
 @dataclass
 class TrainConfig:
     # ----- model and tokenizer -----
@@ -33,8 +82,6 @@ class TrainConfig:
                                    "(256 for tiny, 4096 for Qwen3), or 2048 for a pretrained model.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% more compute).")
     attn_implementation: str = _f("sdpa", "Attention backend passed to transformers: sdpa, eager, flash_attention_2.")
-    fused_kernels: str = _f("auto", "Liger Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy): auto "
-                                    "(on with CUDA and liger-kernel installed), on, off.", choices=("auto", "on", "off"))
     # ----- data -----
     dataset: str | None = _f(None, "A save_to_disk directory, a text/JSONL/Parquet file or directory, or a hub dataset "
                                    "name. Default: the embedded corpus built offline from the Python standard library.")
@@ -101,6 +148,9 @@ class TrainConfig:
     preflight: bool = _f(False, "Check configuration, data, tokenizer, model and checkpoints, print the plan, exit 0 or 2.")
     sanity_check: bool = _f(False, "Instead of training, all-reduce test tensors on every rank and report bus bandwidth.")
 
+    # ----- speed levers -----
+    perf: PerfConfig = field(default_factory=PerfConfig, metadata={"group": "speed levers (GPU; docs/PERFORMANCE.md)"})
+
     # Filled in at run time, not flags.
     explicit: frozenset = field(default=frozenset(), metadata={"internal": True})
 
@@ -120,23 +170,32 @@ def _base_type(annotation):
     return args[0] if args else annotation
 
 
+def _add_flags(parser, config_class, dest_prefix: str = "") -> None:
+    hints = typing.get_type_hints(config_class)
+    for f in dataclasses.fields(config_class):
+        if f.metadata.get("internal"):
+            continue
+        if f.metadata.get("group"):  # a nested settings class: its fields are flags of their own, grouped in --help
+            _add_flags(parser.add_argument_group(f.metadata["group"]), hints[f.name], f"{f.name}.")
+            continue
+        kind = _base_type(hints[f.name])
+        kw = {"default": f.default, "help": f.metadata["help"].replace("%", "%%"),  # argparse formats help
+              "dest": dest_prefix + f.name}
+        names = [f"--{f.name}", *f.metadata.get("aliases", ())]
+        if kind is bool:
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(*names, type=kind, choices=f.metadata.get("choices"), metavar=(
+                None if f.metadata.get("choices") else f.name.upper()), **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="train_deepspeed.py",
         description="Train a causal language model with DeepSpeed. Settings that DeepSpeed owns live in ds_config.json.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        if f.metadata.get("internal"):
-            continue
-        kind = _base_type(hints[f.name])
-        kw = {"default": f.default, "help": f.metadata["help"].replace("%", "%%"), "dest": f.name}  # argparse formats help
-        names = [f"--{f.name}", *f.metadata.get("aliases", ())]
-        if kind is bool:
-            parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
-        else:
-            parser.add_argument(*names, type=kind, choices=f.metadata.get("choices"), **kw)
+    _add_flags(parser, TrainConfig)
     # DeepSpeed's launcher convention (`deepspeed train.py --deepspeed --deepspeed_config ds_config.json`, as
     # DeepSpeedExamples write it; deepspeed.add_config_arguments' flags): --deepspeed is accepted and changes nothing
     # (this trainer always uses DeepSpeed), and the launcher appends --local_rank, which the environment also holds.
@@ -150,14 +209,19 @@ LAUNCHER_ONLY_FLAGS = ("deepspeed", "local_rank")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    values = vars(ns)
+    values = vars(build_parser().parse_args(argv))
     for name in LAUNCHER_ONLY_FLAGS:
         values.pop(name, None)
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if not f.metadata.get("internal")}
-    explicit = frozenset(k for k, v in values.items() if v != defaults.get(k))
-    return TrainConfig(**values, explicit=explicit)
+    perf = {name.split(".", 1)[1]: values.pop(name) for name in list(values) if name.startswith("perf.")}
+    defaults = {**flag_values(TrainConfig()), **PerfConfig().as_dict()}
+    explicit = frozenset(k for k, v in {**values, **perf}.items() if v != defaults.get(k))
+    return TrainConfig(**values, perf=PerfConfig(**perf), explicit=explicit)
+
+
+def flag_values(cfg: TrainConfig) -> dict:
+    """Every setting by name (the speed levers as a `perf` dict): what the run header, W&B and summary.json record."""
+    return {f.name: (getattr(cfg, f.name).as_dict() if f.metadata.get("group") else getattr(cfg, f.name))
+            for f in dataclasses.fields(cfg) if not f.metadata.get("internal")}
 
 
 @dataclass
@@ -234,9 +298,37 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
             problems.append(Problem("--wandb", True, "the wandb package is not installed",
                                     "pip install wandb (or the project's `monitor` extra), or drop --wandb; "
                                     "WANDB_MODE=offline logs without network"))
+    problems += perf_problems(cfg.perf)
     if cfg.resume == "never" and cfg.resume_from_checkpoint:
         problems.append(Problem("--resume", cfg.resume, "conflicts with --resume_from_checkpoint",
                                 "drop one of the two"))
+    return problems
+
+
+# Environment variables that job scripts of earlier releases set for the speed levers: the trainer reads flags only, so
+# a script that sets one would silently lose that setting.
+RETIRED_SWITCHES = {"DSLM_COMPILE": "--compile", "DSLM_LIGER": "--liger_kernels", "DSLM_FLCE_CHUNK": "--flce_chunk_budget",
+                    "DSLM_ACTIVATION_BUDGET": "--activation_budget", "DSLM_OVERFLOW_CHECK": "--overflow_check",
+                    "DSLM_GRAD_NORM": None, "DSLM_ATTN": "--attention_kernel", "DSLM_SDPA": "--sdpa_backend"}
+
+
+def perf_problems(perf: PerfConfig, environ=os.environ) -> list[Problem]:
+    """The speed levers' values (argparse checks the command line; this also covers configs built in code) and any
+    environment switch of the retired kind still set."""
+    problems = []
+    for f in dataclasses.fields(perf):
+        value, choices = getattr(perf, f.name), f.metadata.get("choices")
+        if choices and value not in choices:
+            problems.append(Problem(f"--{f.name}", value, f"is not one of {', '.join(map(str, choices))}",
+                                    f"use --{f.name} {f.default}"))
+    if not 0.0 < perf.activation_budget <= 1.0:
+        problems.append(Problem("--activation_budget", perf.activation_budget, "must be a fraction in (0, 1]",
+                                "use --activation_budget 0.9 (1.0 recomputes nothing)"))
+    for name in sorted(set(environ) & set(RETIRED_SWITCHES)):
+        flag = RETIRED_SWITCHES[name]
+        problems.append(Problem(name, environ[name], "the trainer reads its speed levers from flags, not from the "
+                                "environment", f"unset {name}" + (f" and pass {flag} instead" if flag else
+                                                                  " (the lever is gone: DeepSpeed's own norm runs)")))
     return problems
 
 

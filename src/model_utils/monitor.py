@@ -16,8 +16,9 @@ import string
 import sys
 import time
 import warnings
-from dataclasses import fields
 from pathlib import Path
+
+from .arguments import flag_values
 
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -91,7 +92,7 @@ def header_lines(cfg, dist) -> list[str]:
         where = f"nodes {e['nodelist']} ({e['nnodes']}), rank 0 on {e['host']}"
     else:
         job, where = "no SLURM job", f"host {e['host']}"
-    flags = {f.name: getattr(cfg, f.name) for f in fields(cfg) if not f.metadata.get("internal")}
+    flags = flag_values(cfg)
     return [
         "=" * 100,
         f"run: {job}; {where}; world size {e['world_size']} ({e['backend']}, {e['device']})",
@@ -247,7 +248,7 @@ def _start_wandb(cfg, ds: dict, ckpt: Path):
     id_file.write_text(run_id)  # a resumed run (same checkpoint dir) continues the same W&B run
     name = os.environ.get("WANDB_NAME") or (f"{ckpt.name}-{os.environ['SLURM_JOB_ID']}"
                                             if "SLURM_JOB_ID" in os.environ else ckpt.name)
-    flags = {f.name: getattr(cfg, f.name) for f in fields(cfg) if not f.metadata.get("internal")}
+    flags = flag_values(cfg)
     return wandb.init(project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "deepspeed-lm", name=name,
                       id=run_id, resume="allow", dir=str(ckpt), config={**flags, "deepspeed": ds})
 
@@ -384,6 +385,7 @@ def write_summary(run, status: str, export: str | None = None) -> dict | None:
     summary = summarize(ckpt / "metrics.jsonl", status=status, steps=run.step, tokens=run.tokens_seen,
                         wall_time_s=time.time() - start if start else None, checkpoint=checkpoint, export=export)
     summary["environment"] = environment(run.dist)
+    summary["speed_levers"] = {"settings": run.cfg.perf.as_dict(), "in_force": getattr(run, "levers", None)}
     if sinks is not None and sinks.paths:
         summary["sinks"] = sinks.paths
     ckpt.mkdir(parents=True, exist_ok=True)

@@ -146,7 +146,7 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     per_layer = micro * seq_len * h * (10 + 8 * mlp_ratio)
     scale = 1 if bf16 else 2
     acts = (layers * 2 * micro * seq_len * h + per_layer) if checkpointing else layers * per_layer
-    # Fused: one chunk of transient 16-bit logits (the chunk budget, fast.py's DSLM_FLCE_CHUNK, in hidden-state sizes).
+    # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes).
     logits = (chunk_budget * micro * seq_len * h * 2 if fused_ce
               else micro * seq_len * config.vocab_size * (2 + 4 + 4))
     return acts * scale + logits
@@ -249,7 +249,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     import torch
 
     from . import ds_config as dsc
-    from .fast import FLCE_CHUNK_AUTO, flce_chunk_budget, fused_kernels_problem, liger_available, use_fused_kernels
+    from .levers import fused_kernels_problem, liger_available, use_fused_kernels
     from .models import (FlopsModel, check_vocab_covers_tokenizer, default_seq_len, masks_documents_by_position,
                          model_config, tokenizer_source)
     from .tokenizer import load_tokenizer
@@ -296,7 +296,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
         if cfg.document_mask and tokenizer.eos_token_id is None:
             report.problems.append(Problem("--document_mask", True, "the tokenizer has no EOS token to end documents",
                                            "use a tokenizer with an eos_token, or leave out --document_mask"))
-    p = fused_kernels_problem(cfg.fused_kernels, cuda)
+    p = fused_kernels_problem(cfg.perf, cuda)
     if p:
         report.problems.append(p)
 
@@ -338,11 +338,8 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
             # Where the run starts, the fused loss is what this machine can run; on a login node, what the GPU nodes
             # will run by default (the run's own start checks again with what they have).
             here = cuda or on_training_hardware
-            fused = use_fused_kernels(cfg.fused_kernels, cuda) if here else cfg.fused_kernels != "off"
-            try:
-                chunk = flce_chunk_budget()
-            except ValueError:  # a bad DSLM_* value, already reported by fused_kernels_problem
-                chunk = FLCE_CHUNK_AUTO
+            fused = use_fused_kernels(cfg.perf.fused_kernels, cuda) if here else cfg.perf.fused_kernels != "off"
+            chunk = cfg.perf.flce_chunk_budget
             zero = ds.get("zero_optimization", {})
             phases = phase_memory(num_params, mconf, world, seq_len, micro, stage, off_opt, off_par, bf16, zero,
                                   cfg.gradient_checkpointing, fused, chunk, bool(cfg.generate_prompt and cfg.export))

@@ -1,0 +1,175 @@
+"""The speed levers (`PerfConfig`, arguments.py): which of them apply to this model on this machine, and applying
+them. Each falls back cleanly (no GPU, ZeRO-3, a package or tested version missing), so CPU runs and CI take the same
+code path; what reaches below a library's public API lives in `patches/`, gated on the versions it was tested with.
+
+Under ZeRO-3 the LM head weight is partitioned and Liger's fused loss reads it outside `lm_head.forward`; it is
+registered as an external parameter of the top-level module so ZeRO gathers it for the whole forward/backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+
+from .arguments import PerfConfig, Problem
+from .models import head_dim
+from .patches import deepspeed_zero, flash_attn4, liger, torch_compile
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def fused_kernels_problem(perf: PerfConfig, cuda: bool) -> Problem | None:
+    """A lever asked for by name that cannot run here (`auto` never is a problem: it falls back)."""
+    if perf.fused_kernels == "on" and not cuda:
+        return Problem("--fused_kernels", "on", "the Liger kernels are Triton GPU kernels and there is no GPU here",
+                       "use --fused_kernels auto (on where possible) or off")
+    if perf.fused_kernels == "on" and not liger_available():
+        return Problem("--fused_kernels", "on", "liger-kernel is not installed",
+                       "pip install liger-kernel (or the project's [gpu] extra), or use --fused_kernels auto/off")
+    if perf.attention_kernel == "fa4" and cuda:
+        reason = flash_attn4.fa4_unavailable_reason()
+        if reason:
+            return Problem("--attention_kernel", "fa4", reason, "pip install flash-attn-4 on a Hopper/Blackwell GPU, "
+                           "or use --attention_kernel auto (SDPA where FA4 cannot run)")
+    return None
+
+
+def use_fused_kernels(setting: str, cuda: bool) -> bool:
+    return setting != "off" and cuda and liger_available()
+
+
+def _is_zero3(model) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def use_compile(cuda: bool, zero3: bool, perf: PerfConfig) -> bool:
+    return perf.compile in ("layers", "auto") and cuda and not zero3
+
+
+def use_fa4(cuda: bool, model, perf: PerfConfig) -> bool:
+    if perf.attention_kernel == "sdpa" or not cuda or getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+        return False
+    dim = head_dim(model.config)
+    return dim % 8 == 0 and 8 <= dim <= 256 and flash_attn4.fa4_unavailable_reason() is None
+
+
+def apply_speed_levers(model, perf: PerfConfig, cuda: bool, log, warn=None, documents: bool = False) -> dict:
+    """Patch `model` in place with the levers that apply; return what is in force (recorded in the checkpoint's
+    manifest and summary.json). `log` reports what was applied (rank 0 is enough: every rank applies the same, except
+    that a rank whose FlashAttention-4 probe fails keeps SDPA); `warn` (default `log`) reports that failure, from the
+    rank it happened on. `documents`: the run masks attention to documents (--document_mask), so FlashAttention-4's
+    probe covers its variable-length kernels."""
+    warn = warn or log
+    zero3 = _is_zero3(model)
+    compiled = use_compile(cuda, zero3, perf)
+    applied = {"fused_kernels": "off", "flce_chunk_budget": None, "compile": "layers" if compiled else "off",
+               "attention_kernel": "sdpa", "sdpa_backend": "auto"}
+    if use_fused_kernels(perf.fused_kernels, cuda):
+        which = perf.liger_kernels
+        if which == "auto":
+            which = "flce" if compiled else "all"
+        applied["fused_kernels"] = _apply_liger(model, which, log)
+        if applied["fused_kernels"] != "off":
+            if liger.set_flce_chunk_budget(perf.flce_chunk_budget, log):
+                applied["flce_chunk_budget"] = perf.flce_chunk_budget
+            if zero3:
+                _register_lm_head_for_zero3(model, log)
+    elif perf.fused_kernels == "auto" and cuda:
+        log("kernels: liger-kernel is not installed, so the loss materialises full fp32 logits (slower, more memory); "
+            "`pip install .[gpu]` adds Liger's kernels")
+    if compiled:
+        _compile_layers(model, perf.activation_budget, log)
+    if cuda and perf.sdpa_backend != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
+        _sdpa_wrap(model, perf.sdpa_backend, log)  # also the fall-back path of FlashAttention-4
+        applied["sdpa_backend"] = perf.sdpa_backend
+    if use_fa4(cuda, model, perf):
+        failure = flash_attn4.fa4_probe_failure(model, documents) if perf.attention_kernel == "auto" else None
+        if failure:
+            warn(f"attention: FlashAttention-4 failed its setup probe ({failure}); using SDPA (--attention_kernel sdpa "
+                 "skips the probe)")
+        else:
+            flash_attn4.enable_fa4(model, log)
+            applied["attention_kernel"] = "fa4"
+    elif (perf.attention_kernel == "auto" and cuda and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+          and (reason := flash_attn4.fa4_unavailable_reason())):
+        log(f"attention: SDPA ({reason}; on Hopper/Blackwell `pip install .[fa4]` adds FlashAttention-4)")
+    return applied
+
+
+def streamline_zero_step(engine, perf: PerfConfig, log) -> dict:
+    """The ZeRO-1/2 step's overflow check (--overflow_check): what is in force, for the record."""
+    return {"overflow_check": deepspeed_zero.streamline_zero_step(engine, perf.overflow_check, log)}
+
+
+def _decoder_layers(model):
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    return getattr(base, "layers", None)
+
+
+def _compile_layers(model, budget: float, log) -> bool:
+    import torch
+
+    layers = _decoder_layers(model)
+    if layers is None or not hasattr(torch, "compile"):
+        log("compile: no decoder layers found; running eagerly")
+        return False
+    budget_set = torch_compile.configure(len(layers), budget, log) and budget < 1.0
+    for layer in layers:
+        layer.compile()
+    log(f"compile: torch.compile on each of the {len(layers)} decoder layers"
+        + (f" (activation memory budget {budget})" if budget_set else ""))
+    return True
+
+
+def _sdpa_wrap(model, backend: str, log) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    first = order[backend]
+    backends = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                      SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != first]
+    kwargs = {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kw):
+        with sdpa_kernel(backends, **kwargs):
+            return inner(*args, **kw)
+
+    model.forward = forward
+    log(f"attention: SDPA backend order {[b.name for b in backends]}")
+
+
+def _apply_liger(model, which: str, log) -> str:
+    """Liger's kernels through its public entry point for the model type (apply_liger_kernel_to_<type>): all four, or
+    the fused linear cross-entropy alone. Returns what was applied ('all', 'flce', or 'off' for a model type Liger has
+    no entry point for)."""
+    from liger_kernel.transformers import monkey_patch
+
+    model_type = getattr(model.config, "model_type", "")
+    entry_point = getattr(monkey_patch, f"apply_liger_kernel_to_{model_type}", None)
+    if entry_point is None:
+        log(f"kernels: Liger has no entry point for {model_type!r}; its kernels are not applied")
+        return "off"
+    if which == "all":
+        entry_point(model=model)
+        log("kernels: Liger fused RoPE, RMSNorm, SwiGLU and linear cross-entropy enabled")
+    else:
+        entry_point(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True,
+                    model=model)
+        log("kernels: Liger fused linear cross-entropy enabled (norms, RoPE, SwiGLU left to torch.compile)")
+    return which
+
+
+def _register_lm_head_for_zero3(model, log):
+    head = getattr(model, "lm_head", None)
+    if head is None or not hasattr(head.weight, "ds_id"):
+        return
+    from deepspeed.runtime.zero import register_external_parameter
+
+    register_external_parameter(model, head.weight)
+    log("kernels: ZeRO-3 gathers the LM head weight for Liger's fused loss (external parameter of the model)")

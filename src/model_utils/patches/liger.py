@@ -1,0 +1,50 @@
+"""Liger-Kernel's fused linear cross-entropy, in fewer and larger chunks.
+
+Liger's model losses call `liger_kernel.transformers.functional.liger_fused_linear_cross_entropy` (looked up at call
+time) without a `chunk_mem_const`, so its default of 1 applies: with a 151,936-token vocabulary a 32k-token batch is
+cut into 128 chunks of 256 tokens, and each chunk reads and writes the bf16 LM-head gradient once (~80 GB of memory
+traffic per step on Qwen3-0.6B). The patch makes the trainer's budget that function's default.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from . import Patch, gate
+
+FLCE_CHUNK_BUDGET = Patch(
+    "liger-kernel", "0.8.5", "0.8.5",
+    "liger_kernel.transformers.functional.liger_fused_linear_cross_entropy: replaced (process-wide) by a wrapper "
+    "whose chunk_mem_const defaults to --flce_chunk_budget",
+    "+7-8% tokens/s on one H100 (Qwen3-0.6B, micro-batch 8: 77.3-78.1k -> 83.0-83.6k at budget 8); the loss check "
+    "against the unfused path stays within bf16 noise",
+    ("tests/unit/test_patches.py::test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function",))
+
+
+@functools.cache
+def _original():
+    from liger_kernel.transformers import functional
+
+    return functional.liger_fused_linear_cross_entropy
+
+
+def set_flce_chunk_budget(budget: int, log) -> bool:
+    """Make `chunk_mem_const=budget` the default of the function Liger's model losses call; False (and the stock
+    chunking) on an untested liger-kernel or one without the parameter."""
+    if not gate(FLCE_CHUNK_BUDGET, log):
+        return False
+    from liger_kernel.transformers import functional
+
+    original = _original()
+    if "chunk_mem_const" not in inspect.signature(original).parameters:
+        log("kernels: this liger-kernel has no chunk_mem_const; its fused cross-entropy keeps its own chunking")
+        return False
+
+    @functools.wraps(original)  # keeps the signature, which Liger's loss inspects to filter its kwargs
+    def fused_linear_cross_entropy(*args, chunk_mem_const: int = budget, **kwargs):
+        return original(*args, chunk_mem_const=chunk_mem_const, **kwargs)
+
+    functional.liger_fused_linear_cross_entropy = fused_linear_cross_entropy
+    log(f"kernels: fused linear cross-entropy chunked for {budget}x the hidden states' size of transient logits")
+    return True

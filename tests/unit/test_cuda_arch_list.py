@@ -1,0 +1,24 @@
+"""TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder reads it (train_utils.normalize_cuda_arch_list): arch-specific
+suffixes such as 9.0a, which torch's images set, become what DeepSpeed can parse."""
+
+from __future__ import annotations
+
+import pytest
+
+from model_utils import train_utils
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("9.0a+PTX", "9.0+PTX"), ("10.0f 9.0a", "10.0;9.0"), ("9.0;9.0a", "9.0"),
+])
+def test_cuda_arch_list_is_normalised_for_deepspeed(monkeypatch, given, expected):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
+    assert train_utils.normalize_cuda_arch_list() == expected
+    for item in expected.split(";"):
+        major, minor = item.replace("+PTX", "").split(".")
+        int(major), int(minor)  # what DeepSpeed's op builder does
+
+
+def test_cuda_arch_list_unset_stays_unset(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert train_utils.normalize_cuda_arch_list() is None
