@@ -48,4 +48,4 @@ ckpt=$(mktemp -d)
 PYTHON=$py CHECKPOINT_DIR=$ckpt MAX_STEPS=$OLDEST_MAX_STEPS ./train-singlenode.sh --generate_prompt "Return the"
 test -f "$ckpt/hf/model.safetensors"
 rm -rf "$ckpt"
-"$py" -m pytest -q tests/test_training.py -k "resume_after_kill_9 or loss_falls or export_loads"
+"$py" -m pytest -q tests/distributed/test_training.py -k "resume_after_kill_9 or loss_falls or export_loads"

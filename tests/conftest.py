@@ -42,6 +42,17 @@ FAST_ARGS = ["--seq_len", "64", "--micro_batch_size", "2", "--eval_iters", "2", 
              "--eval_interval", "0"]
 
 
+TIERS = ("unit", "distributed", "slurm")
+
+
+def pytest_collection_modifyitems(items):
+    """Each test is marked with its tier, the folder it lives in (`pytest -m "not slurm"` and the like)."""
+    for item in items:
+        tier = Path(item.fspath).parent.name
+        if tier in TIERS:
+            item.add_marker(tier)
+
+
 @pytest.fixture(scope="session")
 def session_cache(tmp_path_factory) -> Path:
     """One cache (embedded corpus, packed tokens) for every trainer the tests start; built once, here."""
@@ -127,3 +138,13 @@ def run_trainer(checkpoint_dir: Path, args: list[str], nproc: int = 2, env: dict
 
 def assert_ok(run: TrainerRun):
     assert run.returncode == 0, "trainer failed:\n" + "\n----\n".join(o[-4000:] for o in run.outputs)
+
+
+def preflight_command(args, env, cwd):
+    """The command line, as a user runs it."""
+    full_env = dict(os.environ, **env)
+    full_env.setdefault("WORLD_SIZE", "1")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(TRAINER), "--preflight", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=120)
+    return proc, time.monotonic() - t0

@@ -4,7 +4,7 @@ DeepSpeed writes every file of a checkpoint through its checkpoint engine (`engi
 path)`). `HostCopyWriter` wraps the engine DeepSpeed built: `save` copies the state to host memory (GPU tensors and
 CPU-offloaded optimizer states alike, storage sharing kept) and returns; one thread then runs the stock engine's own
 `save` on that copy and fsyncs the file. The files are byte-identical to a synchronous save
-(tests/test_background_save.py).
+(tests/distributed/test_background_save.py).
 
 A checkpoint becomes visible only through its manifest and `latest` (checkpoint.commit_save), written by rank 0 once
 every rank reports its writes done. `BackgroundSaves` keeps at most one checkpoint in flight: the ranks agree on its

@@ -14,7 +14,7 @@ import importlib
 import os
 
 from ..models import head_dim
-from . import Patch, gate
+from . import Patch, gate, installed
 
 FA4_KERNELS = Patch(
     "flash-attn-4", "4.0.0b36", "4.0.0b36",

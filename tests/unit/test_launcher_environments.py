@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_launchers import REPO_ROOT, commands, launch, lib, one_line_error
+from launching import commands, launch, lib, one_line_error
+from slurm_fixtures import REPO_ROOT
 
 
 def test_image_style_cuda_version_selects_the_major_minor_toolkit(tmp_path):

@@ -1,4 +1,4 @@
-"""Faults at exact points of a save or an evaluation (injected by tests/fault_injection.py, not timed by sleeps):
+"""Faults at exact points of a save or an evaluation (injected by tests/distributed/fault_injection.py, not timed by sleeps):
 each run resumes from a complete checkpoint and continues with losses bitwise equal to an uninterrupted run."""
 
 from __future__ import annotations

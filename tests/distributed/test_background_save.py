@@ -1,6 +1,6 @@
 """Checkpoints written in the background (--background_checkpoint, the default): the same files as a synchronous
 save, byte for byte; visible only once every rank has written them; a failed write stops the run with the previous
-checkpoint intact. Kill -9 and USR1 during a background write: tests/test_save_faults.py."""
+checkpoint intact. Kill -9 and USR1 during a background write: tests/distributed/test_save_faults.py."""
 
 from __future__ import annotations
 
@@ -61,7 +61,6 @@ def test_host_copy_pickles_exactly_as_the_original():
     assert {s.data_ptr() for s in again["taken"]} == {s.data_ptr() for s in memo["taken"]}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("ds_config", ["ds_config.json", "configs/zero3.json"])
 def test_background_files_equal_a_synchronous_save(tmp_path, ds_config):
     """Two runs, same seed: every file of step 3 (DeepSpeed's model and optimizer states, the RNG states) is
@@ -88,7 +87,6 @@ def test_background_files_equal_a_synchronous_save(tmp_path, ds_config):
     assert len(stalls) == 2
 
 
-@pytest.mark.slow
 def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path):
     """Rank 1's writes of step 6 fail (ENOSPC, injected): every rank learns it at the next step's collective and
     exits 1 with the reason; step 3 stays `latest`, step 6 never gets a manifest, and a new run resumes from 3."""

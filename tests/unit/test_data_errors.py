@@ -8,27 +8,10 @@ import os
 
 import pytest
 
-from conftest import FAST_ARGS, run_trainer
+from inputs import bad_jsonl_line, good_rows, jsonl
 from model_utils.arguments import parse_args
 from model_utils.concat_dataset import DataError, build_token_files, load_splits, resolve_source
 from model_utils.tokenizer import load_tokenizer
-
-
-def jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def good_rows(n=50):
-    return [{"text": f"document {i} " + "words " * 20} for i in range(n)]
-
-
-def bad_jsonl_line(d):
-    jsonl(d / "a.jsonl", good_rows())
-    rows = good_rows(400)
-    rows[299] = '{"text": "cut short'
-    jsonl(d / "b.jsonl", rows)
-    return d / "b.jsonl", "line 300 is not valid JSON"
 
 
 def json_line_not_an_object(d):
@@ -128,24 +111,3 @@ def test_unknown_hub_dataset_is_a_problem_not_a_traceback(tmp_path):
     problem = problem_of(cfg)
     assert problem.value == "no-such-org/no-such-dataset" and "could not be loaded from the hub" in problem.message
     assert "DATASET_CONFIG_NAME" in problem.fix
-
-
-@pytest.mark.slow
-def test_a_real_run_and_its_preflight_stop_before_any_step_naming_the_line(session_cache, tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    path, words = bad_jsonl_line(data)
-    args = [*FAST_ARGS, "--dataset", str(data), "--data_cache_dir", str(tmp_path / "cache"), "--max_steps", "2"]
-    run = run_trainer(tmp_path / "ckpt", args)
-    assert run.returncode == 2, run.output
-    assert f"--dataset = {path}: {words}" in run.output and "Traceback" not in run.output
-    assert not (tmp_path / "ckpt" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "ckpt" / "metrics.jsonl").read_text()
-    import subprocess
-    import sys
-
-    from conftest import REPO, TRAINER
-
-    proc = subprocess.run([sys.executable, str(TRAINER), "--preflight", *args, "--checkpoint_dir", str(tmp_path / "c")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="1"))
-    assert proc.returncode == 2 and f"--dataset = {path}: {words}" in proc.stdout, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr

@@ -149,7 +149,6 @@ def report(preset: str, out: str):
         json.dump({"resolved": dict(leaves(run.ds_config)), "effective": effective}, f, default=str)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_key_of_the_preset_changes_the_engine(preset, session_cache, tmp_path):
     out = tmp_path / "effective.json"

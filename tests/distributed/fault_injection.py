@@ -1,6 +1,6 @@
-"""Runs the trainer (as its __main__) with one fault injected at an exact point, for tests/test_save_faults.py.
+"""Runs the trainer (as its __main__) with one fault injected at an exact point, for tests/distributed/test_save_faults.py.
 
-    FAULT=POINT:RANK:STEP python tests/fault_injection.py TRAINER-FLAGS...
+    FAULT=POINT:RANK:STEP python tests/distributed/fault_injection.py TRAINER-FLAGS...
 
 POINT is where the rank RANK acts at step STEP:
   kill-before-manifest   SIGKILL itself once its shards are written and fsynced, before the manifest exists
@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 sys.path.insert(0, str(SRC))
 
 from model_utils import background_save, checkpoint, evaluation  # noqa: E402

@@ -6,7 +6,6 @@ GPU memory cannot exist here, so its case gives the GPU size through GPU_MEMORY_
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -15,27 +14,8 @@ import time
 
 import pytest
 
-from conftest import REPO, TRAINER, FAST_ARGS, assert_ok, run_trainer
-
-SHIPPED = json.loads((REPO / "ds_config.json").read_text())
-
-
-def ds_with(tmp_path, mutate):
-    cfg = copy.deepcopy(SHIPPED)
-    mutate(cfg)
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
-
-def _set(path, value):
-    def mutate(cfg):
-        node = cfg
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return mutate
-
+from conftest import REPO, TRAINER, preflight_command
+from inputs import SHIPPED, ds_with, set_key
 
 def _rename(section, old, new):
     def mutate(cfg):
@@ -72,18 +52,18 @@ def _unwritable_checkpoint_dir(tmp_path):
 CASES = [
     ("invalid-json", lambda t: ["--ds_config", _write(t, "{\n 'a': 1,\n}")], {}, "--ds_config", "fix the JSON syntax"),
     ("missing-ds-config", lambda t: ["--ds_config", str(t / "none.json")], {}, "--ds_config", "DeepSpeed JSON file"),
-    ("unknown-top-level-key", lambda t: ["--ds_config", ds_with(t, _set(["gradient_cliping"], 1.0))], {},
+    ("unknown-top-level-key", lambda t: ["--ds_config", ds_with(t, set_key(["gradient_cliping"], 1.0))], {},
      "ds_config gradient_cliping", "did you mean `gradient_clipping`?"),
-    ("misspelt-zero-key", lambda t: ["--ds_config", ds_with(t, _set(["zero_optimization", "overlap_com"], True))], {},
+    ("misspelt-zero-key", lambda t: ["--ds_config", ds_with(t, set_key(["zero_optimization", "overlap_com"], True))], {},
      "ds_config zero_optimization.overlap_com", "`overlap_comm`"),
-    ("misspelt-offload-key", lambda t: ["--ds_config", ds_with(t, _set(["zero_optimization", "offload_optimizer"],
+    ("misspelt-offload-key", lambda t: ["--ds_config", ds_with(t, set_key(["zero_optimization", "offload_optimizer"],
                                                                         {"device": "cpu", "pin_memroy": True}))], {},
      "ds_config zero_optimization.offload_optimizer.pin_memroy", "`pin_memory`"),
     ("seed-scheduler-key", lambda t: ["--ds_config", ds_with(t, _rename("scheduler", "cos_min_ratio", "cosine_min_ratio"))],
      {}, "scheduler.params.cosine_min_ratio", "`cos_min_ratio`"),
-    ("optimizer-param", lambda t: ["--ds_config", ds_with(t, _set(["optimizer", "params", "betas1"], 0.9))], {},
+    ("optimizer-param", lambda t: ["--ds_config", ds_with(t, set_key(["optimizer", "params", "betas1"], 0.9))], {},
      "optimizer.params.betas1", "`betas`"),
-    ("batch-vs-world", lambda t: ["--ds_config", ds_with(t, _set(["train_batch_size"], 64))], {"WORLD_SIZE": "4"},
+    ("batch-vs-world", lambda t: ["--ds_config", ds_with(t, set_key(["train_batch_size"], 64))], {"WORLD_SIZE": "4"},
      "train_batch_size", "micro (8) x grad_acc (1) x world size (4) = 32"),
     ("warmup-too-long", lambda t: ["--max_steps", "100", "--warmup_steps", "500"], {},
      "scheduler.params.warmup_num_steps", "raise --max_steps"),
@@ -141,16 +121,6 @@ def _attention_free_pretrained(tmp_path):
     return str(path)
 
 
-def preflight(args, env, cwd):
-    """The command line, as a user runs it."""
-    full_env = dict(os.environ, **env)
-    full_env.setdefault("WORLD_SIZE", "1")
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(TRAINER), "--preflight", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=120)
-    return proc, time.monotonic() - t0
-
-
 def preflight_in_process(args, env, monkeypatch, capsys):
     """The same entry point called in this process: the table's cases skip a cold import of torch and DeepSpeed."""
     import train_deepspeed
@@ -196,28 +166,9 @@ def test_max_documents_counts_in_the_data_check(tmp_path, session_cache, monkeyp
 def test_several_problems_are_reported_together(tmp_path, session_cache):
     bad = ds_with(tmp_path, lambda c: (_rename("scheduler", "cos_min_ratio", "cosine_min_ratio")(c),
                                        c["zero_optimization"].update(overlap_com=True), c.update(train_batch_size=12)))
-    proc, _ = preflight(["--ds_config", bad, "--checkpoint_dir", str(tmp_path / "c")], {}, tmp_path)
+    proc, _ = preflight_command(["--ds_config", bad, "--checkpoint_dir", str(tmp_path / "c")], {}, tmp_path)
     assert proc.returncode == 2
     assert "preflight: 3 problem(s)" in proc.stdout
-
-
-def test_clean_configuration_passes_preflight_then_trains(tmp_path, session_cache):
-    args = [*FAST_ARGS, "--max_steps", "3", "--checkpoint_freq", "0", "--no-export"]
-    proc, seconds = preflight([*args, "--checkpoint_dir", str(tmp_path / "ckpt")], {"WORLD_SIZE": "2"}, REPO)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for words in ("effective DeepSpeed config", "batch: micro 2 x grad_acc 1 x world 2 = 4 blocks", "plan: 3 steps",
-                  "model: tiny", "memory: ~", "preflight: OK"):
-        assert words in proc.stdout
-    assert_ok(run_trainer(tmp_path / "ckpt", args))
-
-
-def test_bf16_on_hardware_without_it_stops_the_run_before_the_model_is_built(tmp_path, session_cache):
-    """On a login node preflight cannot see the GPUs' bf16 support; the run's own start-up check does."""
-    bad = ds_with(tmp_path, _set(["bf16", "enabled"], True))
-    run = run_trainer(tmp_path / "ckpt", [*FAST_ARGS, "--ds_config", bad], nproc=1)
-    assert run.returncode == 2
-    assert "bf16.enabled = True: this hardware has no bf16 support" in run.output and '"auto"' in run.output
-    assert not (tmp_path / "ckpt" / "metrics.jsonl").exists()
 
 
 def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(tmp_path, session_cache, monkeypatch,
