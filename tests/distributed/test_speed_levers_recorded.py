@@ -1,0 +1,35 @@
+"""The speed levers of a real run (2 CPU ranks) are recorded where a user and a resume look for them: the run header,
+summary.json and each checkpoint's manifest (the settings and what they resolved to on this machine). A resume with
+a lever that changes the numerics says so and carries on."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import FAST_ARGS, assert_ok, run_trainer
+from model_utils.arguments import PerfConfig
+
+
+def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cache, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = [*FAST_ARGS, "--checkpoint_freq", "2", "--no-export"]
+    first = run_trainer(ckpt, [*args, "--max_steps", "2"])
+    assert_ok(first)
+    assert '"perf": {"fused_kernels": "auto", "liger_kernels": "auto", "flce_chunk_budget": 8' in first.output
+    manifest = json.loads((ckpt / "step-00000002" / "manifest.json").read_text())
+    assert manifest["perf"] == PerfConfig().as_dict()
+    # No GPU: every lever takes the libraries' own path, and the record says so.
+    in_force = {"fused_kernels": "off", "flce_chunk_budget": None, "compile": "off", "attention_kernel": "sdpa",
+                "sdpa_backend": "auto", "overflow_check": "scan"}
+    assert manifest["levers_in_force"] == in_force
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["speed_levers"] == {"settings": PerfConfig().as_dict(), "in_force": in_force}
+
+    same = run_trainer(ckpt, [*args, "--max_steps", "3"])
+    assert_ok(same)
+    assert "speed levers that change the numerics differ" not in same.output
+    changed = run_trainer(ckpt, [*args, "--max_steps", "4", "--flce_chunk_budget", "4", "--overflow_check", "norm"])
+    assert_ok(changed)
+    assert ("speed levers that change the numerics differ from the checkpoint's (flce_chunk_budget: 8 -> 4)"
+            in changed.output)  # the overflow check skips the same steps in every mode: not named
+    assert json.loads((ckpt / "step-00000004" / "manifest.json").read_text())["perf"]["flce_chunk_budget"] == 4
