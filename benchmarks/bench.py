@@ -6,9 +6,9 @@
 
 Every measurement runs in its own process (fresh CUDA memory statistics, no monkey-patch leaking between variants),
 on all GPUs present (torchrun --standalone) unless --nproc says otherwise. The engine path is the trainer's own:
-`parse_args` -> `setup` (model, fused kernels, DeepSpeed engine from ds_config.json) -> `compute_loss` / `backward` /
-`step` on `--dummy_data` random token blocks. After `--warmup` steps, `--steps` steps are timed (CUDA synchronised
-each step, as the trainer's per-step stop-flag all-reduce does). Reported: tokens/s per GPU, TFLOP/s per GPU, MFU by
+`parse_args` -> `setup` (model, speed levers, DeepSpeed engine from ds_config.json) -> `train_step` and the loop's
+per-step collective (`agree_after_step`), on `--dummy_data` random token blocks. After `--warmup` steps, `--steps`
+steps are timed (CUDA synchronised each step, as the trainer's per-step collective does). Reported: tokens/s per GPU, TFLOP/s per GPU, MFU by
 the project's 6N + 12·L·H·Q·T convention and by torchtitan's 6N + 6·L·H·Q·T, peak allocated memory, and where
 nvidia-smi runs the mean SM clock, power draw and share of samples held back by the power limit over the timed steps.
 
@@ -266,38 +266,43 @@ def gpu_idle_report(events: list[dict], min_gap_us: float = 20.0, top: int = 15)
     return "\n".join(lines)
 
 
-def profile_steps(phases, is_main: bool, steps: int = 2, trace: str | None = None) -> None:
-    """Where a step's time goes, printed by rank 0 into the measurement's log. `phases` is [(name, fn), ...], one
-    training step in order. First each phase alone, synchronised: the time until its call returns (host: Python,
-    launches) against the time until the GPU is done, so a phase whose host time is the larger starves the GPU. Then
-    `steps` steps under torch.profiler: kernels by GPU time, operators by host time, and where the GPU waited
+def profile_steps(step, is_main: bool, steps: int = 2, trace: str | None = None) -> None:
+    """Where a step's time goes, printed by rank 0 into the measurement's log. `step(phase)` runs one training step
+    (the trainer's train_step), entering `phase(name)` around each micro-batch's forward, backward and optimizer
+    step. First three steps with every phase synchronised: the time until its call returns (host: Python, launches)
+    against the time until the GPU is done, so a phase whose host time is the larger starves the GPU. Then `steps`
+    steps under torch.profiler: kernels by GPU time, operators by host time, and where the GPU waited
     (gpu_idle_report); with `trace`, the Chrome trace is written there (gzip)."""
+    import contextlib
+
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    host = {name: [] for name, _ in phases}
-    total = {name: [] for name, _ in phases}
+    names = ("forward", "backward", "step")
+    host, total = {name: [] for name in names}, {name: [] for name in names}
+
+    @contextlib.contextmanager
+    def synchronised(name):
+        _sync()
+        t0 = time.perf_counter()
+        yield
+        t1 = time.perf_counter()
+        _sync()
+        host[name].append(t1 - t0)
+        total[name].append(time.perf_counter() - t0)
+
     for _ in range(3):
-        for name, fn in phases:
-            _sync()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
-            _sync()
-            host[name].append(t1 - t0)
-            total[name].append(time.perf_counter() - t0)
+        step(synchronised)
     if is_main:
         print("phase timing (median of 3 synchronised steps): host = until the call returns, total = until the GPU "
               "is done", flush=True)
-        for name, _ in phases:
+        for name in names:
             print(f"  {name:10s} host {1e3 * statistics.median(host[name]):8.1f} ms   "
                   f"total {1e3 * statistics.median(total[name]):8.1f} ms", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            for name, fn in phases:
-                with record_function(f"phase:{name}"):
-                    fn()
+            step(lambda name: record_function(f"phase:{name}"))
         _sync()
     if is_main:
         import gzip
@@ -330,10 +335,9 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     normalize_env()
     import torch
 
-    from model_utils.patches.deepspeed_zero import device_skip_flag, settle_device_skip
     from model_utils.models import gpu_peak_tflops
     from model_utils.train_utils import distributed_env_problems, setup_distributed
-    from train_deepspeed import attention_area, compute_loss, model_inputs, parse_args, setup
+    from train_deepspeed import agree_after_step, parse_args, setup, train_step
 
     steps, warmup = job["steps"], job["warmup"]
     total = steps + warmup
@@ -361,53 +365,34 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     engine = run.engine
     engine.train()
 
-    state = {"area": 0}
+    def step(phase=None):
+        """The trainer's own step and its per-step collective (which books an update the GPU skipped)."""
+        result = train_step(run, phase) if phase else train_step(run)
+        agree_after_step(run, result)
+        return result
 
-    def forward():
-        blocks = run.data.train.batch(run.order.rank_indices(run.position, dist.rank))
-        state["area"] += attention_area(run, blocks)
-        state["loss"] = compute_loss(engine, model_inputs(run, blocks))
-
-    def backward():
-        engine.backward(state["loss"])
-
-    def step():
-        engine.step()
-        if device_skip_flag(engine, dist.device).item() > 0:  # the trainer's loop reads this flag after every step
-            settle_device_skip(engine)
-        run.position = run.order.advance(run.position)
-
-    def train_step():
-        forward()
-        backward()
-        step()
-        return state["loss"]
-
-    times, losses = [], []
+    times, losses, timed_area = [], [], 0
     telemetry = GpuTelemetry()  # rank 0 samples every GPU of its host
     for i in range(total):  # peak memory is kept over the whole run: warm-up steps allocate the same buffers
-        if i == warmup:
-            state["area"] = 0  # the timed steps' attention pairs (FLOPs): the result is rank 0's, for its blocks
-            if dist.is_main:
-                telemetry.start()
+        if i == warmup and dist.is_main:
+            telemetry.start()
         _sync()
         t = time.perf_counter()
-        loss = train_step()
+        result = step()
         _sync()
         dt = time.perf_counter() - t
-        losses.append(float(loss.detach().float().item()))
+        losses.append(result.loss_sum.item() / run.grad_accum)  # this rank's mean over its micro-batches
         if i >= warmup:
             times.append(dt)
+            timed_area += result.attention_area  # the timed steps' attention pairs (FLOPs), for rank 0's blocks
         if dist.is_main and job.get("verbose"):
             print(f"  step {i}: {dt * 1e3:.1f} ms, loss {losses[-1]:.4f}", flush=True)
     gpu = telemetry.stop()
-    timed_area = state["area"]
     if job.get("profile"):
-        profile_steps([("forward", forward), ("backward", backward), ("step", step)], dist.is_main,
-                      trace=job.get("trace"))
+        profile_steps(step, dist.is_main, trace=job.get("trace"))
     config = engine.module.config
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    tokens_per_step = run.micro_batch * run.grad_accum * run.seq_len
+    tokens_per_step = run.tokens_per_step // dist.world_size  # per GPU
     f12, f6 = flops_per_token(config, num_params, run.seq_len, timed_area / (tokens_per_step * steps) if steps else None)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     result = {"kind": "engine", "world_size": dist.world_size, "setup_s": setup_s, "losses": losses,

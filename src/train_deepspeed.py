@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -231,6 +232,83 @@ def compute_loss(engine, batch: dict):
     return engine(**batch, use_cache=False).loss
 
 
+@dataclass
+class StepResult:
+    """One optimizer step on this rank, its tensors still on the device (nothing here waits for the GPU)."""
+
+    loss_sum: object  # the micro-batches' losses summed (float64; a non-finite one counts 0)
+    nonfinite: object  # whether any micro-batch's loss was inf/NaN (bool)
+    attention_area: int  # query-key pairs the step's attention covered (FLOPs)
+    blocks: list  # the block indices this rank read, in order (--trace_data)
+
+
+@dataclass
+class StepFlags:
+    """What every rank decided together after a step (`agree_after_step`)."""
+
+    stop: bool  # a stop signal reached some rank
+    nonfinite_loss: bool  # some rank's loss was not finite
+    save_due: bool  # rank 0's clock says a save is due (--checkpoint_minutes)
+
+
+def _no_phase(name: str):
+    return NO_PHASE
+
+
+NO_PHASE = contextlib.nullcontext()
+
+
+def train_step(run: Run, phase=_no_phase) -> StepResult:
+    """One optimizer step: grad_accum micro-batches of forward and backward, DeepSpeed applying the update at the
+    accumulation boundary, the data position advanced. `phase(name)` wraps the forward, backward and step of each
+    micro-batch in a context (benchmarks/bench.py's profiling); the training loop and bench.py both call this."""
+    import torch
+
+    dist, engine = run.dist, run.engine
+    loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
+    nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
+    blocks_read, area = [], 0
+    for _ in range(run.grad_accum):
+        with phase("forward"):
+            indices = run.order.rank_indices(run.position, dist.rank)
+            blocks_read += indices.tolist()
+            blocks = run.data.train.batch(indices)
+            area += attention_area(run, blocks)
+            loss = compute_loss(engine, model_inputs(run, blocks))
+        with phase("backward"):
+            engine.backward(loss)
+        with phase("step"):
+            engine.step()
+            run.position = run.order.advance(run.position)
+        nonfinite |= ~torch.isfinite(loss.detach())
+        loss_sum += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+    run.step += 1
+    run.tokens_seen += run.tokens_per_step
+    return StepResult(loss_sum, nonfinite, area, blocks_read)
+
+
+def agree_after_step(run: Run, result: StepResult, stop_received: bool = False, save_due: bool = False) -> StepFlags:
+    """The one collective of every step: a stop signal on any rank, a non-finite loss, an update the GPU skipped
+    (--overflow_check device: booked here as DeepSpeed books one it skips), a save due by rank 0's clock, and the
+    state of a checkpoint written in the background (committed once every rank has written it)."""
+    import torch
+
+    from model_utils.patches.deepspeed_zero import device_skip_flag, settle_device_skip
+
+    dist = run.dist
+    writes = run.saves.local_state() if run.saves else 0.0
+    flags = torch.stack([torch.tensor(float(stop_received), device=dist.device), result.nonfinite.float(),
+                         device_skip_flag(run.engine, dist.device), torch.tensor(float(save_due), device=dist.device),
+                         torch.tensor(writes, device=dist.device)])
+    dist.all_reduce(flags, torch.distributed.ReduceOp.MAX)
+    stop, nonfinite_loss, skipped_on_device, save_due = (flags[:4] > 0).tolist()
+    if run.saves:
+        run.saves.agreed(flags[4].item())
+    if skipped_on_device:
+        settle_device_skip(run.engine)
+    return StepFlags(stop, nonfinite_loss, save_due)
+
+
 def to_device(array, device):
     import torch
 
@@ -311,7 +389,6 @@ def train(run: Run) -> int:
     from tqdm import tqdm
 
     from model_utils.ds_config import precision
-    from model_utils.patches.deepspeed_zero import device_skip_flag, settle_device_skip
     from model_utils.monitor import write_summary
     from model_utils.train_utils import EXIT_NONFINITE, EXIT_STOPPED_BY_SIGNAL, StopSignal, Throughput, memory_stats
 
@@ -334,29 +411,15 @@ def train(run: Run) -> int:
     last_save = time.monotonic()
     save_deferred = False  # a periodic save that fell on a step whose update was skipped
     while run.step < cfg.max_steps:
-        # --- learning rate used by this step ---
+        # --- one optimizer step at this learning rate ---
         lr = engine.get_lr()[0]
         t_step = time.perf_counter()
-
-        # --- forward, backward, update (DeepSpeed applies the optimizer at the accumulation boundary) ---
-        nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
-        step_blocks = []
-        for _ in range(run.grad_accum):
-            indices = run.order.rank_indices(run.position, dist.rank)
-            step_blocks += indices.tolist()
-            blocks = run.data.train.batch(indices)
-            area += attention_area(run, blocks)
-            loss = compute_loss(engine, model_inputs(run, blocks))
-            engine.backward(loss)
-            engine.step()
-            run.position = run.order.advance(run.position)
-            nonfinite |= ~torch.isfinite(loss.detach())
-            loss_sum += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+        result = train_step(run)
         step_time += time.perf_counter() - t_step
-        run.step += 1
-        run.tokens_seen += tokens_per_step
+        loss_sum += result.loss_sum
+        area += result.attention_area
         if trace is not None:
-            trace.write(json.dumps({"step": run.step, "blocks": step_blocks}) + "\n")
+            trace.write(json.dumps({"step": run.step, "blocks": result.blocks}) + "\n")
             trace.flush()
         steps_in_interval += 1
 
@@ -388,21 +451,12 @@ def train(run: Run) -> int:
         if cfg.eval_interval and run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps:
             log_evaluation(run, "eval")
 
-        # --- what all ranks decide together, in one collective: a stop signal on any rank, a non-finite loss, an
-        #     update the GPU skipped, a save due by rank 0's clock (--checkpoint_minutes), the state of a checkpoint
-        #     being written in the background (committed once every rank has written it) ---
-        save_due = (dist.is_main and cfg.checkpoint_minutes > 0
-                    and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)  # rank 0's clock, for all
-        writes = run.saves.local_state() if run.saves else 0.0
-        flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=dist.device), nonfinite.float(),
-                             device_skip_flag(engine, dist.device), torch.tensor(float(save_due), device=dist.device),
-                             torch.tensor(writes, device=dist.device)])
-        dist.all_reduce(flags, torch.distributed.ReduceOp.MAX)
-        stop_now, nonfinite_loss, skipped_on_device, save_due = (flags[:4] > 0).tolist()
-        if run.saves:
-            run.saves.agreed(flags[4].item())
-        if skipped_on_device:  # --overflow_check device: the GPU skipped the update; book it as DeepSpeed would
-            settle_device_skip(engine)
+        # --- what all ranks decide together, in one collective (a stop signal, a non-finite loss, an update the GPU
+        #     skipped, a save due by rank 0's clock, the background save's state) ---
+        clock_says_save = (dist.is_main and cfg.checkpoint_minutes > 0
+                           and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)  # rank 0's, for all
+        agreed = agree_after_step(run, result, bool(stop.received), clock_says_save)
+        stop_now, nonfinite_loss, save_due = agreed.stop, agreed.nonfinite_loss, agreed.save_due
         # --- non-finite loss or gradient: what DeepSpeed did decides, not the config. It skips such an update where it
         #     checks for overflow (fp16's loss scaling, bf16's check_grad_overflow, on by default) and applies it
         #     otherwise (fp32); after max_bad_steps skipped in a row, or one applied, stop without saving: the last

@@ -1,5 +1,5 @@
-"""benchmarks/bench.py end to end on CPU: the trainer's own setup and step on the tiny preset, and the HF Trainer peer
-(the same code path as on GPUs)."""
+"""benchmarks/bench.py end to end on CPU: the trainer's own setup and train_step on the tiny preset (also profiled),
+and the HF Trainer peer (the same code path as on GPUs)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_bench_cpu_smoke_run(tmp_path):
                           "--micro_batch_size", "1", "--steps", "2", "--warmup", "1", "--timeout", "240",
                           "--variants", "default", "document_mask", "--document_length", "8",
                           "--compare-hf", "--hf-skip", "liger", "--write-doc", str(tmp_path / "perf.md"),
-                          "--json", str(tmp_path / "results.jsonl")],
+                          "--json", str(tmp_path / "results.jsonl"), "--profile", "--log-dir", str(tmp_path / "logs")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = (tmp_path / "perf.md").read_text()
@@ -39,3 +39,6 @@ def test_bench_cpu_smoke_run(tmp_path):
     flops = {r["job"]["name"]: r["result"]["tflops_per_gpu"] / r["result"]["tokens_per_s_per_gpu"] for r in rows
              if r["job"]["kind"] == "engine"}
     assert flops["engine-document_mask-mb1"] < flops["engine-default-mb1"] * (1 - 1e-3)
+    # --profile runs the trainer's own step with each phase synchronised, then under torch.profiler.
+    log = (tmp_path / "logs" / "engine-default-mb1.log").read_text()
+    assert "phase timing" in log and "  backward   host" in log and "gpu idle: no GPU events" in log, log[-3000:]

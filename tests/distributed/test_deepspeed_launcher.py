@@ -7,11 +7,9 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from conftest import REPO, TRAINER
 
-pytestmark = pytest.mark.slow
 
 
 def test_deepspeed_launcher_with_deepspeed_config_trains_with_that_config(session_cache, tmp_path):

@@ -12,7 +12,6 @@ import pytest
 
 from conftest import FAST_ARGS, REPO, SRC, assert_ok, run_trainer
 
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from model_utils.checkpoint import inspect_checkpoint
 from model_utils.train_utils import free_port
 from test_training import RESUME_ARGS, _assert_continues_exactly, baseline  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.slow
 INJECT = Path(__file__).with_name("fault_injection.py")
 EVERY_STEP = [*RESUME_ARGS, "--checkpoint_freq", "1", "--keep_last_checkpoints", "0"]
 

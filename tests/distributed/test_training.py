@@ -14,7 +14,6 @@ import torch
 from conftest import FAST_ARGS, REPO, Trainer, assert_ok, run_trainer
 from model_utils.checkpoint import find_resume_checkpoint, inspect_checkpoint, list_checkpoints
 
-pytestmark = pytest.mark.slow
 
 RESUME_ARGS = [*FAST_ARGS, "--max_steps", "10", "--checkpoint_freq", "5", "--no-export", "--seed", "11", "--trace_data"]
 

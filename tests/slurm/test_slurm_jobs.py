@@ -15,7 +15,6 @@ import pytest
 
 from slurm_fixtures import REPO_ROOT
 
-pytestmark = pytest.mark.slurm
 
 # A few fast steps of the tiny default model on the embedded corpus.
 FAST_ENV = {"MAX_STEPS": "6", "CHECKPOINT_FREQ": "3", "SEQ_LEN": "64"}
