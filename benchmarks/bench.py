@@ -392,7 +392,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
         profile_steps(step, dist.is_main, trace=job.get("trace"))
     config = engine.module.config
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    tokens_per_step = run.tokens_per_step // dist.world_size  # per GPU
+    tokens_per_step = run.batch.tokens_per_rank_step  # per GPU
     f12, f6 = flops_per_token(config, num_params, run.seq_len, timed_area / (tokens_per_step * steps) if steps else None)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     result = {"kind": "engine", "world_size": dist.world_size, "setup_s": setup_s, "losses": losses,

@@ -37,9 +37,7 @@ class Run:
     engine: object
     data: object
     order: object
-    seq_len: int
-    micro_batch: int
-    grad_accum: int
+    batch: object  # ds_config.Batch: micro-batch, accumulation, world size, block length
     flops: object  # models.FlopsModel
     log: object
     peak_tflops: float | None = None
@@ -52,8 +50,20 @@ class Run:
     levers: dict | None = None  # the speed levers in force (levers.apply_speed_levers, streamline_zero_step)
 
     @property
+    def seq_len(self) -> int:
+        return self.batch.seq_len
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch.micro
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch.accumulation
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.micro_batch * self.grad_accum * self.dist.world_size * self.seq_len
+        return self.batch.tokens_per_step
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -98,9 +108,9 @@ def setup(cfg: TrainConfig, dist) -> Run:
         resume_tag = convert_to_universal(resume_info, dist, log.info)
         ds.setdefault("checkpoint", {})["load_universal"] = True
 
-    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    batch = dsc.Batch.of(ds, dist.world_size, seq_len)
     data = prepare_data(cfg, tokenizer, seq_len, dist, log.info)
-    order = BlockOrder(data.train_ids, cfg.seed, dist.world_size, micro)
+    order = BlockOrder(data.train_ids, cfg.seed, dist.world_size, batch.micro)
     log.info(f"data: {data.description}")
 
     seed_everything(cfg.seed)
@@ -129,8 +139,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
         writer = install(engine, log.info)
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
-    run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, seq_len, micro, accum,
-              flops, log, peak_tflops=peak, position=DataPosition(), levers=levers,
+    run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, batch, flops, log, peak_tflops=peak, position=DataPosition(), levers=levers,
               document_eos=tokenizer.eos_token_id if cfg.document_mask else None,
               document_boundaries=cfg.document_mask and takes_document_boundaries(model))
     if writer is not None:
@@ -140,13 +149,10 @@ def setup(cfg: TrainConfig, dist) -> Run:
         log.info("attention: within documents (--document_mask; positions restart after each EOS, "
                  + ("FlashAttention-4 takes the documents' boundaries)" if run.document_boundaries
                     else "transformers masks attention to each document)"))
-    tokens_per_step = run.tokens_per_step
     log.info(f"model: {cfg.model}, {num_params / 1e6:.1f}M parameters, {flops.per_token() / 1e9:.3f} GFLOP/token; "
              f"precision {dsc.precision(ds)}{' (dynamic loss scaling)' if dsc.precision(ds) == 'fp16' else ''}, "
              f"ZeRO stage {dsc.zero_stage(ds)}")
-    log.info(f"batch: micro {micro} x grad_acc {accum} x world {dist.world_size} = {micro * accum * dist.world_size} "
-             f"blocks = {tokens_per_step:,} tokens/step; {cfg.max_steps} steps = {tokens_per_step * cfg.max_steps:,} "
-             f"tokens ({tokens_per_step * cfg.max_steps / max(data.train_tokens, 1):.2f} epochs)")
+    log.info(f"batch: {batch.describe()}; {batch.plan(cfg.max_steps, max(data.train_tokens, 1))}")
 
     if resume_info:
         load_checkpoint(run, resume_info, resume_tag)

@@ -8,6 +8,7 @@ import difflib
 import inspect
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from .arguments import Problem, TrainConfig
@@ -224,6 +225,41 @@ def _leftover_autos(node, prefix=""):
             yield from _leftover_autos(value, f"{prefix}.{key}" if prefix else key)
     elif node == AUTO:
         yield prefix, node
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The batch arithmetic, in one place for the trainer, the preflight and the benchmark: DeepSpeed's micro-batch
+    and gradient accumulation (the resolved config, flags applied), the world size and the block length."""
+
+    micro: int  # blocks per rank per forward/backward (train_micro_batch_size_per_gpu)
+    accumulation: int  # micro-batches per optimizer step (gradient_accumulation_steps)
+    world: int  # data-parallel ranks
+    seq_len: int  # tokens per block
+
+    @classmethod
+    def of(cls, ds: dict, world: int, seq_len: int) -> Batch:
+        return cls(ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], world, seq_len)
+
+    @property
+    def blocks_per_step(self) -> int:
+        return self.micro * self.accumulation * self.world  # DeepSpeed's train_batch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.blocks_per_step * self.seq_len
+
+    @property
+    def tokens_per_rank_step(self) -> int:
+        return self.micro * self.accumulation * self.seq_len
+
+    def describe(self) -> str:
+        return (f"micro {self.micro} x grad_acc {self.accumulation} x world {self.world} = {self.blocks_per_step} "
+                f"blocks of {self.seq_len} tokens = {self.tokens_per_step:,} tokens/step")
+
+    def plan(self, steps: int, train_tokens: int | None = None) -> str:
+        total = self.tokens_per_step * steps
+        return f"{steps} steps = {total:,} tokens" + (f" ({total / train_tokens:.2f} epochs)" if train_tokens else "")
 
 
 def zero_stage(ds: dict) -> int:

@@ -321,15 +321,14 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
         num_params = sum(p.numel() for p in meta_model.parameters())
         del meta_model
     if ds is not None and not any(pr.setting.startswith(("train_", "gradient_acc")) for pr in report.problems):
-        micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
-        tokens_per_step = micro * accum * world * seq_len
+        batch = dsc.Batch.of(ds, world, seq_len)
+        micro = batch.micro
         stage = dsc.zero_stage(ds)
         off_opt, off_par = dsc.offloads(ds)
         bf16 = dsc.precision(ds) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
         report.lines.append("effective DeepSpeed config:\n" + json.dumps(ds, indent=2))
-        report.lines.append(f"batch: micro {micro} x grad_acc {accum} x world {world} = {micro * accum * world} blocks "
-                            f"of {seq_len} tokens = {tokens_per_step:,} tokens/step")
-        report.lines.append(f"plan: {cfg.max_steps} steps = {tokens_per_step * cfg.max_steps:,} tokens")
+        report.lines.append(f"batch: {batch.describe()}")
+        report.lines.append(f"plan: {batch.plan(cfg.max_steps)}")
         if num_params:
             flops = FlopsModel.from_config(mconf, num_params, seq_len).per_token()
             report.lines.append(f"model: {cfg.model}, {num_params / 1e6:,.1f}M parameters, {flops / 1e9:.2f} GFLOP/token, "
@@ -395,10 +394,10 @@ def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> R
         report.notes += notes
         report.problems += problems
         if not any(p.setting.startswith(("train_", "gradient_acc")) for p in problems):
-            micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+            batch = dsc.Batch.of(ds, world, cfg.seq_len or 0)  # the block length needs the model: not known here
             report.lines.append("effective DeepSpeed config:\n" + json.dumps(ds, indent=2))
-            report.lines.append(f"batch: micro {micro} x grad_acc {accum} x world {world} = {micro * accum * world} "
-                                f"blocks per step; {cfg.max_steps} steps")
+            report.lines.append(f"batch: micro {batch.micro} x grad_acc {batch.accumulation} x world {world} = "
+                                f"{batch.blocks_per_step} blocks per step; {cfg.max_steps} steps")
     report.notes.append(f"{', '.join(missing)} not installed here: checked the arguments and the DeepSpeed config's "
                         "JSON, batch and schedule; not checked: DeepSpeed key names, optimizer and scheduler "
                         "parameters, tokenizer, model, memory, data and checkpoints (pip install -e . here checks "

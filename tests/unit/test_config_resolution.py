@@ -137,3 +137,15 @@ def test_validate_args_reports_every_problem_at_once(tmp_path):
 def test_explicit_flags_are_tracked():
     cfg = parse_args(["--max_steps", "300", "--micro_batch_size", "2"])
     assert "micro_batch_size" in cfg.explicit and "max_steps" not in cfg.explicit  # 300 is the default
+
+
+def test_batch_arithmetic_is_stated_once():
+    """Micro-batch, accumulation, world size and block length from the resolved config, as the trainer's header, the
+    preflight and the benchmark print and use them."""
+    from model_utils.ds_config import Batch
+
+    batch = Batch.of({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}, world=2, seq_len=4096)
+    assert (batch.blocks_per_step, batch.tokens_per_step, batch.tokens_per_rank_step) == (64, 262_144, 131_072)
+    assert batch.describe() == "micro 4 x grad_acc 8 x world 2 = 64 blocks of 4096 tokens = 262,144 tokens/step"
+    assert batch.plan(10) == "10 steps = 2,621,440 tokens"
+    assert batch.plan(10, train_tokens=1_310_720) == "10 steps = 2,621,440 tokens (2.00 epochs)"
