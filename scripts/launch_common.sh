@@ -46,8 +46,19 @@ LAUNCHER=$(basename "$0")
 # shellcheck disable=SC2016 # expanded by the task's shell, not here
 TASK_WRAPPER='[[ -z ${VENV:-} ]] || source "$VENV/bin/activate"; export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; echo "task: rank $RANK/$WORLD_SIZE on $SLURMD_NODENAME"; exec "$@"'
 
-# Exit status with which the trainer reports "checkpoint saved after a signal, run me again".
-RESUME_STATUS=75
+# Exit status with which the trainer reports "checkpoint saved after a signal, run me again": the trainer's own
+# constant, read from its module, so the two cannot disagree.
+trainer_exit_status() { # trainer_exit_status NAME: the value of NAME in src/model_utils/exit_status.py
+    local key value
+    while read -r key _ value _; do
+        [[ $key == "$1" ]] && echo "$value" && return
+    done <src/model_utils/exit_status.py
+}
+RESUME_STATUS=$(trainer_exit_status STOPPED_BY_SIGNAL)
+if [[ ! $RESUME_STATUS =~ ^[0-9]+$ ]]; then
+    echo "$(basename "$0"): error: no STOPPED_BY_SIGNAL in src/model_utils/exit_status.py: run from a complete checkout" >&2
+    exit 1
+fi
 # A TERM this close to the time limit (seconds) is the limit itself: the job is requeued as after USR1.
 REQUEUE_TERM_WITHIN=120
 # Seconds the other ranks of a run on this machine get to exit after one rank failed, before KILL.

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from model_utils import exit_status  # noqa: E402
 from model_utils.arguments import ConfigError, TrainConfig, exit_on_problems, parse_args, validate_args  # noqa: E402
 
 
@@ -586,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             if dist.is_main:
                 exit_on_problems([problem])
-            return 2
+            return exit_status.BAD_INPUT
         t0 = time.perf_counter()
         run = setup(cfg, dist)
         run.log.info(f"setup: ready in {time.perf_counter() - t0:.1f}s")
@@ -594,18 +595,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if dist.is_main:
             exit_on_problems(e.problems)
-        return 2
+        return exit_status.BAD_INPUT
     except DataError as e:
         if dist.is_main:
             exit_on_problems([e.problem])
-        return 2
+        return exit_status.BAD_INPUT
     except ResumeError as e:
         if dist.is_main:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return exit_status.BAD_INPUT
     except SaveFailed as e:
         print(f"error (rank {dist.rank}): {e}", file=sys.stderr, flush=True)
-        return 1
+        return exit_status.FAILED
     finally:
         import torch
 

@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .exit_status import BAD_INPUT
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -337,4 +339,4 @@ def exit_on_problems(problems: list[Problem], stream=sys.stderr) -> None:
         print(f"error: {len(problems)} problem(s) with the inputs; nothing was started:", file=stream)
         for p in problems:
             print(f"  - {p}", file=stream)
-        raise SystemExit(2)
+        raise SystemExit(BAD_INPUT)

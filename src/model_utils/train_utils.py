@@ -18,9 +18,7 @@ import numpy as np
 import torch
 
 from .arguments import Problem
-
-EXIT_STOPPED_BY_SIGNAL = 75  # EX_TEMPFAIL: a checkpoint was saved on a signal; the batch script requeues the job
-EXIT_NONFINITE = 3  # training diverged (non-finite loss/gradients); requeueing would not help
+from .exit_status import NONFINITE as EXIT_NONFINITE, STOPPED_BY_SIGNAL as EXIT_STOPPED_BY_SIGNAL  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -51,6 +51,13 @@ def test_hadolint_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+
+def test_the_resume_status_is_the_trainers_own():
+    """The batch scripts requeue on the status the trainer returns after a signal's checkpoint: one constant."""
+    from model_utils import exit_status
+
+    assert lib('echo "$RESUME_STATUS"').stdout.strip() == str(exit_status.STOPPED_BY_SIGNAL) == "75"
+
 @pytest.mark.parametrize("path", LAUNCHERS)
 def test_launchers_are_executable_and_strict(path):
     file = REPO_ROOT / path
