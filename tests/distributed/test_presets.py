@@ -152,7 +152,7 @@ def report(preset: str, out: str):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_key_of_the_preset_changes_the_engine(preset, session_cache, tmp_path):
     out = tmp_path / "effective.json"
-    code = f"import sys; sys.path[:0] = [{TESTS!r}, {str(SRC)!r}]; import test_presets; " \
+    code = f"import sys; sys.path[:0] = [{TESTS!r}, {os.path.dirname(TESTS)!r}, {str(SRC)!r}]; import test_presets; " \
            f"test_presets.report({preset!r}, {str(out)!r})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
