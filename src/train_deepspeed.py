@@ -392,125 +392,190 @@ def save(run: Run, wait: bool = False):
 # The loop
 # ----------------------------------------------------------------------------------------------------------------------
 def train(run: Run) -> int:
-    import torch
+    """The loop: step, log, evaluate, agree, judge the update, save or stop. Returns the exit status."""
     from tqdm import tqdm
 
-    from model_utils.ds_config import precision
-    from model_utils.monitor import write_summary
-    from model_utils.train_utils import EXIT_NONFINITE, EXIT_STOPPED_BY_SIGNAL, StopSignal, Throughput, memory_stats
+    from model_utils.exit_status import NONFINITE, OK, STOPPED_BY_SIGNAL
+    from model_utils.train_utils import StopSignal
 
-    cfg, dist, engine, log = run.cfg, run.dist, run.engine, run.log
+    cfg, log = run.cfg, run.log
     stop = StopSignal()
-    throughput = Throughput(run.peak_tflops, dist.world_size)
-    tokens_per_step = run.tokens_per_step
-    loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
-    steps_in_interval = 0
-    area = 0  # this rank's attention query-key pairs over the log interval (FLOPs)
-    step_time = 0.0  # this rank's host wall time in forward/backward/step over the log interval
-    bad_steps = 0  # consecutive steps whose loss or gradient was not finite
-    fp16 = precision(run.ds_config) == "fp16"
-    log.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="train", disable=not dist.is_main, dynamic_ncols=True)
-    trace = None
-    if cfg.trace_data:
-        (Path(cfg.checkpoint_dir) / "data_trace").mkdir(parents=True, exist_ok=True)
-        trace = open(Path(cfg.checkpoint_dir) / "data_trace" / f"rank-{dist.rank:05d}.jsonl", "a", encoding="utf-8")
-    engine.train()
-    last_save = time.monotonic()
-    save_deferred = False  # a periodic save that fell on a step whose update was skipped
+    interval, nonfinite, saves, trace = Interval(run), NonfiniteSteps(run), SaveSchedule(run), DataTrace(run)
+    log.bar = tqdm(total=cfg.max_steps, initial=run.step, desc="train", disable=not run.dist.is_main,
+                   dynamic_ncols=True)
+    run.engine.train()
     while run.step < cfg.max_steps:
         # --- one optimizer step at this learning rate ---
-        lr = engine.get_lr()[0]
-        t_step = time.perf_counter()
+        lr = run.engine.get_lr()[0]
+        t0 = time.perf_counter()
         result = train_step(run)
-        step_time += time.perf_counter() - t_step
-        loss_sum += result.loss_sum
-        area += result.attention_area
-        if trace is not None:
-            trace.write(json.dumps({"step": run.step, "blocks": result.blocks}) + "\n")
-            trace.flush()
-        steps_in_interval += 1
+        interval.add(result, time.perf_counter() - t0)
+        trace.write(run.step, result.blocks)
 
-        # --- logging: loss averaged over the interval's micro-batches on all ranks ---
+        # --- logging: the interval's loss averaged over its micro-batches on all ranks ---
         if run.step % cfg.log_interval == 0 or run.step == cfg.max_steps:
-            sums = torch.stack([loss_sum, torch.tensor(float(area), device=dist.device, dtype=torch.float64)])
-            loss_total, area_total = dist.all_reduce(sums).tolist()
-            mean_loss = loss_total / (steps_in_interval * run.grad_accum * dist.world_size)
-            tokens = steps_in_interval * tokens_per_step
-            # slowest and fastest rank's mean step time (max of t and of -t: one collective, at log steps only)
-            times = torch.tensor([step_time, -step_time], device=dist.device, dtype=torch.float64) / steps_in_interval
-            slowest, fastest = dist.all_reduce(times, torch.distributed.ReduceOp.MAX).tolist()
-            grad_norm = engine.get_global_grad_norm()
-            record = {"step": run.step, "loss": mean_loss, "lr": lr,
-                      "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                      "skipped_steps": engine.skipped_steps, **loss_scale(engine),
-                      "tokens_seen": run.tokens_seen, **throughput.read(tokens, run.flops.flops(tokens, area_total)),
-                      "step_time_s": slowest,
-                      "step_time_min_s": -fastest, **memory_stats(dist.device)}
-            log.metrics(record)
-            log.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
-            log.info(format_record(record))
-            loss_sum.zero_()
-            steps_in_interval = area = 0
-            step_time = 0.0
+            interval.log(lr)
         log.bar.update(1)
 
         # --- evaluation ---
         if cfg.eval_interval and run.step % cfg.eval_interval == 0 and run.step < cfg.max_steps:
             log_evaluation(run, "eval")
 
-        # --- what all ranks decide together, in one collective (a stop signal, a non-finite loss, an update the GPU
-        #     skipped, a save due by rank 0's clock, the background save's state) ---
-        clock_says_save = (dist.is_main and cfg.checkpoint_minutes > 0
-                           and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)  # rank 0's, for all
-        agreed = agree_after_step(run, result, bool(stop.received), clock_says_save)
-        stop_now, nonfinite_loss, save_due = agreed.stop, agreed.nonfinite_loss, agreed.save_due
-        # --- non-finite loss or gradient: what DeepSpeed did decides, not the config. It skips such an update where it
-        #     checks for overflow (fp16's loss scaling, bf16's check_grad_overflow, on by default) and applies it
-        #     otherwise (fp32); after max_bad_steps skipped in a row, or one applied, stop without saving: the last
-        #     checkpoint is good ---
-        skipped = not engine.was_step_applied()
-        if skipped and fp16 and not nonfinite_loss:  # the loss scale found its level: normal, counted, not an error
-            log.info(f"step {run.step}: fp16 gradients overflowed; update skipped, loss scale lowered to "
-                     f"{loss_scale(engine).get('loss_scale', '?')}")
-            bad = False
-        else:
-            bad = nonfinite_loss or skipped
-        bad_steps = bad_steps + 1 if bad else 0
-        if bad:
-            log.warn(f"step {run.step}: non-finite loss or gradient norm; "
-                     + ("DeepSpeed skipped this update" if skipped else
-                        f"DeepSpeed applied this update ({precision(run.ds_config)} without an overflow check), so "
-                        "the weights are no longer finite"))
-            if bad_steps >= cfg.max_bad_steps or not skipped:
-                log.bar.close()
-                log.warn(f"stopping after {bad_steps} consecutive non-finite step(s) (--max_bad_steps "
-                         f"{cfg.max_bad_steps}); no checkpoint written, the last saved one is intact. Lower the "
-                         "learning rate, raise warmup, or check the data")
-                if run.saves:
-                    run.saves.finish()  # saved at a good step: completed
-                write_summary(run, f"stopped: {bad_steps} consecutive non-finite step(s), exit {EXIT_NONFINITE}")
-                return EXIT_NONFINITE
+        # --- what all ranks decide together, in one collective ---
+        agreed = agree_after_step(run, result, bool(stop.received), saves.clock_says_save())
+
+        # --- a non-finite loss or gradient: stop without saving after too many, the last checkpoint is good ---
+        bad, give_up = nonfinite.judge(agreed)
+        if give_up:
+            log.warn(f"stopping after {nonfinite.count} consecutive non-finite step(s) (--max_bad_steps "
+                     f"{cfg.max_bad_steps}); no checkpoint written, the last saved one is intact. Lower the learning "
+                     "rate, raise warmup, or check the data")
+            return end_early(run, NONFINITE, f"stopped: {nonfinite.count} consecutive non-finite step(s)")
 
         # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
-        periodic = save_deferred or save_due or (cfg.checkpoint_freq and run.step % cfg.checkpoint_freq == 0)
-        save_deferred = False
-        if bad and periodic and not stop_now and run.step < cfg.max_steps:  # all ranks agree on `bad`
-            log.info(f"checkpoint: not saved at step {run.step}, whose update was skipped; the next good step saves")
-            periodic, save_deferred = False, True
-        if stop_now or periodic or run.step == cfg.max_steps:
-            save(run, wait=stop_now or run.step == cfg.max_steps)
-            last_save = time.monotonic()
-        if stop_now and run.step < cfg.max_steps:
-            log.bar.close()
+        if saves.due(agreed, bad):
+            saves.save(wait=agreed.stop or run.step == cfg.max_steps)
+        if agreed.stop and run.step < cfg.max_steps:
             log.info(f"stop: {stop.received or 'a signal on another rank'} received; checkpoint saved at step "
-                     f"{run.step}; exiting with status {EXIT_STOPPED_BY_SIGNAL} so the job can be requeued")
-            write_summary(run, f"preempted: {stop.received or 'signal on another rank'} at step {run.step}, "
-                               f"exit {EXIT_STOPPED_BY_SIGNAL} (requeue resumes)")
-            return EXIT_STOPPED_BY_SIGNAL
+                     f"{run.step}; exiting with status {STOPPED_BY_SIGNAL} so the job can be requeued")
+            return end_early(run, STOPPED_BY_SIGNAL, f"preempted: {stop.received or 'signal on another rank'} at "
+                                                     f"step {run.step} (requeue resumes)")
     log.bar.close()
     log.bar = None
     finish(run)
-    return 0
+    return OK
+
+
+def end_early(run: Run, status: int, why: str) -> int:
+    """Every early exit of the loop: the progress bar closed, a checkpoint in flight completed (it was saved at a
+    good step), the summary written with the exit status."""
+    from model_utils.monitor import write_summary
+
+    run.log.bar.close()
+    if run.saves:
+        run.saves.finish()
+    write_summary(run, f"{why}, exit {status}")
+    return status
+
+
+class Interval:
+    """The log interval on this rank: the losses, attention pairs and host step time summed over its steps; `log`
+    turns them into the interval's record (two collectives, at log steps only) and starts the next interval."""
+
+    def __init__(self, run: Run):
+        import torch
+
+        from model_utils.train_utils import Throughput
+
+        self.run = run
+        self.throughput = Throughput(run.peak_tflops, run.dist.world_size)
+        self.loss_sum = torch.zeros((), device=run.dist.device, dtype=torch.float64)
+        self.steps, self.area, self.step_time = 0, 0, 0.0
+
+    def add(self, result: StepResult, seconds: float) -> None:
+        self.loss_sum += result.loss_sum
+        self.area += result.attention_area
+        self.step_time += seconds
+        self.steps += 1
+
+    def log(self, lr: float) -> dict:
+        import torch
+
+        from model_utils.train_utils import memory_stats
+
+        run, dist, engine = self.run, self.run.dist, self.run.engine
+        sums = torch.stack([self.loss_sum, torch.tensor(float(self.area), device=dist.device, dtype=torch.float64)])
+        loss_total, area_total = dist.all_reduce(sums).tolist()
+        mean_loss = loss_total / (self.steps * run.grad_accum * dist.world_size)
+        tokens = self.steps * run.tokens_per_step
+        # slowest and fastest rank's mean step time (max of t and of -t: one collective)
+        times = torch.tensor([self.step_time, -self.step_time], device=dist.device, dtype=torch.float64) / self.steps
+        slowest, fastest = dist.all_reduce(times, torch.distributed.ReduceOp.MAX).tolist()
+        grad_norm = engine.get_global_grad_norm()
+        record = {"step": run.step, "loss": mean_loss, "lr": lr,
+                  "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                  "skipped_steps": engine.skipped_steps, **loss_scale(engine), "tokens_seen": run.tokens_seen,
+                  **self.throughput.read(tokens, run.flops.flops(tokens, area_total)),
+                  "step_time_s": slowest, "step_time_min_s": -fastest, **memory_stats(dist.device)}
+        run.log.metrics(record)
+        run.log.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+        run.log.info(format_record(record))
+        self.loss_sum.zero_()
+        self.steps, self.area, self.step_time = 0, 0, 0.0
+        return record
+
+
+class NonfiniteSteps:
+    """Consecutive steps whose loss or gradient was not finite. What DeepSpeed did decides, not the config: it skips
+    such an update where it checks for overflow (fp16's loss scaling, bf16's check_grad_overflow, on by default) and
+    applies it otherwise (fp32). The run gives up after --max_bad_steps skipped in a row, or after one applied."""
+
+    def __init__(self, run: Run):
+        from model_utils.ds_config import precision
+
+        self.run, self.count = run, 0
+        self.precision = precision(run.ds_config)
+
+    def judge(self, agreed: StepFlags) -> tuple[bool, bool]:
+        """(this step was bad, the run must stop); every rank decides the same from what all agreed on."""
+        engine, log = self.run.engine, self.run.log
+        skipped = not engine.was_step_applied()
+        if skipped and self.precision == "fp16" and not agreed.nonfinite_loss:  # the loss scale found its level
+            log.info(f"step {self.run.step}: fp16 gradients overflowed; update skipped, loss scale lowered to "
+                     f"{loss_scale(engine).get('loss_scale', '?')}")
+            bad = False
+        else:
+            bad = agreed.nonfinite_loss or skipped
+        self.count = self.count + 1 if bad else 0
+        if bad:
+            log.warn(f"step {self.run.step}: non-finite loss or gradient norm; "
+                     + ("DeepSpeed skipped this update" if skipped else
+                        f"DeepSpeed applied this update ({self.precision} without an overflow check), so the weights "
+                        "are no longer finite"))
+        return bad, bad and (self.count >= self.run.cfg.max_bad_steps or not skipped)
+
+
+class SaveSchedule:
+    """When to save: every --checkpoint_freq steps, when --checkpoint_minutes have passed on rank 0's clock, at the
+    last step and on a stop. A periodic save that falls on a skipped update waits for the next good step."""
+
+    def __init__(self, run: Run):
+        self.run, self.last, self.deferred = run, time.monotonic(), False
+
+    def clock_says_save(self) -> bool:
+        cfg = self.run.cfg
+        return (self.run.dist.is_main and cfg.checkpoint_minutes > 0
+                and time.monotonic() - self.last >= 60 * cfg.checkpoint_minutes)
+
+    def due(self, agreed: StepFlags, bad: bool) -> bool:
+        cfg, step = self.run.cfg, self.run.step
+        periodic = self.deferred or agreed.save_due or bool(cfg.checkpoint_freq and step % cfg.checkpoint_freq == 0)
+        self.deferred = False
+        if bad and periodic and not agreed.stop and step < cfg.max_steps:  # all ranks agree on `bad`
+            self.run.log.info(f"checkpoint: not saved at step {step}, whose update was skipped; the next good step "
+                              "saves")
+            periodic, self.deferred = False, True
+        return agreed.stop or periodic or step == cfg.max_steps
+
+    def save(self, wait: bool) -> None:
+        save(self.run, wait=wait)
+        self.last = time.monotonic()
+
+
+class DataTrace:
+    """--trace_data: every rank appends the block indices it read each step to CHECKPOINT_DIR/data_trace."""
+
+    def __init__(self, run: Run):
+        self.file = None
+        if run.cfg.trace_data:
+            folder = Path(run.cfg.checkpoint_dir) / "data_trace"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.file = open(folder / f"rank-{run.dist.rank:05d}.jsonl", "a", encoding="utf-8")
+
+    def write(self, step: int, blocks: list) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"step": step, "blocks": blocks}) + "\n")
+            self.file.flush()
 
 
 def loss_scale(engine) -> dict:

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from .arguments import Problem
-from .exit_status import NONFINITE as EXIT_NONFINITE, STOPPED_BY_SIGNAL as EXIT_STOPPED_BY_SIGNAL  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------------------------------
