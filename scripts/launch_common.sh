@@ -152,23 +152,6 @@ print(" ".join(m for m in ("torch", "deepspeed", "transformers", "datasets") if 
 
 # ---- CUDA toolkit and architectures.
 
-# Echo TORCH_CUDA_ARCH_LIST entries without the suffixes DeepSpeed's op
-# builder cannot parse (9.0a -> 9.0, 10.0f -> 10.0), keeping +PTX, de-duplicated,
-# separated by ';'.
-normalize_arch_list() { # normalize_arch_list "8.0 9.0a;10.0f+PTX"
-    local entry arch out=() seen=" "
-    for entry in ${1//[;,]/ }; do
-        [[ $entry =~ ^([0-9]+\.[0-9]+)[a-zA-Z]*(\+PTX)?$ ]] \
-            || die "TORCH_CUDA_ARCH_LIST entry '$entry' is not like 9.0, 9.0a or 8.6+PTX: fix TORCH_CUDA_ARCH_LIST"
-        arch=${BASH_REMATCH[1]}${BASH_REMATCH[2]}
-        [[ $seen == *" $arch "* ]] && continue
-        seen+="$arch "
-        out+=("$arch")
-    done
-    local IFS=';'
-    echo "${out[*]}"
-}
-
 installed_cuda_versions() {
     local dir versions=() modules=()
     for dir in "$CUDA_ROOT"/cuda-*/; do
@@ -191,8 +174,10 @@ nvcc_release() {
 # Put CUDA_VERSION first on PATH (CUDA_ROOT/cuda-X, or Lmod's cuda/X module).
 select_cuda() {
     if [[ -n ${TORCH_CUDA_ARCH_LIST:-} ]]; then
-        TORCH_CUDA_ARCH_LIST=$(normalize_arch_list "$TORCH_CUDA_ARCH_LIST")
-        export TORCH_CUDA_ARCH_LIST
+        # The trainer's own normalisation (9.0a -> 9.0, +PTX kept), which also names a malformed entry.
+        local normalized
+        normalized=$("${PYTHON:-python3}" src/model_utils/cuda_arch.py "$TORCH_CUDA_ARCH_LIST" 2>&1) || die "$normalized"
+        export TORCH_CUDA_ARCH_LIST=$normalized
     fi
     [[ -z $CUDA_VERSION ]] && return 0
     local dir=$CUDA_ROOT/cuda-$CUDA_VERSION

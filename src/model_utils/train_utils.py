@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import socket
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import cuda_arch
 from .arguments import Problem
 
 
@@ -69,8 +69,14 @@ def free_port() -> int:
 
 
 def distributed_env_problems() -> list[Problem]:
-    """Map SLURM's per-task variables onto torch's (srun with one task per GPU), or fill a single-process world."""
+    """Map SLURM's per-task variables onto torch's (srun with one task per GPU), or fill a single-process world; a
+    TORCH_CUDA_ARCH_LIST that DeepSpeed could not build for is a problem too."""
     env = os.environ
+    try:
+        cuda_arch.normalize(env.get("TORCH_CUDA_ARCH_LIST", ""))
+    except ValueError as e:
+        return [Problem("TORCH_CUDA_ARCH_LIST", env["TORCH_CUDA_ARCH_LIST"], str(e).split(": fix")[0],
+                        "list architectures such as 8.0;9.0 (9.0a and +PTX are accepted), or unset it")]
     if "RANK" not in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_LOCALID"], env["SLURM_NTASKS"]
         if "MASTER_ADDR" not in env:
@@ -85,21 +91,12 @@ def distributed_env_problems() -> list[Problem]:
 
 
 def normalize_cuda_arch_list() -> str | None:
-    """DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST with int(); '9.0a' (Hopper's arch-specific target, set by
-    some images) breaks it. Strip letter suffixes ('9.0a' -> '9.0', '10.0f' -> '10.0'); keep '+PTX'; ';'-separated and
-    de-duplicated, as the launchers' normalize_arch_list (scripts/launch_common.sh) writes it."""
+    """TORCH_CUDA_ARCH_LIST in this process's environment as DeepSpeed's op builder can read it (cuda_arch.normalize;
+    ValueError for a malformed entry, which distributed_env_problems reports first)."""
     value = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if not value:
         return value
-    parts = []
-    for item in re.split(r"[;,\s]+", value.strip()):
-        if not item:
-            continue
-        ptx = item.endswith("+PTX")
-        entry = re.sub(r"[a-zA-Z]+$", "", item[:-4] if ptx else item) + ("+PTX" if ptx else "")
-        if entry and entry != "+PTX" and entry not in parts:
-            parts.append(entry)
-    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(parts)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch.normalize(value)
     return os.environ["TORCH_CUDA_ARCH_LIST"]
 
 

@@ -1,5 +1,6 @@
-"""TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder reads it (train_utils.normalize_cuda_arch_list): arch-specific
-suffixes such as 9.0a, which torch's images set, become what DeepSpeed can parse."""
+"""TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder reads it (model_utils/cuda_arch.py, used by the trainer and the
+launchers): arch-specific suffixes such as 9.0a, which torch's images set, become what DeepSpeed can parse; a
+malformed entry is a problem reported before any work."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ def test_cuda_arch_list_is_normalised_for_deepspeed(monkeypatch, given, expected
     for item in expected.split(";"):
         major, minor = item.replace("+PTX", "").split(".")
         int(major), int(minor)  # what DeepSpeed's op builder does
+
+
+def test_a_malformed_entry_is_a_problem_before_any_work(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;sm_90")
+    problems = train_utils.distributed_env_problems()
+    assert [p.setting for p in problems] == ["TORCH_CUDA_ARCH_LIST"]
+    assert "entry 'sm_90' is not like 9.0" in problems[0].message and "8.0;9.0" in problems[0].fix
 
 
 def test_cuda_arch_list_unset_stays_unset(monkeypatch):

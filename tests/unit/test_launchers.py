@@ -181,7 +181,8 @@ def test_venv_is_activated_and_its_python_used(tmp_path):
     ("7.5;7.5;8.6+PTX;8.6+PTX", "7.5;8.6+PTX"),
 ])
 def test_arch_list_normalised(given, expected):
-    result = lib(f'normalize_arch_list "{given}"')
+    """The launchers export what the trainer's own normalisation (src/model_utils/cuda_arch.py) makes of it."""
+    result = lib('select_cuda; echo "$TORCH_CUDA_ARCH_LIST"', TORCH_CUDA_ARCH_LIST=given)
     assert result.stdout.strip() == expected, result.stderr
 
 
@@ -191,7 +192,7 @@ def test_deepspeed_builder_accepts_the_normalised_arch_list():
             "print(' '.join(FusedAdamBuilder().compute_capability_args()))")
     raw = launch(sys.executable, "-c", code, TORCH_CUDA_ARCH_LIST="9.0a;10.0f")
     assert raw.returncode != 0 and "invalid literal for int()" in raw.stderr
-    normalised = lib('normalize_arch_list "9.0a;10.0f;8.0+PTX"').stdout.strip()
+    normalised = launch(sys.executable, "src/model_utils/cuda_arch.py", "9.0a;10.0f;8.0+PTX").stdout.strip()
     ok = launch(sys.executable, "-c", code, TORCH_CUDA_ARCH_LIST=normalised)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "arch=compute_90,code=sm_90" in ok.stdout and "arch=compute_100,code=sm_100" in ok.stdout
