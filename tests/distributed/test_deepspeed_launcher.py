@@ -7,9 +7,7 @@ import os
 import subprocess
 import sys
 
-
 from conftest import REPO, TRAINER
-
 
 
 def test_deepspeed_launcher_with_deepspeed_config_trains_with_that_config(session_cache, tmp_path):

@@ -13,7 +13,6 @@ import pytest
 from conftest import FAST_ARGS, REPO, SRC, assert_ok, run_trainer
 
 
-
 @pytest.fixture(scope="module")
 def pretrained(session_cache, tmp_path_factory):
     """A small 'pretrained' model the test makes itself: 30 steps of the tiny preset, exported to HF format."""

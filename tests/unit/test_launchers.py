@@ -51,7 +51,6 @@ def test_hadolint_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-
 def test_the_resume_status_is_the_trainers_own():
     """The batch scripts requeue on the status the trainer returns after a signal's checkpoint: one constant."""
     from model_utils import exit_status
