@@ -20,25 +20,27 @@ Liger on the same model, seq len, micro-batch and ZeRO config. `--json` appends 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
-import platform
 import shlex
-import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SRC = REPO / "src"
-sys.path.insert(0, str(SRC))
+# The benchmark's own modules sit beside this script: common (shared setup), telemetry (nvidia-smi sampling), profiling
+# (--profile), hf_peer (the HF Trainer peer) and report (figures and tables). The script's folder is put on the path
+# explicitly, so every worker process finds them also where Python would not add it (PYTHONSAFEPATH).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, cuda_sync, ds_config_for, normalize_env, peak_memory  # noqa: E402
+from hf_peer import HF_PEERS, worker_hf  # noqa: E402
+from profiling import profile_steps  # noqa: E402
+from report import (best_per_side, flops_per_token, is_hf_liger_peer, loss_check, table,  # noqa: E402
+                    throughput, versions)
+from telemetry import GpuTelemetry  # noqa: E402
 
-GIB = 1024**3
-from model_utils.arguments import PerfConfig  # noqa: E402  (src/ is on the path from here on)
+from model_utils.arguments import PerfConfig  # noqa: E402  (src/ is on the path once common is imported)
 
 # Each speed lever's value that leaves it off (the libraries' own behaviour), for every lever a variant does not name.
 LEVERS_OFF = {"fused_kernels": "auto", "liger_kernels": "all", "flce_chunk_budget": 1, "compile": "off",
@@ -74,254 +76,11 @@ VARIANTS = {
     "compile_norm_chunk8_budget90": _variant(compile="layers", liger_kernels="flce", overflow_check="norm",
                                              flce_chunk_budget=8, activation_budget=0.9),
 }
-# Hugging Face Trainer peers (--compare-hf): Liger on/off, and (--hf-fa4) Liger with transformers' own FA4 path.
-HF_PEERS = {"noliger": {"liger": False, "attn": "sdpa"}, "liger": {"liger": True, "attn": "sdpa"},
-            "liger_fa4": {"liger": True, "attn": "flash_attention_4"}}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Arithmetic (pure; tested on CPU)
-# ----------------------------------------------------------------------------------------------------------------------
-def throughput(tokens_per_step_per_gpu: int, step_times: list[float], flops_per_token_12: float,
-               flops_per_token_6: float, peak_tflops: float | None) -> dict:
-    """Per-GPU figures over the timed steps: tokens/s, TFLOP/s and MFU under both attention conventions."""
-    total = sum(step_times)
-    tps = tokens_per_step_per_gpu * len(step_times) / total if total > 0 else 0.0
-    out = {"tokens_per_s_per_gpu": tps, "step_s_mean": total / max(len(step_times), 1),
-           "step_s_median": statistics.median(step_times) if step_times else 0.0,
-           "tflops_per_gpu": tps * flops_per_token_12 / 1e12, "tflops_per_gpu_6": tps * flops_per_token_6 / 1e12}
-    if peak_tflops:
-        out["mfu"] = out["tflops_per_gpu"] / peak_tflops
-        out["mfu_6"] = out["tflops_per_gpu_6"] / peak_tflops
-    return out
-
-
-# nvidia-smi's clock event reason bits that mean "held back by power": the software power cap and the hardware power
-# brake. `clocks_throttle_reasons` is the older field name, which newer drivers still accept.
-POWER_LIMIT_BITS = 0x4 | 0x80
-GPU_SAMPLE_FIELDS = "clocks.sm,power.draw,clocks_throttle_reasons.active"
-
-
-def summarize_gpu_samples(lines: list[str]) -> dict:
-    """nvidia-smi rows (`--format=csv,noheader,nounits` of GPU_SAMPLE_FIELDS) -> mean SM clock, mean power per GPU and
-    the share of samples in which power held the clock back. Rows a GPU cannot fill ("[N/A]") are skipped."""
-    clocks, powers, limited = [], [], 0
-    for line in lines:
-        parts = [part.strip() for part in line.split(",")]
-        if len(parts) != 3:
-            continue
-        try:
-            clock, power, reasons = float(parts[0]), float(parts[1]), int(parts[2], 16)
-        except ValueError:
-            continue
-        clocks.append(clock)
-        powers.append(power)
-        limited += bool(reasons & POWER_LIMIT_BITS)
-    if not clocks:
-        return {}
-    return {"sm_clock_mhz": statistics.fmean(clocks), "power_w": statistics.fmean(powers),
-            "power_limited_share": limited / len(clocks), "gpu_samples": len(clocks)}
-
-
-class GpuTelemetry:
-    """SM clock, power draw and power-limit flags of the GPUs a run uses, sampled by nvidia-smi every `interval_ms`
-    between start() and stop(). An H100 at its 700 W limit lowers its clock, and a step that keeps it busier runs at
-    a lower clock than one with idle gaps, so throughput comparisons carry these figures. Empty without nvidia-smi."""
-
-    def __init__(self, num_gpus: int | None = None, interval_ms: int = 100):
-        """num_gpus: this host's processes of the run (torchrun's LOCAL_WORLD_SIZE; 1 for a single process)."""
-        num_gpus = num_gpus or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",")[:num_gpus] if visible else [str(i) for i in range(num_gpus)]
-        self.command = ["nvidia-smi", f"--query-gpu={GPU_SAMPLE_FIELDS}", "--format=csv,noheader,nounits",
-                        "-i", ",".join(ids), "-lms", str(interval_ms)]
-        self.samples = None
-        self.process = None
-
-    def start(self) -> GpuTelemetry:
-        if shutil.which("nvidia-smi"):
-            self.samples = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a long window cannot fill one
-            self.process = subprocess.Popen(self.command, stdout=self.samples, stderr=subprocess.DEVNULL)
-        return self
-
-    def stop(self) -> dict:
-        if self.process is None:
-            return {}
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # a hung nvidia-smi costs its figures, not the measurement
-            self.process.kill()
-            self.process.wait()
-        self.process = None
-        self.samples.seek(0)
-        with self.samples:
-            return summarize_gpu_samples(self.samples.read().splitlines())
-
-
-def flops_per_token(config, num_params: int, seq_len: int, attention_span: float | None = None) -> tuple[float, float]:
-    """Under both attention conventions. `attention_span`: the attention query-key pairs per token, seq_len unless
-    attention stays within documents (then the mean over the timed tokens)."""
-    from model_utils.models import FlopsModel
-
-    fm = FlopsModel.from_config(config, num_params, seq_len)
-    span = seq_len if attention_span is None else attention_span
-    return fm.flops(1, span, 12), fm.flops(1, span, 6)
-
-
-def normalize_env():
-    from model_utils.train_utils import normalize_cuda_arch_list
-
-    normalize_cuda_arch_list()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def ds_config_for(job: dict, path_out: Path) -> Path:
-    """The job's DeepSpeed config: the named file, with an optional ZeRO stage override."""
-    from model_utils.arguments import TrainConfig
-
-    src = TrainConfig(ds_config=job.get("ds_config", "ds_config.json")).resolved_ds_config_path()
-    raw = json.loads(src.read_text())
-    if job.get("zero_stage") is not None:
-        stage = int(job["zero_stage"])
-        zero = raw.setdefault("zero_optimization", {})
-        zero["stage"] = stage
-        if stage < 2:
-            for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_bucket_size"):
-                zero.pop(key, None)
-        if stage == 0:
-            raw["zero_optimization"] = {"stage": 0}
-    for setting in job.get("ds_set", []):  # dotted.key=JSON value, e.g. zero_optimization.overlap_comm=false
-        key, _, value = setting.partition("=")
-        *parents, leaf = key.split(".")
-        node = raw
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = json.loads(value)
-    path_out.write_text(json.dumps(raw, indent=2))
-    return path_out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Workers (one process per GPU; rank 0 writes the result)
 # ----------------------------------------------------------------------------------------------------------------------
-def _sync():
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _memory() -> dict:
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    return {"peak_mem_gib": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
-
-
-GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def gpu_idle_report(events: list[dict], min_gap_us: float = 20.0, top: int = 15) -> str:
-    """Where the GPU waited, from a torch.profiler (Kineto) trace's events: idle time between GPU activity, summed by
-    the phase (`phase:NAME` annotation) the host was in when the GPU ran dry, and the longest gaps with the host
-    operator running at their start (what the GPU waited for) and the one that launched the kernel ending them."""
-    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e) for e in events
-                 if e.get("ph") == "X" and e.get("cat") in GPU_EVENT_CATEGORIES)
-    if not gpu:
-        return "gpu idle: no GPU events in the trace"
-    cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
-    phases = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-              and str(e.get("name", "")).startswith("phase:")]
-    launches = {e.get("args", {}).get("correlation"): e for e in events
-                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")}  # Triton: cuLaunchKernelEx
-
-    def active(pool, t):  # the innermost (latest-starting) event of `pool` running at time t
-        running = [e for e in pool if e["ts"] <= t < e["ts"] + e.get("dur", 0)]
-        return max(running, key=lambda e: e["ts"]) if running else None
-
-    gaps, end = [], gpu[0][1]
-    for start, stop, event in gpu[1:]:
-        if start - end >= min_gap_us:
-            gaps.append((end, start, event))
-        end = max(end, stop)
-    window = end - gpu[0][0]
-    by_phase: dict[str, float] = {}
-    for t0, t1, _ in gaps:
-        phase = active(phases, t0)
-        name = phase["name"][len("phase:"):] if phase else "between phases"
-        by_phase[name] = by_phase.get(name, 0.0) + (t1 - t0)
-    idle = sum(t1 - t0 for t0, t1, _ in gaps)
-    lines = [f"gpu idle: {idle / 1e3:.1f} ms of {window / 1e3:.1f} ms ({100 * idle / window:.1f}%) in {len(gaps)} gaps "
-             f">= {min_gap_us:.0f} us; by the host's phase at the gap's start: "
-             + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1]))]
-    for t0, t1, next_event in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
-        host = active(cpu_ops, t0)
-        launch = launches.get(next_event.get("args", {}).get("correlation"))
-        launcher = active(cpu_ops, launch["ts"]) if launch else None
-        lines.append(f"  {(t1 - t0) / 1e3:7.2f} ms at +{(t0 - gpu[0][0]) / 1e3:8.1f} ms: host in "
-                     f"{host['name'] if host else '-'}; ended by {next_event.get('name', '?')[:60]} launched from "
-                     f"{launcher['name'] if launcher else '-'}")
-    return "\n".join(lines)
-
-
-def profile_steps(step, is_main: bool, steps: int = 2, trace: str | None = None) -> None:
-    """Where a step's time goes, printed by rank 0 into the measurement's log. `step(phase)` runs one training step
-    (the trainer's train_step), entering `phase(name)` around each micro-batch's forward, backward and optimizer
-    step. First three steps with every phase synchronised: the time until its call returns (host: Python, launches)
-    against the time until the GPU is done, so a phase whose host time is the larger starves the GPU. Then `steps`
-    steps under torch.profiler: kernels by GPU time, operators by host time, and where the GPU waited
-    (gpu_idle_report); with `trace`, the Chrome trace is written there (gzip)."""
-    import contextlib
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    names = ("forward", "backward", "step")
-    host, total = {name: [] for name in names}, {name: [] for name in names}
-
-    @contextlib.contextmanager
-    def synchronised(name):
-        _sync()
-        t0 = time.perf_counter()
-        yield
-        t1 = time.perf_counter()
-        _sync()
-        host[name].append(t1 - t0)
-        total[name].append(time.perf_counter() - t0)
-
-    for _ in range(3):
-        step(synchronised)
-    if is_main:
-        print("phase timing (median of 3 synchronised steps): host = until the call returns, total = until the GPU "
-              "is done", flush=True)
-        for name in names:
-            print(f"  {name:10s} host {1e3 * statistics.median(host[name]):8.1f} ms   "
-                  f"total {1e3 * statistics.median(total[name]):8.1f} ms", flush=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step(lambda name: record_function(f"phase:{name}"))
-        _sync()
-    if is_main:
-        import gzip
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(path))
-            raw = path.read_bytes()
-        print(gpu_idle_report(json.loads(raw).get("traceEvents", [])), flush=True)
-        if trace:
-            Path(trace).parent.mkdir(parents=True, exist_ok=True)
-            Path(trace).write_bytes(gzip.compress(raw))
-        events = prof.key_averages()
-        keys = (["self_device_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total", "cpu_time_total"]
-        for key in keys:
-            print(f"profile over {steps} steps, sorted by {key}:", flush=True)
-            print(events.table(sort_by=key, row_limit=40, max_name_column_width=90), flush=True)
-
-
 def end_documents(tokens, mean_length: int, eos_id: int, seed: int) -> None:
     """Turn random tokens into documents: an EOS after every ~mean_length tokens (geometric lengths), in place."""
     import numpy as np
@@ -376,10 +135,10 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     for i in range(total):  # peak memory is kept over the whole run: warm-up steps allocate the same buffers
         if i == warmup and dist.is_main:
             telemetry.start()
-        _sync()
+        cuda_sync()
         t = time.perf_counter()
         result = step()
-        _sync()
+        cuda_sync()
         dt = time.perf_counter() - t
         losses.append(result.loss_sum.item() / run.grad_accum)  # this rank's mean over its micro-batches
         if i >= warmup:
@@ -398,7 +157,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     result = {"kind": "engine", "world_size": dist.world_size, "setup_s": setup_s, "losses": losses,
               "num_params": num_params, "micro_batch_size": run.micro_batch, "seq_len": run.seq_len,
               "zero_stage": run.ds_config.get("zero_optimization", {}).get("stage", 0),
-              **throughput(tokens_per_step, times, f12, f6, peak), **_memory(), **gpu}
+              **throughput(tokens_per_step, times, f12, f6, peak), **peak_memory(), **gpu}
     mem = torch.tensor([result.get("peak_mem_gib", 0.0)], device=dist.device)
     dist.all_reduce(mem, torch.distributed.ReduceOp.MAX)
     if "peak_mem_gib" in result:
@@ -406,103 +165,6 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return result if dist.is_main else None
-
-
-def hf_ds_config(job: dict, workdir: Path) -> dict:
-    """The same DeepSpeed config, with the values HF Trainer fills from TrainingArguments set to "auto"."""
-    raw = json.loads(ds_config_for(job, workdir / "ds_config.json").read_text())
-    ds = copy.deepcopy(raw)
-    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
-                "gradient_clipping"):
-        ds[key] = "auto"
-    ds["bf16"] = {"enabled": "auto"}
-    params = ds.get("optimizer", {}).get("params", {})
-    for key in ("lr", "betas", "eps", "weight_decay"):
-        if key in params:
-            params[key] = "auto"
-    sched = ds.get("scheduler", {}).get("params", {})
-    for key in ("total_num_steps", "warmup_num_steps"):
-        if key in sched:
-            sched[key] = "auto"
-    ds.pop("_comment", None)
-    return ds
-
-
-def worker_hf(job: dict, workdir: Path) -> dict:
-    normalize_env()
-    from model_utils.train_utils import distributed_env_problems
-
-    assert not distributed_env_problems()  # a single process gets RANK/WORLD_SIZE/MASTER_* like the trainer's
-    import numpy as np
-    import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from model_utils.concat_dataset import dummy_packed
-    from model_utils.models import build_model, gpu_peak_tflops, model_config
-    from model_utils.tokenizer import load_tokenizer
-
-    steps, warmup, mb = job["steps"], job["warmup"], job["micro_batch_size"]
-    from model_utils.models import default_seq_len
-
-    seq_len = job["seq_len"] or default_seq_len(job["model"])
-    tokenizer = load_tokenizer(None)
-    mconf = model_config(job["model"], tokenizer)
-    data = dummy_packed(job["dummy_blocks"], seq_len, len(tokenizer), job.get("seed", 1234))
-    blocks = [np.asarray(data.train.batch([i]))[0] for i in data.train_ids]
-
-    class Blocks(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(blocks)
-
-        def __getitem__(self, i):
-            ids = torch.as_tensor(blocks[i][:seq_len].astype(np.int64))
-            return {"input_ids": ids, "labels": ids.clone()}  # HF shifts the labels itself
-
-    cuda = torch.cuda.is_available()
-    ds = hf_ds_config(job, workdir)
-    opt = json.loads((workdir / "ds_config.json").read_text()).get("optimizer", {}).get("params", {})
-    args = TrainingArguments(
-        output_dir=str(workdir / "hf"), per_device_train_batch_size=mb, gradient_accumulation_steps=1,
-        max_steps=steps + warmup, learning_rate=opt.get("lr", 3e-4), weight_decay=opt.get("weight_decay", 0.0),
-        adam_beta1=opt.get("betas", [0.9, 0.999])[0], adam_beta2=opt.get("betas", [0.9, 0.999])[1],
-        adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=1.0, warmup_steps=1, bf16=cuda, deepspeed=ds,
-        use_liger_kernel=bool(job.get("liger")), logging_steps=10**6, save_strategy="no", report_to="none",
-        disable_tqdm=True, seed=job.get("seed", 1234), dataloader_num_workers=2 if cuda else 0,
-        use_cpu=not cuda)
-    model = build_model(job["model"], mconf, torch.float32, job.get("attn", "sdpa"), False)
-
-    rank = int(os.environ.get("RANK", "0"))
-    telemetry = GpuTelemetry()
-
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t, self.gpu = [], None, {}
-
-        def on_step_begin(self, a, state, control, **kw):
-            if len(self.times) == warmup and rank == 0:
-                telemetry.start()
-            _sync()
-            self.t = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            _sync()
-            self.times.append(time.perf_counter() - self.t)
-            if len(self.times) == warmup + steps:  # the last timed step: Trainer's wind-down is not sampled
-                self.gpu = telemetry.stop()
-
-    timer = Timer()
-    trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[timer])
-    trainer.train()
-    gpu = timer.gpu or telemetry.stop()
-    world = args.world_size
-    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    f12, f6 = flops_per_token(mconf, num_params, seq_len)
-    peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
-    times = timer.times[warmup:]
-    result = {"kind": "hf", "liger": bool(job.get("liger")), "attn": job.get("attn", "sdpa"), "world_size": world, "num_params": num_params,
-              "micro_batch_size": mb, "seq_len": seq_len,
-              **throughput(mb * seq_len, times, f12, f6, peak), **_memory(), **gpu}
-    return result if rank == 0 else None
 
 
 def worker_main(job_json: str, result_path: str) -> int:
@@ -627,115 +289,6 @@ def make_jobs(a) -> list[dict]:
                                micro_batch_size=a.loss_check_mb,
                                dummy_blocks=(a.loss_check + 1) * a.loss_check_mb * a.nproc + 8))
     return jobs
-
-
-def versions() -> dict:
-    from model_utils.monitor import package_version
-
-    out = {"python": platform.python_version()}
-    for name in ("torch", "deepspeed", "transformers", "liger-kernel", "flash-attn-4", "triton", "accelerate"):
-        out[name] = package_version(name)
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            out["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
-            out["cuda"] = torch.version.cuda
-    except Exception:  # noqa: BLE001
-        pass
-    return out
-
-
-def fmt_row(job: dict, r: dict, ref: dict | None) -> str:
-    name = job["name"]
-    if "error" in r:
-        return f"| {name} | {job.get('micro_batch_size')} | {r['error']} | | | | | | | |"
-    mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
-    mfu6 = f"{100 * r['mfu_6']:.1f}%" if "mfu_6" in r else "-"
-    mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
-    ratio = f"{r['tokens_per_s_per_gpu'] / ref['tokens_per_s_per_gpu']:.2f}x" if ref and "error" not in ref else "-"
-    gpu = (f"{r['sm_clock_mhz']:,.0f} / {r['power_w']:.0f} / {100 * r['power_limited_share']:.0f}%"
-           if "sm_clock_mhz" in r else "-")
-    return (f"| {name} | {r['micro_batch_size']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | "
-            f"{mfu} | {mfu6} | {mem} | {1e3 * r['step_s_median']:.0f} | {gpu} | {ratio} |")
-
-
-def is_hf_liger_peer(job: dict) -> bool:
-    """The peer the ratios are to: HF Trainer + DeepSpeed + Liger with SDPA attention."""
-    return job.get("kind") == "hf" and bool(job.get("liger")) and job.get("attn", "sdpa") == "sdpa"
-
-
-def micro_batch(job: dict, result: dict):
-    """The micro-batch a run used: the worker's report (ds_config's when the job named none), else the job's."""
-    return result.get("micro_batch_size", job.get("micro_batch_size"))
-
-
-def table(jobs: list[dict], results: list[dict], ref_name: str | None) -> str:
-    """One row per run. The ratio is to HF + Liger at the same micro-batch in the same round ("-" where that did not
-    run: the best micro-batch each is best_per_side's line); without any HF + Liger run, to `ref_name`."""
-    by_name = {j["name"]: r for j, r in zip(jobs, results)}
-    same_mb = {(j.get("round"), micro_batch(j, r)): r for j, r in zip(jobs, results)
-               if is_hf_liger_peer(j) and "error" not in r}
-    lines = ["| run | micro-batch | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT) | MFU (6·LHQT) | peak GiB | step ms "
-             "| SM MHz / W / power-limited "
-             f"| vs {'HF + Liger, same micro-batch' if same_mb else ref_name or '-'} |", "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [fmt_row(j, r, same_mb.get((j.get("round"), micro_batch(j, r))) if same_mb else by_name.get(ref_name))
-              for j, r in zip(jobs, results)]
-    return "\n".join(lines)
-
-
-def _best_each(rows: list[tuple[dict, dict]]) -> dict | None:
-    """Each side's fastest micro-batch among `rows` (job, result) and its tokens/s: the mean over the rows that ran
-    at that micro-batch (one per round)."""
-    def best(pick):
-        by_mb = {}
-        for j, r in rows:
-            if pick(j) and "error" not in r:
-                by_mb.setdefault(micro_batch(j, r), []).append(r["tokens_per_s_per_gpu"])
-        return max(((statistics.mean(v), mb) for mb, v in by_mb.items()), default=None)
-
-    ours = best(lambda j: j["kind"] == "engine" and j.get("variant") == "default")
-    peer = best(is_hf_liger_peer)
-    if not ours or not peer:
-        return None
-    failed = sorted({j["micro_batch_size"] for j, r in rows if "error" in r and is_hf_liger_peer(j)})
-    return {"ours": ours, "peer": peer, "failed": failed, "ratio": ours[0] / peer[0]}
-
-
-def best_per_side(jobs: list[dict], results: list[dict]) -> str:
-    """With several micro-batches: each side at its fastest micro-batch that ran, and the ratio (the issue's measure).
-    With --rounds, the same per round, then over all rounds by each side's mean tokens/s at its best micro-batch."""
-    rows = list(zip(jobs, results))
-    if len({micro_batch(j, r) for j, r in rows}) < 2:
-        return ""
-
-    def line(b: dict, digits: int = 2) -> str:
-        return (f"default path {b['ours'][0]:,.0f} tokens/s at {b['ours'][1]}, HF + Liger {b['peer'][0]:,.0f} at "
-                f"{b['peer'][1]}" + (f" (failed at {b['failed']})" if b["failed"] else "")
-                + f": {b['ratio']:.{digits}f}x")
-
-    overall = _best_each(rows)
-    rounds = sorted({j["round"] for j in jobs if "round" in j})
-    if not overall or not rounds:
-        return "Best micro-batch each: " + line(overall) if overall else ""
-    per_round = {k: _best_each([(j, r) for j, r in rows if j.get("round") == k]) for k in rounds}
-    out = [f"Round {k}, best micro-batch each: " + (line(b, 3) if b else "no pair ran") for k, b in per_round.items()]
-    ratios = [b["ratio"] for b in per_round.values() if b]
-    if ratios:
-        out.append(f"Over {len(rounds)} rounds, each side's mean at its best micro-batch: {line(overall, 3)} "
-                   f"(rounds {min(ratios):.3f}x-{max(ratios):.3f}x, median {statistics.median(ratios):.3f}x)")
-    return "\n".join(out)
-
-
-def loss_check(results_a: dict, results_b: dict, n: int = 50) -> dict:
-    """Max and mean |difference| of per-step losses between two runs (same seed/data), first n steps."""
-    a, b = results_a.get("losses", [])[:n], results_b.get("losses", [])[:n]
-    k = min(len(a), len(b))
-    if k == 0:
-        return {}
-    diffs = [abs(x - y) for x, y in zip(a[:k], b[:k])]
-    return {"steps": k, "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / k, "first": (a[0], b[0]),
-            "last": (a[k - 1], b[k - 1])}
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
-"""benchmarks/bench.py's own logic on CPU: throughput and FLOPs arithmetic, the tables and ratios, rounds, the
-out-of-memory sweep, GPU telemetry (a stand-in nvidia-smi), the HF peer's DeepSpeed config, the idle-gap report, and
-the variants' trainer flags."""
+"""The benchmark's own logic on CPU, module by module (benchmarks/): throughput and FLOPs arithmetic, the tables and
+ratios (report), rounds and the out-of-memory sweep (bench), GPU telemetry with a stand-in nvidia-smi (telemetry), the
+HF peer's DeepSpeed config (hf_peer), the idle-gap report (profiling), and the variants' trainer flags (bench)."""
 
 from __future__ import annotations
 
@@ -29,43 +29,43 @@ def test_variants_set_every_lever_by_flag():
 
 
 def test_throughput_arithmetic():
-    import bench
+    import report
 
-    r = bench.throughput(8 * 4096, [0.5, 0.5, 0.5, 0.5], 6.0e9, 4.0e9, 989.0)
+    r = report.throughput(8 * 4096, [0.5, 0.5, 0.5, 0.5], 6.0e9, 4.0e9, 989.0)
     assert r["tokens_per_s_per_gpu"] == pytest.approx(65536.0)
     assert r["tflops_per_gpu"] == pytest.approx(65536.0 * 6.0e9 / 1e12)
     assert r["mfu"] == pytest.approx(65536.0 * 6.0e9 / 1e12 / 989.0)
     assert r["mfu_6"] == pytest.approx(65536.0 * 4.0e9 / 1e12 / 989.0)
-    assert "mfu" not in bench.throughput(1, [1.0], 1.0, 1.0, None)
+    assert "mfu" not in report.throughput(1, [1.0], 1.0, 1.0, None)
 
 
 def test_flops_per_token_conventions_for_qwen3_0_6b():
-    import bench
+    import report
     from model_utils.models import model_config
 
     config = model_config("qwen3-0.6b")
     params = 596_049_920  # Qwen3-0.6B with tied embeddings, as counted on the GPU run
-    f12, f6 = bench.flops_per_token(config, params, 4096)
+    f12, f6 = report.flops_per_token(config, params, 4096)
     attn = 28 * 16 * 128 * 4096
     assert f12 == 6 * params + 12 * attn  # tied: the LM head counts once, the embedding lookup not at all
     assert f6 == 6 * params + 6 * attn
 
 
 def test_loss_check_and_table():
-    import bench
+    import report
 
-    lc = bench.loss_check({"losses": [10.0, 9.0, 8.0]}, {"losses": [10.0, 9.01, 7.98]}, 50)
+    lc = report.loss_check({"losses": [10.0, 9.0, 8.0]}, {"losses": [10.0, 9.01, 7.98]}, 50)
     assert lc["steps"] == 3 and lc["max_abs_diff"] == pytest.approx(0.02)
     jobs = [{"name": "a", "micro_batch_size": 8}, {"name": "ref", "micro_batch_size": 8}, {"name": "x", "micro_batch_size": 8}]
     res = [{"micro_batch_size": 8, "tokens_per_s_per_gpu": 120.0, "tflops_per_gpu": 1.0, "step_s_median": 0.1},
            {"micro_batch_size": 8, "tokens_per_s_per_gpu": 100.0, "tflops_per_gpu": 1.0, "step_s_median": 0.1},
            {"error": "out of memory"}]
-    text = bench.table(jobs, res, "ref")
+    text = report.table(jobs, res, "ref")
     assert "1.20x" in text and "out of memory" in text
 
 
 def test_ratios_per_micro_batch_and_best_micro_batch_each():
-    import bench
+    import report
 
     def run(mb, tps):
         return {"micro_batch_size": mb, "tokens_per_s_per_gpu": tps, "tflops_per_gpu": 1.0, "step_s_median": 0.1}
@@ -75,13 +75,13 @@ def test_ratios_per_micro_batch_and_best_micro_batch_each():
             {"name": "e16", "kind": "engine", "variant": "default", "micro_batch_size": 16},
             {"name": "h16", "kind": "hf", "liger": True, "attn": "sdpa", "micro_batch_size": 16}]
     results = [run(8, 120.0), run(8, 100.0), run(16, 150.0), {"error": "out of memory"}]
-    rows = bench.table(jobs, results, "h8").splitlines()
+    rows = report.table(jobs, results, "h8").splitlines()
     assert rows[2].endswith("| 1.20x |") and rows[4].endswith("| - |")  # h16 did not run: no ratio for e16
-    best = bench.best_per_side(jobs, results)
+    best = report.best_per_side(jobs, results)
     assert "150 tokens/s at 16" in best and "100 at 8" in best and "failed at [16]" in best and best.endswith("1.50x")
-    assert bench.best_per_side(jobs[:2], results[:2]) == ""  # one micro-batch: nothing to choose
+    assert report.best_per_side(jobs[:2], results[:2]) == ""  # one micro-batch: nothing to choose
     no_liger = {"name": "n16", "kind": "hf", "liger": False, "attn": "sdpa", "micro_batch_size": 16}
-    assert "failed at [16]" in bench.best_per_side(jobs + [no_liger], results + [{"error": "out of memory"}])
+    assert "failed at [16]" in report.best_per_side(jobs + [no_liger], results + [{"error": "out of memory"}])
 
 
 def test_rounds_interleave_both_sides_and_pool_their_best_micro_batches():
@@ -91,6 +91,7 @@ def test_rounds_interleave_both_sides_and_pool_their_best_micro_batches():
     import argparse
 
     import bench
+    import report
 
     a = argparse.Namespace(model="tiny", seq_len=32, steps=2, warmup=1, seed=1, ds_config="ds_config.json",
                            zero_stage=None, gradient_checkpointing=False, profile=False, ds_set=[], document_length=0,
@@ -116,9 +117,9 @@ def test_rounds_interleave_both_sides_and_pool_their_best_micro_batches():
                  {"name": f"h12-r{k}", "kind": "hf", "liger": True, "attn": "sdpa", "micro_batch_size": 12, "round": k},
                  {"name": f"h16-r{k}", "kind": "hf", "liger": True, "attn": "sdpa", "micro_batch_size": 16, "round": k}]
         results += [run(16, ours16), run(12, ours12), run(12, peer12), {"error": "out of memory"}]
-    rows = bench.table(jobs, results, None).splitlines()
+    rows = report.table(jobs, results, None).splitlines()
     assert rows[3].endswith("| 1.18x |") and rows[11].endswith("| 1.18x |")  # each round's own peer (130/110)
-    lines = bench.best_per_side(jobs, results).splitlines()
+    lines = report.best_per_side(jobs, results).splitlines()
     assert lines[0] == ("Round 1, best micro-batch each: default path 120 tokens/s at 16, HF + Liger 100 at 12 "
                         "(failed at [16]): 1.200x")
     assert lines[2].endswith("default path 130 tokens/s at 12, HF + Liger 110 at 12 (failed at [16]): 1.182x")
@@ -147,22 +148,23 @@ def test_sweep_skips_larger_micro_batches_after_out_of_memory():
 
 def test_gpu_samples_summary():
     """Rows as nvidia-smi printed them on the H100 (clock MHz, power W, clock event reasons), one it cannot fill."""
-    import bench
+    import telemetry
 
     rows = ["1695, 693.50, 0x0000000000000004", "1980, 121.39, 0x0000000000000000",
             "1455, 696.23, 0x0000000000000084", "[N/A], [N/A], [N/A]", "1710"]
-    summary = bench.summarize_gpu_samples(rows)
+    summary = telemetry.summarize_gpu_samples(rows)
     assert summary["gpu_samples"] == 3
     assert summary["sm_clock_mhz"] == pytest.approx((1695 + 1980 + 1455) / 3)
     assert summary["power_w"] == pytest.approx((693.50 + 121.39 + 696.23) / 3)
     assert summary["power_limited_share"] == pytest.approx(2 / 3)  # SW power cap, and HW power brake with it
-    assert bench.summarize_gpu_samples(["1980, 70.0, 0x0000000000000001"])["power_limited_share"] == 0  # idle
-    assert bench.summarize_gpu_samples([]) == {}
+    assert telemetry.summarize_gpu_samples(["1980, 70.0, 0x0000000000000001"])["power_limited_share"] == 0  # idle
+    assert telemetry.summarize_gpu_samples([]) == {}
 
 
 def test_gpu_telemetry_samples_the_run_gpus(tmp_path, monkeypatch):
     """No GPU here: a stand-in nvidia-smi on PATH records its arguments and prints rows as `-lms` does."""
-    import bench
+    import report
+    import telemetry
 
     fake = tmp_path / "nvidia-smi"
     fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\n"
@@ -170,37 +172,37 @@ def test_gpu_telemetry_samples_the_run_gpus(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6")
-    telemetry = bench.GpuTelemetry(2, interval_ms=50).start()
+    sampler = telemetry.GpuTelemetry(2, interval_ms=50).start()
     for _ in range(100):  # until the stand-in has printed its rows
-        if (tmp_path / "args").exists() and os.fstat(telemetry.samples.fileno()).st_size >= 62:  # both rows
+        if (tmp_path / "args").exists() and os.fstat(sampler.samples.fileno()).st_size >= 62:  # both rows
             break
         time.sleep(0.05)
-    summary = telemetry.stop()
+    summary = sampler.stop()
     assert summary == {"sm_clock_mhz": 1750.0, "power_w": 645.0, "power_limited_share": 0.5, "gpu_samples": 2}
     args = (tmp_path / "args").read_text().split()
     assert args[args.index("-i") + 1] == "3,5" and args[args.index("-lms") + 1] == "50"
-    assert telemetry.stop() == {}  # stopped once; a second stop has nothing to add
+    assert sampler.stop() == {}  # stopped once; a second stop has nothing to add
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert bench.GpuTelemetry(1).start().stop() == {}  # no nvidia-smi (CPU machine): no figures, no error
-    rows = bench.table([{"name": "e", "micro_batch_size": 8}],
-                       [{"micro_batch_size": 8, "tokens_per_s_per_gpu": 1.0, "tflops_per_gpu": 1.0,
-                         "step_s_median": 0.1, **summary}], None).splitlines()
+    assert telemetry.GpuTelemetry(1).start().stop() == {}  # no nvidia-smi (CPU machine): no figures, no error
+    rows = report.table([{"name": "e", "micro_batch_size": 8}],
+                        [{"micro_batch_size": 8, "tokens_per_s_per_gpu": 1.0, "tflops_per_gpu": 1.0,
+                          "step_s_median": 0.1, **summary}], None).splitlines()
     assert "| 1,750 / 645 / 50% |" in rows[2]
 
 
 def test_hf_config_has_autos_for_trainer_owned_values(tmp_path):
-    import bench
+    import hf_peer
 
-    ds = bench.hf_ds_config({"ds_config": "ds_config.json", "zero_stage": None}, tmp_path)
+    ds = hf_peer.hf_ds_config({"ds_config": "ds_config.json", "zero_stage": None}, tmp_path)
     assert ds["train_micro_batch_size_per_gpu"] == "auto" and ds["optimizer"]["params"]["lr"] == "auto"
     assert ds["zero_optimization"]["stage"] in (1, 2)
-    ds0 = bench.hf_ds_config({"ds_config": "ds_config.json", "zero_stage": 0}, tmp_path)
+    ds0 = hf_peer.hf_ds_config({"ds_config": "ds_config.json", "zero_stage": 0}, tmp_path)
     assert ds0["zero_optimization"] == {"stage": 0}
 
 
 def test_gpu_idle_report_attributes_gaps_to_the_host():
     """A synthetic Kineto trace: two kernels 1 ms apart while the host is in the step phase's `norm` operator."""
-    import bench
+    import profiling
 
     events = [
         {"ph": "X", "cat": "user_annotation", "name": "phase:backward", "ts": 0, "dur": 1000},
@@ -213,8 +215,8 @@ def test_gpu_idle_report_attributes_gaps_to_the_host():
         {"ph": "X", "cat": "kernel", "name": "small", "ts": 1205, "dur": 5},  # a 5 us gap: below the threshold
         {"ph": "X", "cat": "kernel", "name": "adam_kernel", "ts": 2210, "dur": 800, "args": {"correlation": 7}},
     ]
-    report = bench.gpu_idle_report(events, min_gap_us=20).splitlines()
+    report = profiling.gpu_idle_report(events, min_gap_us=20).splitlines()
     assert report[0].startswith("gpu idle: 1.0 ms of 2.9 ms") and "in 1 gaps" in report[0]
     assert "step 1.0 ms" in report[0]
     assert "host in norm" in report[1] and "ended by adam_kernel launched from adam" in report[1]
-    assert bench.gpu_idle_report([]) == "gpu idle: no GPU events in the trace"
+    assert profiling.gpu_idle_report([]) == "gpu idle: no GPU events in the trace"

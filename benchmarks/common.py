@@ -1,0 +1,69 @@
+"""What the benchmark's modules share: src/ on the import path (model_utils and the trainer), the repository root the
+workers run in, the environment every process sets up, the job's DeepSpeed config, and CUDA synchronisation and peak
+memory for the two workers' timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+sys.path.insert(0, str(SRC))  # model_utils and the trainer (train_deepspeed) import from here on
+
+GIB = 1024**3
+
+
+def normalize_env():
+    """What every benchmark process sets up first: TORCH_CUDA_ARCH_LIST in the form DeepSpeed's op builder parses, as
+    the trainer normalises it, and TOKENIZERS_PARALLELISM off unless it is set."""
+    from model_utils.train_utils import normalize_cuda_arch_list
+
+    normalize_cuda_arch_list()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def ds_config_for(job: dict, path_out: Path) -> Path:
+    """The job's DeepSpeed config, written to `path_out`: the named file, with an optional ZeRO stage override and
+    the --ds-set values."""
+    from model_utils.arguments import TrainConfig
+
+    src = TrainConfig(ds_config=job.get("ds_config", "ds_config.json")).resolved_ds_config_path()
+    raw = json.loads(src.read_text())
+    if job.get("zero_stage") is not None:
+        stage = int(job["zero_stage"])
+        zero = raw.setdefault("zero_optimization", {})
+        zero["stage"] = stage
+        if stage < 2:
+            for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_bucket_size"):
+                zero.pop(key, None)
+        if stage == 0:
+            raw["zero_optimization"] = {"stage": 0}
+    for setting in job.get("ds_set", []):  # dotted.key=JSON value, e.g. zero_optimization.overlap_comm=false
+        key, _, value = setting.partition("=")
+        *parents, leaf = key.split(".")
+        node = raw
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = json.loads(value)
+    path_out.write_text(json.dumps(raw, indent=2))
+    return path_out
+
+
+def cuda_sync():
+    """Wait until the GPU is done (nothing on CPU): a timed step ends when its kernels have run."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_memory() -> dict:
+    """This process's peak allocated and reserved CUDA memory in GiB; empty on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"peak_mem_gib": torch.cuda.max_memory_allocated() / GIB, "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}

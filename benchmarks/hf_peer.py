@@ -1,0 +1,116 @@
+"""The Hugging Face Trainer peer (`--compare-hf`): HF Trainer + DeepSpeed, with and without Liger, on the same model,
+seq len, micro-batch, random blocks and DeepSpeed config as the engine runs, timed the same way (CUDA synchronised
+around each step, GPU telemetry over the timed steps) and reported with the same arithmetic."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+from common import cuda_sync, ds_config_for, normalize_env, peak_memory
+from report import flops_per_token, throughput
+from telemetry import GpuTelemetry
+
+# Hugging Face Trainer peers (--compare-hf): Liger on/off, and (--hf-fa4) Liger with transformers' own FA4 path.
+HF_PEERS = {"noliger": {"liger": False, "attn": "sdpa"}, "liger": {"liger": True, "attn": "sdpa"},
+            "liger_fa4": {"liger": True, "attn": "flash_attention_4"}}
+
+
+def hf_ds_config(job: dict, workdir: Path) -> dict:
+    """The same DeepSpeed config, with the values HF Trainer fills from TrainingArguments set to "auto"."""
+    raw = json.loads(ds_config_for(job, workdir / "ds_config.json").read_text())
+    ds = copy.deepcopy(raw)
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        ds[key] = "auto"
+    ds["bf16"] = {"enabled": "auto"}
+    params = ds.get("optimizer", {}).get("params", {})
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        if key in params:
+            params[key] = "auto"
+    sched = ds.get("scheduler", {}).get("params", {})
+    for key in ("total_num_steps", "warmup_num_steps"):
+        if key in sched:
+            sched[key] = "auto"
+    ds.pop("_comment", None)
+    return ds
+
+
+def worker_hf(job: dict, workdir: Path) -> dict:
+    normalize_env()
+    from model_utils.train_utils import distributed_env_problems
+
+    assert not distributed_env_problems()  # a single process gets RANK/WORLD_SIZE/MASTER_* like the trainer's
+    import numpy as np
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from model_utils.concat_dataset import dummy_packed
+    from model_utils.models import build_model, gpu_peak_tflops, model_config
+    from model_utils.tokenizer import load_tokenizer
+
+    steps, warmup, mb = job["steps"], job["warmup"], job["micro_batch_size"]
+    from model_utils.models import default_seq_len
+
+    seq_len = job["seq_len"] or default_seq_len(job["model"])
+    tokenizer = load_tokenizer(None)
+    mconf = model_config(job["model"], tokenizer)
+    data = dummy_packed(job["dummy_blocks"], seq_len, len(tokenizer), job.get("seed", 1234))
+    blocks = [np.asarray(data.train.batch([i]))[0] for i in data.train_ids]
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(blocks)
+
+        def __getitem__(self, i):
+            ids = torch.as_tensor(blocks[i][:seq_len].astype(np.int64))
+            return {"input_ids": ids, "labels": ids.clone()}  # HF shifts the labels itself
+
+    cuda = torch.cuda.is_available()
+    ds = hf_ds_config(job, workdir)
+    opt = json.loads((workdir / "ds_config.json").read_text()).get("optimizer", {}).get("params", {})
+    args = TrainingArguments(
+        output_dir=str(workdir / "hf"), per_device_train_batch_size=mb, gradient_accumulation_steps=1,
+        max_steps=steps + warmup, learning_rate=opt.get("lr", 3e-4), weight_decay=opt.get("weight_decay", 0.0),
+        adam_beta1=opt.get("betas", [0.9, 0.999])[0], adam_beta2=opt.get("betas", [0.9, 0.999])[1],
+        adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=1.0, warmup_steps=1, bf16=cuda, deepspeed=ds,
+        use_liger_kernel=bool(job.get("liger")), logging_steps=10**6, save_strategy="no", report_to="none",
+        disable_tqdm=True, seed=job.get("seed", 1234), dataloader_num_workers=2 if cuda else 0,
+        use_cpu=not cuda)
+    model = build_model(job["model"], mconf, torch.float32, job.get("attn", "sdpa"), False)
+
+    rank = int(os.environ.get("RANK", "0"))
+    telemetry = GpuTelemetry()
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t, self.gpu = [], None, {}
+
+        def on_step_begin(self, a, state, control, **kw):
+            if len(self.times) == warmup and rank == 0:
+                telemetry.start()
+            cuda_sync()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            cuda_sync()
+            self.times.append(time.perf_counter() - self.t)
+            if len(self.times) == warmup + steps:  # the last timed step: Trainer's wind-down is not sampled
+                self.gpu = telemetry.stop()
+
+    timer = Timer()
+    trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[timer])
+    trainer.train()
+    gpu = timer.gpu or telemetry.stop()
+    world = args.world_size
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    f12, f6 = flops_per_token(mconf, num_params, seq_len)
+    peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
+    times = timer.times[warmup:]
+    result = {"kind": "hf", "liger": bool(job.get("liger")), "attn": job.get("attn", "sdpa"), "world_size": world, "num_params": num_params,
+              "micro_batch_size": mb, "seq_len": seq_len,
+              **throughput(mb * seq_len, times, f12, f6, peak), **peak_memory(), **gpu}
+    return result if rank == 0 else None
