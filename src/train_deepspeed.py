@@ -140,7 +140,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
         writer = install(engine, log.info)
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
-    run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, batch, flops, log, peak_tflops=peak, position=DataPosition(), levers=levers,
+    run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, batch, flops, log, peak_tflops=peak,
+              position=DataPosition(), levers=levers,
               document_eos=tokenizer.eos_token_id if cfg.document_mask else None,
               document_boundaries=cfg.document_mask and takes_document_boundaries(model))
     if writer is not None:
@@ -183,8 +184,9 @@ def load_checkpoint(run: Run, info, tag: str):
                  f"(epoch {run.position.epoch}, {run.position.blocks_consumed} blocks into it)")
     changed = lever_changes(info.manifest or {}, run.cfg.perf, run.levers)
     if changed:
-        run.log.warn(f"resume: speed levers that change the numerics differ from the checkpoint's ({'; '.join(changed)})"
-                     ": the run continues, but its losses will not match an uninterrupted run's bit for bit")
+        run.log.warn("resume: speed levers that change the numerics differ from the checkpoint's "
+                     f"({'; '.join(changed)}): the run continues, but its losses will not match an uninterrupted "
+                     "run's bit for bit")
 
 
 def lever_changes(manifest: dict, perf, in_force: dict | None) -> list[str]:
@@ -268,7 +270,7 @@ NO_PHASE = contextlib.nullcontext()
 def train_step(run: Run, phase=_no_phase) -> StepResult:
     """One optimizer step: grad_accum micro-batches of forward and backward, DeepSpeed applying the update at the
     accumulation boundary, the data position advanced. `phase(name)` wraps the forward, backward and step of each
-    micro-batch in a context (benchmarks/bench.py's profiling); the training loop and bench.py both call this."""
+    micro-batch in a context (benchmarks/profiling.py); the training loop and benchmarks/bench.py both call this."""
     import torch
 
     dist, engine = run.dist, run.engine
