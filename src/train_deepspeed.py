@@ -641,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.train_utils import setup_distributed
 
     dist = setup_distributed()
-    lock = None
+    lock, together = None, False
     try:
         if cfg.sanity_check:
             from model_utils.sanity import all_reduce_check
@@ -658,7 +658,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         run = setup(cfg, dist)
         run.log.info(f"setup: ready in {time.perf_counter() - t0:.1f}s")
-        return train(run)
+        status = train(run)
+        together = True  # every rank returns the status all of them agreed on
+        return status
     except ConfigError as e:
         if dist.is_main:
             exit_on_problems(e.problems)
@@ -680,6 +682,10 @@ def main(argv: list[str] | None = None) -> int:
         if lock is not None:
             lock.release()
         if torch.distributed.is_initialized():
+            if together:
+                # Tear the process group down together: a rank that exited while rank 0 still wrote the summary was
+                # seen to abort in the backend's teardown (SIGABRT, status 134 instead of 75).
+                dist.barrier()
             torch.distributed.destroy_process_group()
 
 
