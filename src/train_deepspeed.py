@@ -195,7 +195,7 @@ def lever_changes(manifest: dict, perf, in_force: dict | None) -> list[str]:
     changes = perf.numerics_changes(manifest.get("perf", {}))
     recorded = manifest.get("levers_in_force", {})
     changes += [f"{name} in force: {recorded[name]} -> {value}" for name, value in (in_force or {}).items()
-                if name in recorded and recorded[name] != value and name != "overflow_check"]
+                if name in perf.numerics_levers() and name in recorded and recorded[name] != value]
     return changes
 
 

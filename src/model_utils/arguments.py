@@ -66,11 +66,16 @@ class PerfConfig:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def numerics_levers(cls) -> frozenset:
+        """The levers that change the numerics (kernels, rounding); the others (the overflow check, the activation
+        budget) change only speed or memory."""
+        return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("numerics"))
+
     def numerics_changes(self, recorded: dict) -> list[str]:
-        """The levers that change the numerics (kernels, rounding) whose value differs from `recorded` (a checkpoint
-        manifest's), as 'name: old -> new'."""
-        return [f"{f.name}: {recorded[f.name]} -> {getattr(self, f.name)}" for f in dataclasses.fields(self)
-                if f.metadata.get("numerics") and f.name in recorded and recorded[f.name] != getattr(self, f.name)]
+        """The numerics levers whose value differs from `recorded` (a checkpoint manifest's), as 'name: old -> new'."""
+        return [f"{name}: {recorded[name]} -> {value}" for name, value in self.as_dict().items()
+                if name in self.numerics_levers() and name in recorded and recorded[name] != value]
 
 
 @dataclass
