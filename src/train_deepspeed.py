@@ -68,7 +68,7 @@ class Run:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Setup: configuration -> tokenizer -> data -> model -> engine -> resume
+# Setup: configuration -> plan (checked) -> data -> model -> engine -> resume
 # ----------------------------------------------------------------------------------------------------------------------
 def setup(cfg: TrainConfig, dist) -> Run:
     import deepspeed
@@ -79,38 +79,38 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
     from model_utils.levers import apply_speed_levers, streamline_zero_step
     from model_utils.patches.flash_attn4 import takes_document_boundaries
-    from model_utils.models import FlopsModel, build_model, gpu_peak_tflops
+    from model_utils.models import build_model, gpu_peak_tflops
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
-    from model_utils.preflight import merge_rank_problems, raise_on_problems, run_preflight
+    from model_utils.plan import make_plan
+    from model_utils.preflight import check_plan, merge_rank_problems, raise_on_problems
     from model_utils.train_utils import Logger, seed_everything
 
     log = Logger(dist, Path(cfg.checkpoint_dir) / "metrics.jsonl")
     start_run_log(log, cfg, dist)  # job, nodes, world size, versions, effective flags
-    # The preflight's checks (the data aside: prepare_data checks it while building) before anything expensive; what
-    # they loaded and resolved (tokenizer, model config, DeepSpeed config, resume point) is what the run uses.
-    # Rank 0 alone reads the existing checkpoints; every rank checks its own node, and all stop together on any
-    # rank's problem, which rank 0 reports.
-    report = run_preflight(cfg, dist.world_size, check_data=False, on_training_hardware=True,
-                           scan_checkpoints=dist.is_main)
+    # One plan, checked before anything expensive and then built from. Rank 0 decides what all ranks share (the resume
+    # point, the data source): a save or a retention delete in between must not split them. Every rank plans and checks
+    # its own node, and all stop together on any rank's problem, which rank 0 reports. The data are checked while
+    # prepare_data tokenizes them.
+    plan = make_plan(cfg, dist.world_size, on_training_hardware=True, decides=dist.is_main)
+    report = check_plan(plan, check_data=False)
     report.problems = merge_rank_problems(dist.all_gather_object((socket.gethostname(), report.problems)))
     raise_on_problems(report)
     for note in report.notes:
         log.warn(note)
     for line in report.estimates:  # memory and checkpoint disk; the config, batch and model lines are written below
         log.info(line)
-    tokenizer, mconf, ds, seq_len = report.tokenizer, report.model_config, report.ds_config, report.seq_len
-    # Rank 0's choice of checkpoint for all: a save or a retention delete in between must not split the ranks.
-    resume_info = dist.broadcast_object(report.resume)
+    plan.resume, plan.data_source = dist.broadcast_object((plan.resume, plan.data_source))
+    ds, batch = plan.ds_config, plan.batch
     prepare_ds_monitor(ds, cfg.checkpoint_dir)
     log.info(describe_ds_config(ds))
 
-    resume_tag = resume_info.path.name if resume_info else None
-    if resume_info and needs_universal(resume_info, dist.world_size, dsc.zero_stage(ds)):
-        resume_tag = convert_to_universal(resume_info, dist, log.info)
+    resume_tag = plan.resume.path.name if plan.resume else None
+    if plan.resume and needs_universal(plan.resume, dist.world_size, dsc.zero_stage(ds)):
+        resume_tag = convert_to_universal(plan.resume, dist, log.info)
         ds.setdefault("checkpoint", {})["load_universal"] = True
 
-    batch = dsc.Batch.of(ds, dist.world_size, seq_len)
-    data = prepare_data(cfg, tokenizer, seq_len, dist, log.info)
+    tokenizer = plan.tokenizer
+    data = prepare_data(cfg, tokenizer, batch.seq_len, dist, log.info, source=plan.data_source)
     order = BlockOrder(data.train_ids, cfg.seed, dist.world_size, batch.micro)
     log.info(f"data: {data.description}")
 
@@ -119,11 +119,9 @@ def setup(cfg: TrainConfig, dist) -> Run:
     if dsc.zero_stage(ds) == 3:
         from transformers.integrations import HfDeepSpeedConfig
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
-    model = build_model(cfg.model, mconf, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing)
+    model = build_model(cfg.model, plan.model_config, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing)
     levers = apply_speed_levers(model, cfg.perf, dist.device.type == "cuda", log.info,
                                 warn=lambda message: log.warn(message, all_ranks=True), documents=cfg.document_mask)
-    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    flops = FlopsModel.from_config(model.config, num_params, seq_len)
 
     # nanoGPT's grouping: weight decay on matrices (and embeddings), none on norms and biases. ZeRO-3 parameters are
     # empty placeholders: their real shape is ds_shape.
@@ -135,12 +133,12 @@ def setup(cfg: TrainConfig, dist) -> Run:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     levers.update(streamline_zero_step(engine, cfg.perf, log.info))
     writer = None
-    if report.background_checkpoint:
+    if plan.background_checkpoint:
         from model_utils.background_save import install
         writer = install(engine, log.info)
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
-    run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, batch, flops, log, peak_tflops=peak,
+    run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, batch, plan.flops, log, peak_tflops=peak,
               position=DataPosition(), levers=levers,
               document_eos=tokenizer.eos_token_id if cfg.document_mask else None,
               document_boundaries=cfg.document_mask and takes_document_boundaries(model))
@@ -151,13 +149,14 @@ def setup(cfg: TrainConfig, dist) -> Run:
         log.info("attention: within documents (--document_mask; positions restart after each EOS, "
                  + ("FlashAttention-4 takes the documents' boundaries)" if run.document_boundaries
                     else "transformers masks attention to each document)"))
-    log.info(f"model: {cfg.model}, {num_params / 1e6:.1f}M parameters, {flops.per_token() / 1e9:.3f} GFLOP/token; "
+    log.info(f"model: {cfg.model}, {plan.num_params / 1e6:.1f}M parameters, {plan.flops.per_token() / 1e9:.3f} GFLOP/token; "
              f"precision {dsc.precision(ds)}{' (dynamic loss scaling)' if dsc.precision(ds) == 'fp16' else ''}, "
              f"ZeRO stage {dsc.zero_stage(ds)}")
-    log.info(f"batch: {batch.describe()}; {batch.plan(cfg.max_steps, max(data.train_tokens, 1))}")
+    log.info(f"batch: {batch.describe()}; {batch.plan(cfg.max_steps, max(data.train_tokens, 1))}"
+             + (f"; micro-batch {plan.micro_batch_choice}" if plan.micro_batch_choice else ""))
 
-    if resume_info:
-        load_checkpoint(run, resume_info, resume_tag)
+    if plan.resume:
+        load_checkpoint(run, plan.resume, resume_tag)
     log.sinks = Sinks(cfg, dist, ds, engine, run.step, log)  # TensorBoard / W&B (rank 0)
     return run
 

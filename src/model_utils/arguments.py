@@ -112,8 +112,15 @@ class TrainConfig:
                                           "repository). --deepspeed_config is the same setting (DeepSpeed's launcher "
                                           "convention).", aliases=("--deepspeed_config",))
     max_steps: int = _f(300, "Optimizer steps to train; also the scheduler's total_num_steps.")
-    micro_batch_size: int | None = _f(None, "Override train_micro_batch_size_per_gpu.")
-    gradient_accumulation_steps: int | None = _f(None, "Override gradient_accumulation_steps.")
+    global_batch_tokens: int | None = _f(None, "Tokens per optimizer step, over all ranks: the global batch, stated once. "
+                                               "Accumulation is derived (tokens / (micro-batch x world size x "
+                                               "seq_len)), so a run on more or fewer nodes optimises the same way. "
+                                               "Overrides train_batch_size. Default: ds_config.json's batch.")
+    micro_batch_size: int | str | None = _f(None, "Override train_micro_batch_size_per_gpu: blocks per GPU per "
+                                                  "forward/backward, or auto (the largest whose whole run fits the "
+                                                  "GPU by the preflight's memory estimate).", parse="micro_batch")
+    gradient_accumulation_steps: int | None = _f(None, "Override gradient_accumulation_steps (with "
+                                                       "--global_batch_tokens it is derived instead).")
     learning_rate: float | None = _f(None, "Override the optimizer's lr.")
     warmup_steps: int | None = _f(None, "Override the scheduler's warmup_num_steps ('auto' in the config means 5% of max_steps).")
     seed: int = _f(1234, "Seed for initialisation and data order.")
@@ -172,6 +179,19 @@ class TrainConfig:
         return path
 
 
+def micro_batch(text: str) -> int | str:
+    """--micro_batch_size: a positive count of blocks, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of blocks nor auto") from None
+
+
+PARSERS = {"micro_batch": micro_batch}
+
+
 def _base_type(annotation):
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     return args[0] if args else annotation
@@ -192,6 +212,7 @@ def _add_flags(parser, config_class, dest_prefix: str = "") -> None:
         if kind is bool:
             parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
         else:
+            kind = PARSERS[f.metadata["parse"]] if "parse" in f.metadata else kind
             parser.add_argument(*names, type=kind, choices=f.metadata.get("choices"), metavar=(
                 None if f.metadata.get("choices") else f.name.upper()), **kw)
 
@@ -266,7 +287,9 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
             problems.append(Problem(f"--{name}", value, f"must be an integer {bound}", f"pass --{name} with a value {bound}"))
 
     positive("max_steps")
-    positive("micro_batch_size", optional=True)
+    if cfg.micro_batch_size != "auto":
+        positive("micro_batch_size", optional=True)
+    positive("global_batch_tokens", optional=True)
     positive("gradient_accumulation_steps", optional=True)
     positive("warmup_steps", allow_zero=True, optional=True)
     for name in ("eval_interval", "checkpoint_freq", "keep_last_checkpoints", "dummy_data", "max_documents"):

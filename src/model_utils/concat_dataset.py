@@ -525,15 +525,16 @@ def dummy_packed(num_blocks: int, seq_len: int, vocab_size: int, seed: int) -> P
     return PackedData(packed, train_ids, packed, val_ids, f"dummy data: {num_blocks} random blocks of {seq_len}")
 
 
-def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print) -> PackedData:
-    """Build the token cache once (global rank 0; a node that cannot see it builds its own), then open it everywhere."""
+def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, source: DataSource | None = None) -> PackedData:
+    """Build the token cache once (global rank 0; a node that cannot see it builds its own), then open it everywhere.
+    `source`: what --dataset means, as the run's plan resolved it (resolved here where not given)."""
     if cfg.dummy_data:
         return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), cfg.seed)
     error: DataError | None = None
     out_dir = None
     if dist.rank == 0:
         try:
-            source = resolve_source(cfg)
+            source = source or resolve_source(cfg)
             out_dir = cache_dir_for(cfg, source, tokenizer)
             if not (out_dir / "meta.json").exists():
                 build_token_files(cfg, tokenizer, out_dir, log, source)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .arguments import Problem, TrainConfig
+from .memory import choose_micro_batch
 
 AUTO = "auto"
 # DeepSpeed optimizer names whose params go to torch.optim.AdamW/Adam (torch_adam) or DeepSpeed's Adam family.
@@ -84,14 +85,16 @@ def check_optimizer(opt: dict, where: str = "optimizer") -> list[Problem]:
 
 
 def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_size: int | None = None,
-            check_classes: bool = True) -> tuple[dict, list[str], list[Problem]]:
+            check_classes: bool = True, seq_len: int | None = None,
+            choose_micro=None) -> tuple[dict, list[str], list[Problem]]:
     """Return (resolved config, notes for the log, problems).
 
     "auto" takes the matching flag's value or the default written here; a flag given explicitly replaces a concrete
-    config value, and a note says so. Batch sizes obey micro x accumulation x world = train_batch_size. `hardware` is
-    the best precision the training devices support (`hardware_precision`): "bf16", "fp16" or "fp32".
-    `check_classes` False skips checking the optimizer's and scheduler's parameters against their classes (a machine
-    without torch and DeepSpeed).
+    config value, and a note says so. The batch: see `_resolve_batch`; `choose_micro(allowed)` picks the automatic
+    micro-batch (plan.py: by the memory estimate), AUTO_MICRO_WITHOUT_GPU where none is given. `hardware` is the best
+    precision the training devices support (`hardware_precision`): "bf16", "fp16" or "fp32". `check_classes` False
+    skips checking the optimizer's and scheduler's parameters against their classes (a machine without torch and
+    DeepSpeed).
     """
     ds = copy.deepcopy(raw)
     notes: list[str] = []
@@ -107,21 +110,7 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
             container[key] = auto_value
         return container[key]
 
-    micro = setting(ds, "train_micro_batch_size_per_gpu", "micro_batch_size", cfg.micro_batch_size, 1,
-                    "train_micro_batch_size_per_gpu")
-    accum = setting(ds, "gradient_accumulation_steps", "gradient_accumulation_steps", cfg.gradient_accumulation_steps,
-                    1, "gradient_accumulation_steps")
-    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
-        if not isinstance(value, int) or value < 1:
-            problems.append(Problem(key, value, "must be a positive integer", f'set "{key}" to 1 or more, or "auto"'))
-    if not problems:
-        expected = micro * accum * world_size
-        given = ds.get("train_batch_size", AUTO)
-        if given not in (AUTO, expected):
-            problems.append(Problem("train_batch_size", given,
-                                    f"must equal micro ({micro}) x grad_acc ({accum}) x world size ({world_size}) = {expected}",
-                                    'set "train_batch_size": "auto" (or remove it) and size the batch with the other two'))
-        ds["train_batch_size"] = expected
+    problems += _resolve_batch(ds, cfg, world_size, seq_len, choose_micro, setting, notes)
 
     setting(ds, "gradient_clipping", None, None, 1.0, "gradient_clipping")
 
@@ -174,6 +163,91 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
         problems.append(Problem(path, value, "has no automatic value in this project",
                                 "replace \"auto\" by a concrete value"))
     return ds, notes, problems
+
+
+# The settings a batch problem names: the plan is not sized while one of them is wrong.
+BATCH_SETTINGS = ("train_", "gradient_acc", "--global_batch_tokens", "--micro_batch_size", "--gradient_accumulation")
+
+
+def _resolve_batch(ds: dict, cfg: TrainConfig, world: int, seq_len: int | None, choose_micro, setting,
+                   notes: list[str]) -> list[Problem]:
+    """The batch in place: micro x accumulation x world = train_batch_size (blocks per optimizer step).
+
+    The global batch is stated once: --global_batch_tokens, else a concrete train_batch_size; accumulation is then
+    derived, so a change of node count keeps the optimisation the same. The micro-batch is the flag's, else the
+    config's, else ("auto") chosen, among those that divide the global batch. Without a global batch, accumulation is
+    the flag's, else the config's, else 1."""
+    problems: list[Problem] = []
+    blocks = None  # blocks per optimizer step, where stated
+    given = ds.get("train_batch_size", AUTO)
+    if cfg.global_batch_tokens is not None and seq_len:
+        if cfg.global_batch_tokens % seq_len:
+            low = max(seq_len, cfg.global_batch_tokens // seq_len * seq_len)
+            problems.append(Problem("--global_batch_tokens", cfg.global_batch_tokens,
+                                    f"is not a whole number of blocks of {seq_len} tokens (--seq_len)",
+                                    f"use a multiple of {seq_len}, e.g. {low} or {low + seq_len}"))
+            return problems
+        blocks = cfg.global_batch_tokens // seq_len
+        if given not in (AUTO, blocks):
+            notes.append(f"--global_batch_tokens {cfg.global_batch_tokens:,} ({blocks} blocks of {seq_len}) overrides "
+                         f"train_batch_size={given}")
+    elif given != AUTO:
+        if not isinstance(given, int) or isinstance(given, bool) or given < 1:
+            return [Problem("train_batch_size", given, "must be a positive integer (blocks per optimizer step)",
+                            'set "train_batch_size": "auto" and state the batch with --global_batch_tokens')]
+        blocks = given
+
+    def divides(micro: int) -> bool:
+        return blocks is None or blocks % (micro * world) == 0
+
+    micro_flag = cfg.micro_batch_size if "micro_batch_size" in cfg.explicit else None
+    current = ds.get("train_micro_batch_size_per_gpu", AUTO)
+    if micro_flag == AUTO or (micro_flag is None and current == AUTO):
+        micro = choose_micro(divides) if choose_micro else choose_micro_batch(seq_len or 1, None, None, divides)[0]
+        ds["train_micro_batch_size_per_gpu"] = micro
+    else:
+        micro = setting(ds, "train_micro_batch_size_per_gpu", "micro_batch_size", micro_flag, 1,
+                        "train_micro_batch_size_per_gpu")
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        return [Problem("train_micro_batch_size_per_gpu", micro, "must be a positive integer",
+                        'set "train_micro_batch_size_per_gpu" to 1 or more, or "auto" (sized by the GPU memory)')]
+
+    accum_flag = cfg.gradient_accumulation_steps if "gradient_accumulation_steps" in cfg.explicit else None
+    config_accum = ds.get("gradient_accumulation_steps", AUTO)
+    if blocks is None:
+        accum = setting(ds, "gradient_accumulation_steps", "gradient_accumulation_steps", accum_flag, 1,
+                        "gradient_accumulation_steps")
+        if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
+            return [Problem("gradient_accumulation_steps", accum, "must be a positive integer",
+                            'set "gradient_accumulation_steps" to 1 or more, or "auto"')]
+    else:
+        stated = (f"--global_batch_tokens {cfg.global_batch_tokens:,}" if cfg.global_batch_tokens is not None
+                  else f"train_batch_size {blocks}")
+        if not divides(micro):
+            if cfg.global_batch_tokens is not None:
+                return [Problem("--global_batch_tokens", cfg.global_batch_tokens,
+                                f"{blocks} blocks per step is not a multiple of micro-batch {micro} x world size {world}",
+                                f"use a multiple of {micro * world * seq_len:,} tokens, or another micro-batch")]
+            return [Problem("train_batch_size", blocks,
+                            f"is not a multiple of micro-batch {micro} x world size {world}",
+                            f'set "train_batch_size": "auto" (or a multiple of {micro * world}), or another micro-batch')]
+        accum = blocks // (micro * world)
+        if accum_flag is not None and accum_flag != accum:
+            problems.append(Problem("--gradient_accumulation_steps", accum_flag,
+                                    f"contradicts {stated}: {blocks} blocks / (micro {micro} x world {world}) = {accum}",
+                                    "drop --gradient_accumulation_steps: it is derived from the global batch"))
+        elif config_accum not in (AUTO, accum):
+            if cfg.global_batch_tokens is not None:
+                notes.append(f"gradient_accumulation_steps={config_accum} replaced by {accum}, derived from {stated}")
+            else:
+                problems.append(Problem("train_batch_size", blocks,
+                                        f"must equal micro ({micro}) x grad_acc ({config_accum}) x world size ({world}) "
+                                        f"= {micro * config_accum * world}",
+                                        'set "gradient_accumulation_steps": "auto" to derive it from train_batch_size, '
+                                        'or "train_batch_size": "auto"'))
+        ds["gradient_accumulation_steps"] = accum
+    ds["train_batch_size"] = blocks if blocks is not None else micro * accum * world
+    return problems
 
 
 # DeepSpeed's dynamic loss scaling, as its fp16 defaults: the scale starts at 2^16, halves on an overflow (that step's

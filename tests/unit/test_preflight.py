@@ -209,19 +209,24 @@ def test_problems_of_all_ranks_merge_once_each_with_the_rank_that_found_them():
     assert merge_rank_problems([("node1", []), ("node2", [])]) == []
 
 
-def test_only_the_scanning_rank_reads_checkpoints(tmp_path):
-    """A run's ranks other than 0 skip the checkpoint scan: no resume point and no checkpoint problem of their own."""
+def test_only_the_deciding_rank_reads_checkpoints_and_resolves_the_data(tmp_path):
+    """A run's ranks other than 0 leave the checkpoint scan and the data source to rank 0: no resume point, no data
+    source and no checkpoint problem of their own; the rest of the plan is the same."""
     from model_utils.arguments import parse_args
-    from model_utils.preflight import run_preflight
+    from model_utils.plan import make_plan
+    from model_utils.preflight import check_plan
 
     ckpt = tmp_path / "ckpt"
     (ckpt / "step-00000004").mkdir(parents=True)  # no manifest: damaged
-    cfg = parse_args(["--model", "tiny", "--checkpoint_dir", str(ckpt), "--dummy_data", "64"])
-    scanned = run_preflight(cfg, 1, check_data=False, on_training_hardware=True)
-    skipped = run_preflight(cfg, 1, check_data=False, on_training_hardware=True, scan_checkpoints=False)
-    assert any(p.setting == "--checkpoint_dir" for p in scanned.problems)
-    assert not any(p.setting == "--checkpoint_dir" for p in skipped.problems) and skipped.resume is None
-    assert skipped.ds_config == scanned.ds_config and skipped.seq_len == scanned.seq_len
+    data = tmp_path / "docs.txt"
+    data.write_text("one document\n" * 50)
+    cfg = parse_args(["--model", "tiny", "--checkpoint_dir", str(ckpt), "--dataset", str(data)])
+    deciding = make_plan(cfg, 1, on_training_hardware=True)
+    other = make_plan(cfg, 1, on_training_hardware=True, decides=False)
+    assert any(p.setting == "--checkpoint_dir" for p in check_plan(deciding, check_data=False).problems)
+    assert not any(p.setting == "--checkpoint_dir" for p in check_plan(other, check_data=False).problems)
+    assert deciding.data_source.files == [str(data)] and other.data_source is None and other.resume is None
+    assert other.ds_config == deciding.ds_config and other.batch == deciding.batch
 
 
 def test_memory_estimate_covers_evaluation_export_and_generation(tmp_path, session_cache, monkeypatch, capsys):
@@ -278,7 +283,7 @@ def test_config_checks_run_without_torch(tmp_path):
     bad = subprocess.run([str(python), str(TRAINER), "--preflight", "--ds_config", str(bad_config), "--max_steps", "0"],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stdout + bad.stderr
-    assert "train_batch_size = 12: must equal micro (8) x grad_acc (1) x world size (1) = 8" in bad.stdout
+    assert "train_batch_size = 12: is not a multiple of micro-batch 8 x world size 1" in bad.stdout
     assert "--max_steps = 0" in bad.stdout
 
 
@@ -298,7 +303,8 @@ def test_disk_need_counts_every_checkpoint_that_can_exist_at_once(args, on_disk,
 def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, session_cache, monkeypatch, capsys):
     """--background_checkpoint (the default) holds a copy of the node's share of a checkpoint in host memory: the
     preflight says so, and falls back to synchronous writes where the copy would not fit."""
-    from model_utils import preflight as pf
+    from model_utils import plan as plan_module
+    from model_utils.arguments import TrainConfig
 
     monkeypatch.chdir(tmp_path)
     args = ["--checkpoint_dir", str(tmp_path / "c")]
@@ -306,12 +312,12 @@ def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, sessio
     assert "checkpoint writes: in the background, from a host copy of ~0.0 GiB per node" in roomy.stdout, roomy.stdout
     off, _ = preflight_in_process([*args, "--no-background_checkpoint"], {}, monkeypatch, capsys)
     assert "checkpoint writes: synchronous (--no-background_checkpoint)" in off.stdout
-    monkeypatch.setattr(pf, "host_memory_available", lambda: 1e6)  # 1 MB left on this node
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e6)  # 1 MB left on this node
     tight, _ = preflight_in_process(args, {}, monkeypatch, capsys)
     assert tight.returncode == 0
     assert "checkpoint writes: synchronous: the host copy (~0.0 GiB per node) does not fit in 3/4 of the 0 GiB" \
            in tight.stdout, tight.stdout
-    report = pf.run_preflight(pf.TrainConfig(checkpoint_dir=str(tmp_path / "c")), 1, check_data=False)
-    assert report.background_checkpoint is False
-    monkeypatch.setattr(pf, "host_memory_available", lambda: 64e9)
-    assert pf.run_preflight(pf.TrainConfig(checkpoint_dir=str(tmp_path / "c")), 1, check_data=False).background_checkpoint
+    cfg = TrainConfig(checkpoint_dir=str(tmp_path / "c"))
+    assert plan_module.make_plan(cfg, 1).background_checkpoint is False
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 64e9)
+    assert plan_module.make_plan(cfg, 1).background_checkpoint

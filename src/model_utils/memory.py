@@ -1,0 +1,153 @@
+"""GPU memory of a run, estimated before anything is built: the ZeRO paper's model-state formulas, activations (with
+and without recomputation and the fused loss), the ZeRO buckets, and each phase of a run (train step, evaluation,
+export, the end-of-run sample). The plan (`plan.py`) sizes the automatic micro-batch with it; the preflight compares it
+with the GPU and names the cheapest configuration that fits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024**3
+# The automatic micro-batch (`"train_micro_batch_size_per_gpu": "auto"`, `--micro_batch_size auto`) fills at most this
+# share of the GPU by the estimate, which lands within ~10% of the measured peak (docs/PERFORMANCE.md).
+AUTO_MEMORY_SHARE = 0.88
+# ...and holds at most this many tokens per micro-batch: on one H100, Qwen3-0.6B at seq 4096 gained from micro-batch 8
+# to 16 and no more beyond (docs/PERFORMANCE.md), while a larger micro-batch lengthens evaluation and the first step.
+AUTO_MAX_MICRO_TOKENS = 65_536
+# Where no GPU memory is known (CPU runs; a login node without GPU_MEMORY_GIB): the micro-batch ds_config.json held.
+AUTO_MICRO_WITHOUT_GPU = 8
+
+
+@dataclass
+class MemoryPlan:
+    label: str
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    micro_batch: int
+    gradient_checkpointing: bool
+
+
+def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool) -> float:
+    """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param)."""
+    p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
+    params_b = p_bytes * params / (world if stage >= 3 else 1)
+    grads_b = g_bytes * params / (world if stage >= 2 else 1)
+    opt_b = 0 if offload_opt else opt_bytes * params / (world if stage >= 1 else 1)
+    if offload_param and stage == 3:
+        params_b = 0
+    return params_b + grads_b + opt_b
+
+
+def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
+                     chunk_budget: int) -> float:
+    """Korthikanti et al. with flash attention: ~34·s·b·h bytes per layer (16-bit), sized up for Qwen3's 3h MLP and GQA;
+    full recomputation keeps only each layer's input (2·s·b·h) plus one layer's working set. Logits: 16-bit logits,
+    their fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    mlp_ratio = config.intermediate_size / h
+    per_layer = micro * seq_len * h * (10 + 8 * mlp_ratio)
+    scale = 1 if bf16 else 2
+    acts = (layers * 2 * micro * seq_len * h + per_layer) if checkpointing else layers * per_layer
+    # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes).
+    logits = (chunk_budget * micro * seq_len * h * 2 if fused_ce
+              else micro * seq_len * config.vocab_size * (2 + 4 + 4))
+    return acts * scale + logits
+
+
+def evaluation_bytes(config, seq_len: int, micro: int, bf16: bool) -> float:
+    """Evaluation's working memory beyond the model states (model_utils.evaluation): a forward without gradients keeps
+    one layer's working set, the final hidden states, and one chunk of logits (16-bit, their fp32 upcast and the
+    cross-entropy's log-probabilities), never the whole batch's."""
+    from .evaluation import CHUNK_TOKENS
+
+    h, scale = config.hidden_size, 1 if bf16 else 2
+    layer = micro * seq_len * h * (10 + 8 * config.intermediate_size / h) * scale
+    return layer + micro * seq_len * h * 2 * scale + min(CHUNK_TOKENS, micro * seq_len) * config.vocab_size * 10
+
+
+def largest_parameter_bytes(config, bf16: bool) -> float:
+    """The largest single tensor a ZeRO-3 export gathers on a GPU at once: the embedding or the LM head."""
+    return config.vocab_size * config.hidden_size * (2 if bf16 else 4)
+
+
+@dataclass
+class PhaseMemory:
+    """Estimated peak bytes per GPU in each phase of a run; the run needs the largest."""
+
+    train: float
+    evaluation: float
+    export: float
+    generation: float
+
+    @property
+    def peak(self) -> tuple[str, float]:
+        return max(vars(self).items(), key=lambda item: item[1])
+
+
+def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, stage: int, off_opt: bool,
+                 off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
+                 generate: bool) -> PhaseMemory:
+    states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16)
+    return PhaseMemory(
+        train=states + bucket_bytes(zero, stage, off_opt, bf16)
+        + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk),
+        evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
+        export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
+        # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states
+        generation=states + num_params * 2 if generate else 0.0)
+
+
+def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool) -> float:
+    """ZeRO-1/2 gradient reduction buckets: reduce_bucket_size elements of the gradients' dtype, doubled with
+    overlap_comm; none under ZeRO-3 or with the optimizer offloaded. `zero` is the zero_optimization section."""
+    elements = zero.get("reduce_bucket_size", 5e8)
+    if stage not in (1, 2) or offload_optimizer or not isinstance(elements, (int, float)):
+        return 0.0
+    return float(elements) * (2 if bf16 else 4) * (2 if zero.get("overlap_comm") else 1)
+
+
+
+def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict) -> str:
+    """The first configuration, in order of speed, whose estimate fits in 92% of the GPU."""
+    candidates = []
+    m = micro
+    while m > 1:
+        m //= 2
+        candidates.append(MemoryPlan(f"train_micro_batch_size_per_gpu {m} (raise gradient_accumulation_steps to keep "
+                                     f"the batch)", 2, False, False, m, False))
+    candidates += [MemoryPlan("--gradient_checkpointing", 2, False, False, micro, True),
+                   MemoryPlan("--gradient_checkpointing with micro-batch 1", 2, False, False, 1, True),
+                   MemoryPlan("DS_CONFIG=configs/zero3.json with --gradient_checkpointing", 3, False, False, micro, True),
+                   MemoryPlan("DS_CONFIG=configs/zero2-offload.json with --gradient_checkpointing", 2, True, False, micro, True),
+                   MemoryPlan("DS_CONFIG=configs/zero3-offload.json with --gradient_checkpointing and micro-batch 1",
+                              3, True, True, 1, True)]
+    for plan in candidates:
+        need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16)
+                + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16)
+                + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk))
+        if need <= 0.92 * memory_gib * GIB:
+            return f"cheapest configuration that fits (~{need / GIB:.0f} GiB): {plan.label}"
+    return "nothing fits on this many GPUs: use more GPUs (ZeRO-3 divides the model states by their number)"
+
+
+def choose_micro_batch(seq_len: int, memory_gib: float | None, peak_bytes, allowed) -> tuple[int, str]:
+    """The automatic micro-batch: the largest one `allowed` (it divides the global batch) whose estimated peak
+    (`peak_bytes(micro)`, every phase of the run) fits in AUTO_MEMORY_SHARE of the GPU, capped at
+    AUTO_MAX_MICRO_TOKENS tokens. Returns (micro, why) for the run header; micro 1 when none fits (the preflight then
+    reports the memory problem and the cheapest fix)."""
+    if memory_gib is None:
+        micro = max((m for m in range(1, AUTO_MICRO_WITHOUT_GPU + 1) if allowed(m)), default=1)
+        return micro, (f"auto: {micro} (no GPU memory known here: the default; a run on GPUs sizes it by their "
+                       "memory, GPU_MEMORY_GIB=N plans for them)")
+    cap = max(1, AUTO_MAX_MICRO_TOKENS // seq_len)
+    budget = AUTO_MEMORY_SHARE * memory_gib * GIB
+    for micro in range(cap, 0, -1):
+        if not allowed(micro):
+            continue
+        need = peak_bytes(micro)
+        if need <= budget:
+            capped = f" (and the cap, {AUTO_MAX_MICRO_TOKENS:,} tokens per micro-batch)" if micro == cap else ""
+            return micro, (f"auto: {micro}, ~{need / GIB:.1f} GiB estimated, the largest that fits "
+                           f"{AUTO_MEMORY_SHARE:.0%} of {memory_gib:.0f} GiB{capped}")
+    return 1, f"auto: 1 (nothing fits {AUTO_MEMORY_SHARE:.0%} of {memory_gib:.0f} GiB by the estimate)"

@@ -1,0 +1,238 @@
+"""The plan of a run: one pass from the configuration to everything the run is built from.
+
+`make_plan` loads the tokenizer and the model's config, resolves the DeepSpeed config (flags, "auto", the precision the
+hardware has), the batch (the micro-batch, automatic by the memory estimate where asked; accumulation derived from the
+global batch), sizes the model on the meta device, estimates each phase's GPU memory, decides how checkpoints are
+written, and, on the rank that decides for all, finds the resume point and the data source. The preflight
+(`preflight.check_plan`) checks and prints a plan; `setup()` builds the run from the same plan. What cannot be resolved
+is a Problem in `plan.problems`; nothing here builds the model or reads the data.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+
+from .arguments import Problem, TrainConfig, validate_args
+from .memory import GIB, PhaseMemory, choose_micro_batch, phase_memory
+
+
+@dataclass
+class Plan:
+    cfg: TrainConfig
+    world: int  # data-parallel ranks the run has (or will have: the launchers export WORLD_SIZE)
+    here: bool  # planned on the training hardware (a run's start, or a GPU node): levers and memory are this machine's
+    raw_ds_config: dict | None = None  # ds_config.json as written
+    ds_config: dict | None = None  # resolved: flags applied, no "auto" left
+    tokenizer: object = None
+    model_config: object = None
+    seq_len: int = 0
+    batch: object = None  # ds_config.Batch
+    micro_batch_choice: str | None = None  # how "auto" chose the micro-batch; None where it was given
+    num_params: int | None = None
+    flops: object = None  # models.FlopsModel
+    fused_loss: bool = False  # Liger's fused linear cross-entropy (the logits' memory depends on it)
+    memory: PhaseMemory | None = None
+    gpu_memory_gib: float | None = None
+    gpu_memory_source: str = ""  # the GPU's name, GPU_MEMORY_GIB, or why no size is known
+    checkpoint_bytes: float = 0.0  # one checkpoint on disk (16-bit weights, fp32 master weights and Adam moments)
+    background_checkpoint: bool = False  # --background_checkpoint, and this node's memory holds a host copy
+    checkpoint_writes: str = ""  # how checkpoints are written, and why
+    resume: object = None  # checkpoint.CheckpointInfo to resume from; None: a fresh start (or not the deciding rank)
+    data_source: object = None  # concat_dataset.DataSource; None for --dummy_data or on other ranks than the deciding one
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def resolved(self) -> bool:
+        """The DeepSpeed config, the batch and the model are known: the plan can be sized and built."""
+        return self.ds_config is not None and self.batch is not None and self.model_config is not None
+
+
+def gpu_memory_gib() -> tuple[float | None, str]:
+    """This machine's GPU memory, or GPU_MEMORY_GIB (planning for the GPU nodes from a login node)."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, props.name
+    override = os.environ.get("GPU_MEMORY_GIB")
+    return (float(override), "GPU_MEMORY_GIB") if override else (None, "no GPU visible here")
+
+
+def host_memory_available() -> float | None:
+    """Bytes of memory this machine can still give (MemAvailable), None where /proc/meminfo is not there."""
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, decides: bool = True) -> Plan:
+    """Resolve everything the run needs. `on_training_hardware` (a run's own start) decides bf16 "auto" and the fused
+    loss by this machine, where a login node without GPUs assumes GPU nodes that have them. `decides` False (a run's
+    ranks other than 0) leaves the resume point and the data source to the deciding rank."""
+    import torch
+
+    from . import ds_config as dsc
+    from .levers import use_fused_kernels
+    from .models import default_seq_len, model_config, tokenizer_source
+    from .tokenizer import load_tokenizer
+    from .train_utils import bf16_supported
+
+    cuda = torch.cuda.is_available()
+    plan = Plan(cfg, world, here=cuda or on_training_hardware)
+    plan.problems += validate_args(cfg)
+    plan.seq_len = cfg.seq_len or default_seq_len(cfg.model)
+    plan.gpu_memory_gib, plan.gpu_memory_source = gpu_memory_gib()
+    # Where the run starts, the fused loss is what this machine can run; on a login node, what the GPU nodes will run
+    # by default (the run's own start plans again with what they have).
+    plan.fused_loss = use_fused_kernels(cfg.perf.fused_kernels, cuda) if plan.here else cfg.perf.fused_kernels != "off"
+
+    ds_path = cfg.resolved_ds_config_path()
+    raw, problems = dsc.load_json(ds_path) if ds_path.is_file() else (None, [])  # a missing file: validate_args
+    plan.raw_ds_config = raw
+    plan.problems += problems
+
+    try:
+        plan.tokenizer = load_tokenizer(tokenizer_source(cfg.tokenizer, cfg.model))
+    except (OSError, ValueError) as e:
+        plan.problems.append(Problem("--tokenizer", cfg.tokenizer or cfg.model, f"could not be loaded: {e}".split("\n")[0],
+                                     "pass a local tokenizer directory or a hub id reachable from here"))
+    if plan.tokenizer is not None:
+        try:
+            plan.model_config = model_config(cfg.model, plan.tokenizer)
+        except (OSError, ValueError) as e:
+            plan.problems.append(Problem("--model", cfg.model, f"could not be loaded: {e}".split("\n")[0],
+                                         "use a preset (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), a model "
+                                         "directory with config.json, or a reachable hub id"))
+    if plan.model_config is not None:
+        _size_model(plan)
+
+    if raw is not None:
+        # A login node without GPUs assumes GPU nodes with bf16; the run's own start checks its hardware.
+        hardware = dsc.hardware_precision(cuda, bf16_supported()) if plan.here else "bf16"
+        mconf = plan.model_config
+        ds, notes, problems = dsc.resolve(raw, cfg, world, hardware, mconf.hidden_size if mconf else None,
+                                          seq_len=plan.seq_len, choose_micro=_micro_chooser(plan, raw, hardware))
+        plan.notes += notes
+        plan.problems += problems
+        if not any(p.setting.startswith(dsc.BATCH_SETTINGS) for p in problems):
+            plan.ds_config = ds
+            plan.batch = dsc.Batch.of(ds, world, plan.seq_len)
+        if not plan.here and raw.get("bf16", {}).get("enabled") is True:
+            plan.notes.append("bf16 is on: the GPU nodes must support it (A100/H100 or newer); not checkable here")
+    if plan.resolved and plan.num_params:
+        plan.memory = _phase_memory(plan, plan.ds_config, plan.batch.micro)
+        bf16 = dsc.precision(plan.ds_config) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
+        plan.checkpoint_bytes = plan.num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
+        _plan_checkpoint_writes(plan)
+    if decides:
+        _find_resume_point(plan)
+        _find_data_source(plan)
+    return plan
+
+
+def _size_model(plan: Plan) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .models import FlopsModel
+
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(plan.model_config)
+    plan.num_params = sum(p.numel() for p in meta_model.parameters())
+    del meta_model
+    plan.flops = FlopsModel.from_config(plan.model_config, plan.num_params, plan.seq_len)
+
+
+def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
+    """Each phase's estimated peak per GPU with this (possibly partly resolved) DeepSpeed config and micro-batch."""
+    from . import ds_config as dsc
+
+    off_opt, off_par = dsc.offloads(ds)
+    return phase_memory(plan.num_params, plan.model_config, plan.world, plan.seq_len, micro, dsc.zero_stage(ds),
+                        off_opt, off_par, dsc.precision(ds) != "fp32", ds.get("zero_optimization", {}),
+                        plan.cfg.gradient_checkpointing, plan.fused_loss, plan.cfg.perf.flce_chunk_budget,
+                        bool(plan.cfg.generate_prompt and plan.cfg.export))
+
+
+def _micro_chooser(plan: Plan, raw: dict, hardware: str):
+    """For ds_config.resolve: the automatic micro-batch, by the memory estimate of this model on this GPU."""
+    from . import ds_config as dsc
+
+    def choose(allowed) -> int:
+        if plan.num_params is None or plan.gpu_memory_gib is None:
+            micro, why = choose_micro_batch(plan.seq_len, None, None, allowed)
+        else:
+            sized = copy.deepcopy(raw)  # the ZeRO stage, offloads and precision size the model states
+            dsc.resolve_precision(sized, hardware)
+            micro, why = choose_micro_batch(plan.seq_len, plan.gpu_memory_gib,
+                                            lambda m: _phase_memory(plan, sized, m).peak[1], allowed)
+        plan.micro_batch_choice = why
+        return micro
+
+    return choose
+
+
+def _plan_checkpoint_writes(plan: Plan) -> None:
+    """--background_checkpoint copies each rank's share of a checkpoint to host memory: on when a node's copy, beside
+    the optimizer states an offload keeps there, fits in 3/4 of the memory this node has available."""
+    import torch
+
+    from . import ds_config as dsc
+
+    if not plan.cfg.background_checkpoint:
+        plan.checkpoint_writes = "synchronous (--no-background_checkpoint)"
+        return
+    offloaded = any(dsc.offloads(plan.ds_config))
+    per_node = plan.world if not torch.cuda.is_available() else min(plan.world, torch.cuda.device_count())
+    copy = plan.checkpoint_bytes * per_node / plan.world
+    need = copy * (2 if offloaded else 1)  # the offloaded states (~ the checkpoint's size) live in host memory too
+    available = host_memory_available()
+    if available is not None and need > 0.75 * available:
+        plan.checkpoint_writes = (f"synchronous: the host copy (~{copy / GIB:.1f} GiB per node"
+                                  + (", beside the offloaded optimizer states" if offloaded else "")
+                                  + f") does not fit in 3/4 of the {available / GIB:.0f} GiB available")
+        return
+    plan.background_checkpoint = True
+    plan.checkpoint_writes = (f"in the background, from a host copy of ~{copy / GIB:.1f} GiB per node"
+                              + (f" ({available / GIB:.0f} GiB available)" if available is not None else ""))
+
+
+def _find_resume_point(plan: Plan) -> None:
+    """The checkpoint this run resumes from (None: a fresh start); a damaged or unreadable one is a problem."""
+    from pathlib import Path
+
+    from .checkpoint import ResumeError, find_resume_checkpoint, resolve_explicit
+
+    cfg = plan.cfg
+    try:
+        plan.resume = (resolve_explicit(Path(cfg.resume_from_checkpoint), plan.notes.append)
+                       if cfg.resume_from_checkpoint else
+                       find_resume_checkpoint(Path(cfg.checkpoint_dir), plan.notes.append) if cfg.resume == "auto"
+                       else None)
+    except (ResumeError, OSError) as e:  # an unreadable directory too: every rank waits for rank 0's verdict
+        lines = str(e).splitlines()
+        message = "\n      ".join(lines[:-1]) if len(lines) > 1 else lines[0]  # keep the list of damaged files
+        plan.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, message,
+                                     "remove the damaged checkpoints listed, or use another --checkpoint_dir"))
+
+
+def _find_data_source(plan: Plan) -> None:
+    """What --dataset means (files, a saved dataset, the hub, the embedded corpus); the data themselves are read by
+    the preflight's sample check and the run's tokenization."""
+    from .concat_dataset import DataError, resolve_source
+
+    if plan.cfg.dummy_data or plan.tokenizer is None:
+        return
+    try:
+        plan.data_source = resolve_source(plan.cfg)
+    except DataError as e:
+        plan.problems.append(e.problem)
