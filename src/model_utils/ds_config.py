@@ -110,7 +110,12 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
             container[key] = auto_value
         return container[key]
 
-    problems += _resolve_batch(ds, cfg, world_size, seq_len, choose_micro, setting, notes)
+    batch_problems = _resolve_batch(ds, cfg, world_size, seq_len, choose_micro, setting, notes)
+    if batch_problems:  # reported once, as what is wrong with the batch, not again as an "auto" left unresolved
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+            if ds.get(key) == AUTO:
+                ds[key] = None
+    problems += batch_problems
 
     setting(ds, "gradient_clipping", None, None, 1.0, "gradient_clipping")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 GIB = 1024**3
 # The automatic micro-batch (`"train_micro_batch_size_per_gpu": "auto"`, `--micro_batch_size auto`) fills at most this
 # share of the GPU by the estimate, which lands within ~10% of the measured peak (docs/PERFORMANCE.md).
-AUTO_MEMORY_SHARE = 0.88
+AUTO_MEMORY_SHARE = 0.90
 # ...and holds at most this many tokens per micro-batch: on one H100, Qwen3-0.6B at seq 4096 gained from micro-batch 8
 # to 16 and no more beyond (docs/PERFORMANCE.md), while a larger micro-batch lengthens evaluation and the first step.
 AUTO_MAX_MICRO_TOKENS = 65_536

@@ -23,7 +23,8 @@ def test_shipped_config_resolves_cleanly_and_fills_run_values():
     cfg = parse_args(["--max_steps", "200"])
     ds, notes, problems = resolve(SHIPPED, cfg, world_size=2, hardware="fp32", hidden_size=192)
     assert problems == [] and notes == []
-    assert ds["train_batch_size"] == SHIPPED["train_micro_batch_size_per_gpu"] * 1 * 2
+    assert SHIPPED["train_micro_batch_size_per_gpu"] == "auto"  # no GPU memory known: 8 blocks, accumulation 1
+    assert ds["train_micro_batch_size_per_gpu"] == 8 and ds["train_batch_size"] == 8 * 1 * 2
     assert ds["scheduler"]["params"]["total_num_steps"] == 200
     assert ds["scheduler"]["params"]["warmup_num_steps"] == 10  # "auto": 5% of max_steps
     assert ds["bf16"]["enabled"] is False and "fp16" not in ds  # "auto" on CPU: fp32
@@ -81,6 +82,7 @@ def test_every_preset_resolves(preset):
 def test_auto_values_take_flags_and_flags_override_concrete_values():
     raw = copy.deepcopy(SHIPPED)
     raw["train_micro_batch_size_per_gpu"] = "auto"
+    raw["gradient_accumulation_steps"] = 1
     cfg = parse_args(["--micro_batch_size", "3", "--learning_rate", "1e-3", "--gradient_accumulation_steps", "4"])
     ds, notes, problems = resolve(raw, cfg, 2, "fp32")
     assert problems == []
@@ -149,3 +151,53 @@ def test_batch_arithmetic_is_stated_once():
     assert batch.describe() == "micro 4 x grad_acc 8 x world 2 = 64 blocks of 4096 tokens = 262,144 tokens/step"
     assert batch.plan(10) == "10 steps = 2,621,440 tokens"
     assert batch.plan(10, train_tokens=1_310_720) == "10 steps = 2,621,440 tokens (2.00 epochs)"
+
+
+def test_global_batch_in_tokens_derives_accumulation_for_any_world_size():
+    """--global_batch_tokens states the batch once: on 1, 2 or 4 ranks the step holds the same tokens, accumulation
+    makes up the difference, and a concrete accumulation in the config gives way with a note."""
+    from model_utils.ds_config import Batch
+
+    cfg = parse_args(["--global_batch_tokens", "8192", "--micro_batch_size", "4"])
+    for world, accumulation in ((1, 8), (2, 4), (4, 2)):
+        ds, notes, problems = resolve(SHIPPED, cfg, world, "fp32", seq_len=256)
+        assert problems == [] and notes == []
+        batch = Batch.of(ds, world, 256)
+        assert (batch.accumulation, batch.tokens_per_step, ds["train_batch_size"]) == (accumulation, 8192, 32)
+    raw = dict(copy.deepcopy(SHIPPED), gradient_accumulation_steps=1, train_batch_size=4)
+    ds, notes, problems = resolve(raw, cfg, 2, "fp32", seq_len=256)
+    assert problems == [] and ds["gradient_accumulation_steps"] == 4
+    assert any("overrides train_batch_size=4" in n for n in notes)
+    assert any("gradient_accumulation_steps=1 replaced by 4, derived from --global_batch_tokens 8,192" in n for n in notes)
+    # The config's own train_batch_size is a global batch too: accumulation "auto" is derived from it.
+    ds, _, problems = resolve(dict(copy.deepcopy(SHIPPED), train_batch_size=48), parse_args(["--micro_batch_size", "3"]),
+                              2, "fp32", seq_len=256)
+    assert problems == [] and ds["gradient_accumulation_steps"] == 8
+    # A global batch that no micro-batch on this many ranks divides, and one that is not whole blocks: refused.
+    _, _, problems = resolve(SHIPPED, cfg, 3, "fp32", seq_len=256)
+    assert [p.setting for p in problems] == ["--global_batch_tokens"]
+    assert "32 blocks per step is not a multiple of micro-batch 4 x world size 3" in str(problems[0])
+    _, _, problems = resolve(SHIPPED, parse_args(["--global_batch_tokens", "1000"]), 1, "fp32", seq_len=256)
+    assert "use a multiple of 256, e.g. 768 or 1024" in str(problems[0])
+
+
+def test_automatic_micro_batch_is_the_largest_that_fits_and_divides_the_global_batch():
+    from model_utils.memory import AUTO_MEMORY_SHARE, GIB, choose_micro_batch
+
+    per_block = 5 * GIB  # a stand-in estimate: 10 GiB of model states and 5 GiB per block
+    peak = lambda micro: 10 * GIB + per_block * micro  # noqa: E731
+    micro, why = choose_micro_batch(4096, 80, peak, lambda m: True)
+    assert micro == int((AUTO_MEMORY_SHARE * 80 - 10) // 5) == 12 and "the largest that fits 90% of 80 GiB" in why
+    assert choose_micro_batch(4096, 80, peak, lambda m: 40 % m == 0)[0] == 10  # it divides the global batch
+    assert choose_micro_batch(4096, 1000, peak, lambda m: True)[0] == 16  # the cap: 65,536 tokens per micro-batch
+    assert choose_micro_batch(4096, 12, peak, lambda m: True)[0] == 1  # nothing fits: the preflight says so
+    assert choose_micro_batch(4096, None, None, lambda m: 12 % m == 0)[0] == 6  # no GPU known: at most 8
+
+
+def test_micro_batch_flag_takes_auto_or_a_count():
+    assert parse_args(["--micro_batch_size", "auto"]).micro_batch_size == "auto"
+    assert parse_args(["--micro_batch_size", "4"]).micro_batch_size == 4
+    with pytest.raises(SystemExit):
+        parse_args(["--micro_batch_size", "four"])
+    assert [p.setting for p in validate_args(parse_args(["--micro_batch_size", "0", "--global_batch_tokens", "0"]))] \
+        == ["--micro_batch_size", "--global_batch_tokens"]

@@ -63,8 +63,14 @@ CASES = [
      {}, "scheduler.params.cosine_min_ratio", "`cos_min_ratio`"),
     ("optimizer-param", lambda t: ["--ds_config", ds_with(t, set_key(["optimizer", "params", "betas1"], 0.9))], {},
      "optimizer.params.betas1", "`betas`"),
-    ("batch-vs-world", lambda t: ["--ds_config", ds_with(t, set_key(["train_batch_size"], 64))], {"WORLD_SIZE": "4"},
-     "train_batch_size", "micro (8) x grad_acc (1) x world size (4) = 32"),
+    ("batch-vs-world", lambda t: ["--ds_config", ds_with(t, lambda c: c.update(train_batch_size=64,
+                                                                                train_micro_batch_size_per_gpu=8))],
+     {"WORLD_SIZE": "3"}, "train_batch_size", "is not a multiple of micro-batch 8 x world size 3"),
+    ("global-batch-vs-seq-len", lambda t: ["--global_batch_tokens", "1000"], {}, "--global_batch_tokens",
+     "use a multiple of 256, e.g. 768 or 1024"),
+    ("accumulation-vs-global-batch", lambda t: ["--global_batch_tokens", "4096", "--micro_batch_size", "4",
+                                                "--gradient_accumulation_steps", "2"], {},
+     "--gradient_accumulation_steps", "16 blocks / (micro 4 x world 1) = 4"),
     ("warmup-too-long", lambda t: ["--max_steps", "100", "--warmup_steps", "500"], {},
      "scheduler.params.warmup_num_steps", "raise --max_steps"),
     ("warmup-zero", lambda t: ["--warmup_steps", "0"], {}, "scheduler.params.warmup_num_steps", "use 1"),
@@ -165,7 +171,8 @@ def test_max_documents_counts_in_the_data_check(tmp_path, session_cache, monkeyp
 
 def test_several_problems_are_reported_together(tmp_path, session_cache):
     bad = ds_with(tmp_path, lambda c: (_rename("scheduler", "cos_min_ratio", "cosine_min_ratio")(c),
-                                       c["zero_optimization"].update(overlap_com=True), c.update(train_batch_size=12)))
+                                       c["zero_optimization"].update(overlap_com=True),
+                                       c.update(train_batch_size=12, train_micro_batch_size_per_gpu=8)))
     proc, _ = preflight_command(["--ds_config", bad, "--checkpoint_dir", str(tmp_path / "c")], {}, tmp_path)
     assert proc.returncode == 2
     assert "preflight: 3 problem(s)" in proc.stdout
@@ -194,6 +201,37 @@ def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(t
     proc, _ = preflight_in_process([*base, "--micro_batch_size", "8", "--fused_kernels", "off"],
                                    {"GPU_MEMORY_GIB": "80"}, monkeypatch, capsys)
     assert proc.returncode == 2 and "train_micro_batch_size_per_gpu 4" in proc.stdout
+
+
+def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys):
+    """The presets' micro-batch is "auto": the plan picks the largest whose whole run fits 90% of the GPU (stand-in
+    sizes: no GPU here), within the global batch, and the preflight prints the choice and its estimate."""
+    import re
+
+    from model_utils import levers
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(levers, "liger_available", lambda: False)  # the GPU nodes' fused loss, assumed
+    base = ["--model", "qwen3-0.6b", "--dummy_data", "64", "--checkpoint_dir", str(tmp_path / "ckpt")]
+
+    def chosen(args, gib):
+        proc, _ = preflight_in_process([*base, *args], {"GPU_MEMORY_GIB": str(gib)}, monkeypatch, capsys)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        line = re.search(r"micro-batch: auto: (\d+), ~([\d.]+) GiB estimated", proc.stdout)
+        batch = re.search(r"batch: micro (\d+) x grad_acc (\d+)", proc.stdout)
+        assert line and int(line.group(1)) == int(batch.group(1)), proc.stdout
+        return int(batch.group(1)), int(batch.group(2)), float(line.group(2))
+
+    micro, accumulation, estimate = chosen([], 79.2)  # one H100 (80 GB): the cap, 16 blocks of 4096 tokens
+    assert (micro, accumulation) == (16, 1) and estimate <= 0.9 * 79.2
+    micro, _, estimate = chosen([], 40)
+    assert 6 <= micro <= 8 and estimate <= 36
+    # 131,072 tokens per step (32 blocks) on a 40 GiB GPU: a micro-batch that divides 32, accumulation derived.
+    micro, accumulation, _ = chosen(["--global_batch_tokens", "131072"], 40)
+    assert micro * accumulation == 32 and micro in (4, 8)
+    # An explicit micro-batch is the user's: nothing is chosen.
+    proc, _ = preflight_in_process([*base, "--micro_batch_size", "2"], {"GPU_MEMORY_GIB": "80"}, monkeypatch, capsys)
+    assert "batch: micro 2 x grad_acc 1" in proc.stdout and "micro-batch: auto" not in proc.stdout
 
 
 def test_problems_of_all_ranks_merge_once_each_with_the_rank_that_found_them():
@@ -279,7 +317,7 @@ def test_config_checks_run_without_torch(tmp_path):
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "batch: micro 8 x grad_acc 1 x world 1" in ok.stdout and "not checked:" in ok.stdout
     bad_config = tmp_path / "ds.json"
-    bad_config.write_text(json.dumps(dict(SHIPPED, train_batch_size=12)))
+    bad_config.write_text(json.dumps(dict(SHIPPED, train_batch_size=12, train_micro_batch_size_per_gpu=8)))
     bad = subprocess.run([str(python), str(TRAINER), "--preflight", "--ds_config", str(bad_config), "--max_steps", "0"],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stdout + bad.stderr
