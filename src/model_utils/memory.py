@@ -28,11 +28,17 @@ class MemoryPlan:
     gradient_checkpointing: bool
 
 
-def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool) -> float:
-    """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param)."""
+def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool,
+                      fp32_grad_accumulation: bool = False) -> float:
+    """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param).
+    `fp32_grad_accumulation` (ZeRO-1/2 with "data_types": {"grad_accum_dtype": "fp32"}): DeepSpeed accumulates each
+    rank's gradient partition in an fp32 buffer on the GPU, also when the optimizer is offloaded (which then copies
+    gradients to the CPU once per step instead of once per micro-batch)."""
     p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
     params_b = p_bytes * params / (world if stage >= 3 else 1)
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
+    if fp32_grad_accumulation and bf16 and stage in (1, 2):
+        grads_b = 4 * params / world
     opt_b = 0 if offload_opt else opt_bytes * params / (world if stage >= 1 else 1)
     if offload_param and stage == 3:
         params_b = 0
@@ -87,8 +93,8 @@ class PhaseMemory:
 
 def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, stage: int, off_opt: bool,
                  off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
-                 generate: bool) -> PhaseMemory:
-    states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16)
+                 generate: bool, fp32_grad_accumulation: bool = False) -> PhaseMemory:
+    states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16)
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk),

@@ -160,7 +160,8 @@ def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
     return phase_memory(plan.num_params, plan.model_config, plan.world, plan.seq_len, micro, dsc.zero_stage(ds),
                         off_opt, off_par, dsc.precision(ds) != "fp32", ds.get("zero_optimization", {}),
                         plan.cfg.gradient_checkpointing, plan.fused_loss, plan.cfg.perf.flce_chunk_budget,
-                        bool(plan.cfg.generate_prompt and plan.cfg.export))
+                        bool(plan.cfg.generate_prompt and plan.cfg.export),
+                        fp32_grad_accumulation=ds.get("data_types", {}).get("grad_accum_dtype") == "fp32")
 
 
 def _micro_chooser(plan: Plan, raw: dict, hardware: str):
