@@ -661,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         together = True  # every rank returns the status all of them agreed on
         return status
     except ConfigError as e:
+        together = True  # raised by every rank on the problems all of them gathered (setup's plan check)
         if dist.is_main:
             exit_on_problems(e.problems)
         return exit_status.BAD_INPUT

@@ -99,6 +99,9 @@ EFFECTS = {
     "scheduler.params.warmup_min_ratio": lambda e: e.lr_scheduler.warmup_min_ratio,
     "scheduler.params.cos_min_ratio": lambda e: e.lr_scheduler.cos_min_ratio,
     "scheduler.params.warmup_type": lambda e: e.lr_scheduler.warmup_type,
+    # ZeRO-1/2's gradient accumulation buffer (in bf16 training an fp32 partition on the GPU; fp32 training is fp32)
+    "data_types.grad_accum_dtype": lambda e: {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}[
+        str(e.optimizer.gradient_accumulation_dtype)],
     "zero_optimization.stage": _stage,
     "zero_optimization.overlap_comm": lambda e: (e.optimizer.overlap_comm if _stage(e) < 3
                                                  else e.zero_overlap_comm()),  # ZeRO-3: a CUDA stream
