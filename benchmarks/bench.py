@@ -33,7 +33,7 @@ from pathlib import Path
 # (--profile), hf_peer (the HF Trainer peer) and report (figures and tables). The script's folder is put on the path
 # explicitly, so every worker process finds them also where Python would not add it (PYTHONSAFEPATH).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, cuda_sync, ds_config_for, normalize_env, peak_memory  # noqa: E402
+from common import REPO, cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory  # noqa: E402
 from hf_peer import HF_PEERS, worker_hf  # noqa: E402
 from profiling import profile_steps  # noqa: E402
 from report import (best_per_side, flops_per_token, is_hf_liger_peer, loss_check, table,  # noqa: E402
@@ -109,6 +109,8 @@ def worker_engine(job: dict, workdir: Path) -> dict:
         argv += ["--seq_len", str(job["seq_len"])]
     if job.get("micro_batch_size"):
         argv += ["--micro_batch_size", str(job["micro_batch_size"])]
+    if job.get("global_batch_tokens"):  # the trainer derives the accumulation (and, with no micro-batch, chooses one)
+        argv += ["--global_batch_tokens", str(job["global_batch_tokens"])]
     if job.get("warmup_steps") is not None:
         argv += ["--warmup_steps", str(job["warmup_steps"])]
     if job.get("gradient_checkpointing"):
@@ -156,12 +158,14 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     result = {"kind": "engine", "world_size": dist.world_size, "setup_s": setup_s, "losses": losses,
               "num_params": num_params, "micro_batch_size": run.micro_batch, "seq_len": run.seq_len,
+              "gradient_accumulation_steps": run.grad_accum, "tokens_per_optimizer_step": run.tokens_per_step,
               "zero_stage": run.ds_config.get("zero_optimization", {}).get("stage", 0),
               **throughput(tokens_per_step, times, f12, f6, peak), **peak_memory(), **gpu}
-    mem = torch.tensor([result.get("peak_mem_gib", 0.0)], device=dist.device)
-    dist.all_reduce(mem, torch.distributed.ReduceOp.MAX)
+    mem = torch.tensor([result.get("peak_mem_gib", 0.0), host_peak_gib()], device=dist.device)
+    dist.all_reduce(mem, torch.distributed.ReduceOp.MAX)  # the busiest GPU and the largest rank process
     if "peak_mem_gib" in result:
-        result["peak_mem_gib"] = float(mem.item())
+        result["peak_mem_gib"] = float(mem[0].item())
+    result["host_peak_gib"] = float(mem[1].item())
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return result if dist.is_main else None
@@ -247,6 +251,25 @@ def _ds_set_suffix(items: list[str]) -> str:
     return "".join(f"-{key.rsplit('.', 1)[-1]}-{value}" for key, _, value in parts)
 
 
+def seq_len(a) -> int:
+    from model_utils.models import default_seq_len
+
+    return a.seq_len or default_seq_len(a.model)
+
+
+def global_batch_problem(a) -> str | None:
+    """--global_batch_tokens that some measured micro-batch (ours or the peer's) cannot make whole steps of."""
+    if not a.global_batch_tokens:
+        return None
+    peers = a.micro_batch_size if a.hf_micro_batch_size is None else a.hf_micro_batch_size
+    for mb in sorted({m for m in (a.micro_batch_size or []) + (peers or []) if m}):
+        per_micro_step = mb * a.nproc * seq_len(a)
+        if a.global_batch_tokens % per_micro_step:
+            return (f"--global_batch_tokens {a.global_batch_tokens}: not a multiple of micro-batch {mb} x {a.nproc} "
+                    f"GPU(s) x seq_len {seq_len(a)} = {per_micro_step} tokens")
+    return None
+
+
 def make_jobs(a) -> list[dict]:
     """The runs of one invocation: per micro-batch the engine variants (and the HF peers at theirs), `--rounds` times
     in turn (names end in -r1, -r2... from two rounds on), then the loss check once."""
@@ -263,23 +286,42 @@ def make_jobs(a) -> list[dict]:
         spec = VARIANTS[v]
         return traced(dict(base, kind="engine", args=spec.get("args", []), name=name, variant=v, **fields))
 
+    def accumulation(mb) -> int:
+        """Micro-batches per optimizer step for --global_batch_tokens (1 without it); checked in main()."""
+        if not a.global_batch_tokens or not mb:
+            return 1
+        return a.global_batch_tokens // (mb * a.nproc * seq_len(a))
+
     def blocks(mb) -> int:
+        if a.global_batch_tokens:  # whole optimizer steps of the global batch, whatever the micro-batch
+            return (a.steps + a.warmup + 2) * a.global_batch_tokens // seq_len(a) + 8
         return max(64, (a.steps + a.warmup + 2) * (mb or 16) * a.nproc + 8)
+
+    def suffix_ga(mb) -> str:
+        return f"-ga{accumulation(mb)}" if accumulation(mb) > 1 else ""
 
     ours = a.micro_batch_size or [None]
     peers = ours if a.hf_micro_batch_size is None else a.hf_micro_batch_size
+    # The peer's activation checkpointing: as ours unless --hf-gradient-checkpointing names the settings to measure.
+    peer_checkpointing = ([setting == "on" for setting in a.hf_gradient_checkpointing] if a.hf_gradient_checkpointing
+                          else [a.gradient_checkpointing])
     one_round = []
     suffix = (f"-z{a.zero_stage}" if a.zero_stage is not None else "") + _ds_set_suffix(a.ds_set)
     for mb in ours + [mb for mb in peers if mb not in ours]:
         if mb in ours:
-            one_round += [engine(v, f"engine-{v}-mb{mb}{suffix}", micro_batch_size=mb, dummy_blocks=blocks(mb))
+            one_round += [engine(v, f"engine-{v}-mb{mb}{suffix_ga(mb)}{suffix}", micro_batch_size=mb,
+                                 dummy_blocks=blocks(mb), global_batch_tokens=a.global_batch_tokens)
                           for v in a.variants]
         if a.compare_hf and mb in peers:
             for peer, spec in HF_PEERS.items():
                 if peer in a.hf_skip or (peer == "liger_fa4" and not a.hf_fa4):
                     continue
-                one_round.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks(mb), **spec,
-                                      name=f"hf-{peer}-mb{mb}", variant="hf+" + peer.replace("_", "+")))
+                for checkpointing in peer_checkpointing:
+                    one_round.append(dict(base, kind="hf", micro_batch_size=mb or 8, dummy_blocks=blocks(mb or 8),
+                                          **spec, gradient_checkpointing=checkpointing,
+                                          gradient_accumulation_steps=accumulation(mb or 8),
+                                          name=f"hf-{peer}-mb{mb}{suffix_ga(mb or 8)}{'-gc' if checkpointing else ''}",
+                                          variant="hf+" + peer.replace("_", "+")))
     jobs = one_round if a.rounds == 1 else [traced(dict(job, name=f"{job['name']}-r{k}", round=k))
                                             for k in range(1, a.rounds + 1) for job in one_round]
     if a.loss_check:
@@ -302,6 +344,11 @@ def main(argv=None) -> int:
     p.add_argument("--ds_config", default="ds_config.json")
     p.add_argument("--zero_stage", type=int, default=None, help="override the config's ZeRO stage")
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--global_batch_tokens", type=int, default=None, metavar="N",
+                   help="tokens per optimizer step on both sides; accumulation = N / (micro-batch x GPUs x seq_len)")
+    p.add_argument("--hf-gradient-checkpointing", dest="hf_gradient_checkpointing", nargs="*", default=None,
+                   choices=("off", "on"), help="the peer's activation checkpointing settings to measure "
+                                               "(default: as --gradient_checkpointing)")
     p.add_argument("--document_length", type=int, default=0, metavar="N",
                    help="end a document (EOS) every ~N tokens of the random data, for the document_mask variant; "
                         "applies to every engine variant of the invocation (0: no documents)")
@@ -345,6 +392,9 @@ def main(argv=None) -> int:
 
     normalize_env()
     a.nproc = a.nproc or max(gpu_count(), 1)
+    problem = global_batch_problem(a)
+    if problem:
+        p.error(problem)
     log_dir = Path(a.log_dir) if a.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,13 @@ def cuda_sync():
         torch.cuda.synchronize()
 
 
+def host_peak_gib() -> float:
+    """This process's peak resident host memory in GiB (pinned buffers and offloaded optimizer states included)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
+
+
 def peak_memory() -> dict:
     """This process's peak allocated and reserved CUDA memory in GiB; empty on CPU."""
     import torch

@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from common import cuda_sync, ds_config_for, normalize_env, peak_memory
+from common import cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory
 from report import flops_per_token, throughput
 from telemetry import GpuTelemetry
 
@@ -53,6 +53,7 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     from model_utils.tokenizer import load_tokenizer
 
     steps, warmup, mb = job["steps"], job["warmup"], job["micro_batch_size"]
+    accumulation = job.get("gradient_accumulation_steps", 1)
     from model_utils.models import default_seq_len
 
     seq_len = job["seq_len"] or default_seq_len(job["model"])
@@ -71,12 +72,18 @@ def worker_hf(job: dict, workdir: Path) -> dict:
 
     cuda = torch.cuda.is_available()
     ds = hf_ds_config(job, workdir)
-    opt = json.loads((workdir / "ds_config.json").read_text()).get("optimizer", {}).get("params", {})
+    raw = json.loads((workdir / "ds_config.json").read_text())
+    opt = raw.get("optimizer", {}).get("params", {})
+    clipping = raw.get("gradient_clipping", 1.0)
+    # Trainer's callbacks fire once per optimizer step (on_step_begin before its first micro-batch, on_step_end after
+    # the update): the timer times whole steps, as the engine worker times the trainer's train_step.
     args = TrainingArguments(
-        output_dir=str(workdir / "hf"), per_device_train_batch_size=mb, gradient_accumulation_steps=1,
+        output_dir=str(workdir / "hf"), per_device_train_batch_size=mb, gradient_accumulation_steps=accumulation,
+        gradient_checkpointing=bool(job.get("gradient_checkpointing")),
         max_steps=steps + warmup, learning_rate=opt.get("lr", 3e-4), weight_decay=opt.get("weight_decay", 0.0),
         adam_beta1=opt.get("betas", [0.9, 0.999])[0], adam_beta2=opt.get("betas", [0.9, 0.999])[1],
-        adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=1.0, warmup_steps=1, bf16=cuda, deepspeed=ds,
+        adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=1.0 if clipping == "auto" else clipping, warmup_steps=1,
+        bf16=cuda, deepspeed=ds,
         use_liger_kernel=bool(job.get("liger")), logging_steps=10**6, save_strategy="no", report_to="none",
         disable_tqdm=True, seed=job.get("seed", 1234), dataloader_num_workers=2 if cuda else 0,
         use_cpu=not cuda)
@@ -111,6 +118,9 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
     times = timer.times[warmup:]
     result = {"kind": "hf", "liger": bool(job.get("liger")), "attn": job.get("attn", "sdpa"), "world_size": world, "num_params": num_params,
-              "micro_batch_size": mb, "seq_len": seq_len,
-              **throughput(mb * seq_len, times, f12, f6, peak), **peak_memory(), **gpu}
+              "micro_batch_size": mb, "seq_len": seq_len, "gradient_accumulation_steps": accumulation,
+              "gradient_checkpointing": bool(job.get("gradient_checkpointing")),
+              "tokens_per_optimizer_step": mb * accumulation * seq_len * world, "timed_steps": len(times),
+              **throughput(mb * accumulation * seq_len, times, f12, f6, peak), **peak_memory(), **gpu,
+              "host_peak_gib": host_peak_gib()}
     return result if rank == 0 else None

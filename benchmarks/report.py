@@ -39,6 +39,8 @@ def fmt_row(job: dict, r: dict, ref: dict | None) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
     mfu6 = f"{100 * r['mfu_6']:.1f}%" if "mfu_6" in r else "-"
     mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
+    if "host_peak_gib" in r:
+        mem += f" (host {r['host_peak_gib']:.1f})"
     ratio = f"{r['tokens_per_s_per_gpu'] / ref['tokens_per_s_per_gpu']:.2f}x" if ref and "error" not in ref else "-"
     gpu = (f"{r['sm_clock_mhz']:,.0f} / {r['power_w']:.0f} / {100 * r['power_limited_share']:.0f}%"
            if "sm_clock_mhz" in r else "-")

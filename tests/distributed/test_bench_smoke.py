@@ -42,3 +42,22 @@ def test_bench_cpu_smoke_run(tmp_path):
     # --profile runs the trainer's own step with each phase synchronised, then under torch.profiler.
     log = (tmp_path / "logs" / "engine-default-mb1.log").read_text()
     assert "phase timing" in log and "  backward   host" in log and "gpu idle: no GPU events" in log, log[-3000:]
+
+
+def test_bench_times_whole_optimizer_steps_of_the_same_global_batch_on_both_sides(tmp_path):
+    """--global_batch_tokens 64 with micro-batch 1 of 32 tokens: both the trainer's step and HF Trainer's accumulate 2
+    micro-batches per optimizer step, the timed steps are optimizer steps, and both report their host memory."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench.py"), "--model", "tiny", "--seq_len", "32",
+                          "--micro_batch_size", "1", "--global_batch_tokens", "64", "--steps", "2", "--warmup", "1",
+                          "--timeout", "240", "--variants", "default", "--compare-hf", "--hf-skip", "liger",
+                          "--json", str(tmp_path / "results.jsonl")],
+                         cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {json.loads(line)["job"]["name"]: json.loads(line)["result"]
+            for line in (tmp_path / "results.jsonl").read_text().splitlines()}
+    assert set(rows) == {"engine-default-mb1-ga2", "hf-noliger-mb1-ga2"}
+    for r in rows.values():
+        assert (r["gradient_accumulation_steps"], r["tokens_per_optimizer_step"]) == (2, 64)
+        assert r["host_peak_gib"] > 0.1
+    assert rows["hf-noliger-mb1-ga2"]["timed_steps"] == 2
+    assert len(rows["engine-default-mb1-ga2"]["losses"]) == 3  # one loss per optimizer step, warm-up included

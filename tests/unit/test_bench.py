@@ -97,7 +97,8 @@ def test_rounds_interleave_both_sides_and_pool_their_best_micro_batches():
                            zero_stage=None, gradient_checkpointing=False, profile=False, ds_set=[], document_length=0,
                            trace=None, nproc=1, micro_batch_size=[16], hf_micro_batch_size=[12, 16], rounds=3,
                            variants=["default"], compare_hf=True, hf_skip=["noliger"], hf_fa4=False, loss_check=5,
-                           loss_check_reference="nofused", loss_check_variants=["default"], loss_check_mb=2)
+                           loss_check_reference="nofused", loss_check_variants=["default"], loss_check_mb=2,
+                           global_batch_tokens=None, hf_gradient_checkpointing=None)
     names = [j["name"] for j in bench.make_jobs(a)]
     assert names == [f"{n}-r{k}" for k in (1, 2, 3) for n in ("engine-default-mb16", "hf-liger-mb16", "hf-liger-mb12")] \
         + ["losscheck-nofused-mb2", "losscheck-default-mb2"]  # interleaved rounds; the loss check once
@@ -126,6 +127,31 @@ def test_rounds_interleave_both_sides_and_pool_their_best_micro_batches():
     # pooled: ours 124.3 at 12 (16 averages 122), the peer 103.3 at 12; rounds 1.200x, 1.260x, 1.182x
     assert lines[3] == ("Over 3 rounds, each side's mean at its best micro-batch: default path 124 tokens/s at 12, "
                         "HF + Liger 103 at 12 (failed at [16]): 1.203x (rounds 1.182x-1.260x, median 1.200x)")
+
+
+def test_global_batch_and_the_peers_checkpointing_settings():
+    """--global_batch_tokens gives both sides the same tokens per optimizer step (accumulation = tokens / (micro-batch
+    x GPUs x seq_len)); --hf-gradient-checkpointing measures the peer with each setting; a global batch some measured
+    micro-batch cannot divide stops bench.py before any run."""
+    import argparse
+
+    import bench
+
+    a = argparse.Namespace(model="tiny", seq_len=32, steps=2, warmup=1, seed=1, ds_config="ds_config.json",
+                           zero_stage=None, gradient_checkpointing=False, profile=False, ds_set=[], document_length=0,
+                           trace=None, nproc=2, micro_batch_size=[2], hf_micro_batch_size=[1, 4], rounds=1,
+                           variants=["default"], compare_hf=True, hf_skip=["noliger"], hf_fa4=False, loss_check=0,
+                           global_batch_tokens=512, hf_gradient_checkpointing=["off", "on"])
+    jobs = bench.make_jobs(a)
+    assert [j["name"] for j in jobs] == ["engine-default-mb2-ga4", "hf-liger-mb1-ga8", "hf-liger-mb1-ga8-gc",
+                                         "hf-liger-mb4-ga2", "hf-liger-mb4-ga2-gc"]
+    assert jobs[0]["global_batch_tokens"] == 512  # the trainer derives its own accumulation from it
+    assert [(j["gradient_accumulation_steps"], j["gradient_checkpointing"]) for j in jobs[1:]] == [
+        (8, False), (8, True), (2, False), (2, True)]
+    assert all(j["dummy_blocks"] >= (2 + 1) * 512 // 32 for j in jobs)  # every timed and warm-up step, whole
+    assert bench.global_batch_problem(a) is None
+    odd = argparse.Namespace(**dict(vars(a), hf_micro_batch_size=[3]))
+    assert "not a multiple of micro-batch 3 x 2 GPU(s) x seq_len 32 = 192 tokens" in bench.global_batch_problem(odd)
 
 
 def test_sweep_skips_larger_micro_batches_after_out_of_memory():
