@@ -121,7 +121,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
     model = build_model(cfg.model, plan.model_config, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing)
     levers = apply_speed_levers(model, cfg.perf, dist.device.type == "cuda", log.info,
-                                warn=lambda message: log.warn(message, all_ranks=True), documents=cfg.document_mask)
+                                warn=lambda message: log.warn(message, all_ranks=True), documents=cfg.document_mask,
+                                fused=plan.fused_loss)
 
     # nanoGPT's grouping: weight decay on matrices (and embeddings), none on norms and biases. ZeRO-3 parameters are
     # empty placeholders: their real shape is ds_shape.

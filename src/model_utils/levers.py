@@ -56,18 +56,22 @@ def use_fa4(cuda: bool, model, perf: PerfConfig) -> bool:
     return dim % 8 == 0 and 8 <= dim <= 256 and flash_attn4.fa4_unavailable_reason() is None
 
 
-def apply_speed_levers(model, perf: PerfConfig, cuda: bool, log, warn=None, documents: bool = False) -> dict:
+def apply_speed_levers(model, perf: PerfConfig, cuda: bool, log, warn=None, documents: bool = False,
+                       fused: bool | None = None) -> dict:
     """Patch `model` in place with the levers that apply; return what is in force (recorded in the checkpoint's
     manifest and summary.json). `log` reports what was applied (rank 0 is enough: every rank applies the same, except
     that a rank whose FlashAttention-4 probe fails keeps SDPA); `warn` (default `log`) reports that failure, from the
     rank it happened on. `documents`: the run masks attention to documents (--document_mask), so FlashAttention-4's
-    probe covers its variable-length kernels."""
+    probe covers its variable-length kernels. `fused`: the run's plan's decision on the fused loss (plan.fused_loss,
+    which its memory estimate assumed); None decides here, as the plan does."""
     warn = warn or log
     zero3 = _is_zero3(model)
     compiled = use_compile(cuda, zero3, perf)
     applied = {"fused_kernels": "off", "flce_chunk_budget": None, "compile": "layers" if compiled else "off",
                "attention_kernel": "sdpa", "sdpa_backend": "auto"}
-    if use_fused_kernels(perf.fused_kernels, cuda):
+    if fused is None:
+        fused = use_fused_kernels(perf.fused_kernels, cuda)
+    if fused:
         which = perf.liger_kernels
         if which == "auto":
             which = "flce" if compiled else "all"
