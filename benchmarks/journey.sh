@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The user journeys on one GPU machine, each run through ./train-singlenode.sh to its end, one line per run:
 #
-#   default     Qwen3-0.6B at the benchmark's fastest micro-batch: train, evaluate, checkpoint, export, generate
+#   default     Qwen3-0.6B at the automatic micro-batch: train, evaluate, checkpoint, export, generate
 #   resume      the same checkpoint directory, more steps: resumes from default's last checkpoint
 #   presets     every configs/*.json (ZeRO-1, ZeRO-2 + optimizer offload, ZeRO-3, ZeRO-3 + offload, fp16)
 #   documents   --document_mask
@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 : "${JOURNEY_MODEL:=qwen3-0.6b}"
-: "${JOURNEY_MICRO_BATCH:=16}" # the fastest micro-batch docs/PERFORMANCE.md reports for Qwen3-0.6B on one H100
+: "${JOURNEY_MICRO_BATCH:=auto}" # the presets' own choice (16 for Qwen3-0.6B on one H100, the fastest measured)
 : "${JOURNEY_DIR:=/tmp/journey}"
 : "${JOURNEY_LARGE_MODEL:=qwen3-4b}" # saves-large: configs/zero2-offload.json, micro-batch 1, activation checkpointing
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
