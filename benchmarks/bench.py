@@ -377,7 +377,10 @@ def main(argv=None) -> int:
     p.add_argument("--loss-check-variants", dest="loss_check_variants", nargs="*", default=["default"],
                    choices=list(VARIANTS))
     p.add_argument("--loss-check-reference", dest="loss_check_reference", default="nofused",
-                   choices=["nofused", "nofused_document_mask"], help="the unoptimised path the losses are compared to")
+                   choices=list(VARIANTS), help="the path the losses are compared to: the unoptimised one (nofused, "
+                                                "nofused_document_mask); another variant to run one path alone, its "
+                                                "losses compared offline with report.loss_check (a model too large "
+                                                "for both runs in one call)")
     p.add_argument("--json", default=None, help="append results (JSON lines) to this file")
     p.add_argument("--log-dir", dest="log_dir", default=None, help="full log of every measurement")
     p.add_argument("--write-doc", dest="write_doc", default=None, help="write this markdown section file")
