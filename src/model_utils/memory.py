@@ -14,6 +14,10 @@ AUTO_MEMORY_SHARE = 0.90
 # ...and holds at most this many tokens per micro-batch: on one H100, Qwen3-0.6B at seq 4096 gained from micro-batch 8
 # to 16 and no more beyond (docs/PERFORMANCE.md), while a larger micro-batch lengthens evaluation and the first step.
 AUTO_MAX_MICRO_TOKENS = 65_536
+# Eager decoder layers (ZeRO-3, where they are not compiled, or --compile off) keep the intermediates that compiled ones
+# recompute under --activation_budget: on one H100, Qwen3-0.6B at micro-batch 8 peaked at 48.7 GiB under ZeRO-3 and 40.9
+# under ZeRO-3 with offload against estimates of 39.1 and 31.4 without this factor (docs/JOURNEY.md's presets).
+EAGER_ACTIVATION_FACTOR = 1.32
 # Where no GPU memory is known (CPU runs; a login node without GPU_MEMORY_GIB): the micro-batch ds_config.json held.
 AUTO_MICRO_WITHOUT_GPU = 8
 
@@ -48,7 +52,7 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
 
 
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
-                     chunk_budget: int) -> float:
+                     chunk_budget: int, compiled: bool = True) -> float:
     """Korthikanti et al. with flash attention: ~34·s·b·h bytes per layer (16-bit), sized up for Qwen3's 3h MLP and GQA;
     full recomputation keeps only each layer's input (2·s·b·h) plus one layer's working set. Logits: 16-bit logits,
     their fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
@@ -57,6 +61,8 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     per_layer = micro * seq_len * h * (10 + 8 * mlp_ratio)
     scale = 1 if bf16 else 2
     acts = (layers * 2 * micro * seq_len * h + per_layer) if checkpointing else layers * per_layer
+    if not compiled:
+        acts *= EAGER_ACTIVATION_FACTOR
     # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes).
     logits = (chunk_budget * micro * seq_len * h * 2 if fused_ce
               else micro * seq_len * config.vocab_size * (2 + 4 + 4))
@@ -95,11 +101,11 @@ class PhaseMemory:
 
 def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, stage: int, off_opt: bool,
                  off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
-                 generate: bool, fp32_grad_accumulation: bool = False) -> PhaseMemory:
+                 generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True) -> PhaseMemory:
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16)
-        + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk),
+        + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled),
         evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
         export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
         # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states
@@ -116,7 +122,8 @@ def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool) ->
 
 
 
-def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict) -> str:
+def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict,
+                 compiled: bool = True) -> str:
     """The first configuration, in order of speed, whose estimate fits in 92% of the GPU."""
     candidates = []
     m = micro
@@ -131,9 +138,13 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
                    MemoryPlan("DS_CONFIG=configs/zero3-offload.json with --gradient_checkpointing and micro-batch 1",
                               3, True, True, 1, True)]
     for plan in candidates:
-        need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16)
+        # configs/zero2-offload.json accumulates gradients in fp32 on the GPU
+        fp32_accumulation = plan.offload_optimizer and plan.zero_stage == 2
+        need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16,
+                                  fp32_accumulation)
                 + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16)
-                + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk))
+                + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
+                                   compiled and plan.zero_stage != 3))
         if need <= 0.92 * memory_gib * GIB:
             return f"cheapest configuration that fits (~{need / GIB:.0f} GiB): {plan.label}"
     return "nothing fits on this many GPUs: use more GPUs (ZeRO-3 divides the model states by their number)"

@@ -33,6 +33,7 @@ class Plan:
     num_params: int | None = None
     flops: object = None  # models.FlopsModel
     fused_loss: bool = False  # Liger's fused linear cross-entropy (the logits' memory depends on it)
+    compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); not under ZeRO-3
     memory: PhaseMemory | None = None
     gpu_memory_gib: float | None = None
     gpu_memory_source: str = ""  # the GPU's name, GPU_MEMORY_GIB, or why no size is known
@@ -129,6 +130,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         if not plan.here and raw.get("bf16", {}).get("enabled") is True:
             plan.notes.append("bf16 is on: the GPU nodes must support it (A100/H100 or newer); not checkable here")
     if plan.resolved and plan.num_params:
+        plan.compiled_layers = _compiles(plan, plan.ds_config)
         plan.memory = _phase_memory(plan, plan.ds_config, plan.batch.micro)
         bf16 = dsc.precision(plan.ds_config) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
         plan.checkpoint_bytes = plan.num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
@@ -152,6 +154,18 @@ def _size_model(plan: Plan) -> None:
     plan.flops = FlopsModel.from_config(plan.model_config, plan.num_params, plan.seq_len)
 
 
+def _compiles(plan: Plan, ds: dict) -> bool:
+    """Whether the run compiles its decoder layers (levers.use_compile): this machine's answer where the run starts; on
+    a login node, the GPU nodes'."""
+    import torch
+
+    from . import ds_config as dsc
+    from .levers import use_compile
+
+    cuda = torch.cuda.is_available() or not plan.here
+    return use_compile(cuda, dsc.zero_stage(ds) == 3, plan.cfg.perf)
+
+
 def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
     """Each phase's estimated peak per GPU with this (possibly partly resolved) DeepSpeed config and micro-batch."""
     from . import ds_config as dsc
@@ -161,7 +175,8 @@ def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
                         off_opt, off_par, dsc.precision(ds) != "fp32", ds.get("zero_optimization", {}),
                         plan.cfg.gradient_checkpointing, plan.fused_loss, plan.cfg.perf.flce_chunk_budget,
                         bool(plan.cfg.generate_prompt and plan.cfg.export),
-                        fp32_grad_accumulation=ds.get("data_types", {}).get("grad_accum_dtype") == "fp32")
+                        fp32_grad_accumulation=ds.get("data_types", {}).get("grad_accum_dtype") == "fp32",
+                        compiled=_compiles(plan, ds))
 
 
 def _micro_chooser(plan: Plan, raw: dict, hardware: str):

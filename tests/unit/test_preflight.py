@@ -203,6 +203,31 @@ def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(t
     assert proc.returncode == 2 and "train_micro_batch_size_per_gpu 4" in proc.stdout
 
 
+@pytest.mark.parametrize("model, preset, micro, measured", [
+    ("qwen3-0.6b", "ds_config.json", 8, 39.6),  # docs/JOURNEY.md and PERFORMANCE.md: one H100, peak allocated GiB
+    ("qwen3-0.6b", "ds_config.json", 16, 70.3),
+    ("qwen3-0.6b", "configs/zero1.json", 8, 39.2),
+    ("qwen3-0.6b", "configs/zero3.json", 8, 48.7),  # layers not compiled under ZeRO-3
+    ("qwen3-0.6b", "configs/zero3-offload.json", 8, 40.9),
+    ("qwen3-4b", "configs/zero2-offload.json", 2, 47.4),  # the fp32 accumulation buffer on the GPU
+])
+def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, preset, micro, measured, monkeypatch,
+                                                                   session_cache):
+    """The automatic micro-batch trusts the estimate: each measured peak (one H100, the GPU path planned from a login
+    node, as the run's own start plans it on the GPU) is within 10% of it."""
+    from model_utils import levers
+    from model_utils.arguments import parse_args
+    from model_utils.memory import GIB
+    from model_utils.plan import make_plan
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
+    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    cfg = parse_args(["--model", model, "--ds_config", str(REPO / preset), "--micro_batch_size", str(micro),
+                      "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export"])
+    estimate = make_plan(cfg, 1, decides=False).memory.peak[1] / GIB
+    assert abs(estimate - measured) <= 0.1 * measured, (estimate, measured)
+
+
 def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys):
     """The presets' micro-batch is "auto": the plan picks the largest whose whole run fits 90% of the GPU (stand-in
     sizes: no GPU here), within the global batch, and the preflight prints the choice and its estimate."""
