@@ -37,6 +37,9 @@ class Plan:
     memory: PhaseMemory | None = None
     gpu_memory_gib: float | None = None
     gpu_memory_source: str = ""  # the GPU's name, GPU_MEMORY_GIB, or why no size is known
+    host_bytes: float = 0.0  # host memory per node for the offloaded states (0 without offload)
+    host_available: float | None = None  # this node's MemAvailable where the run starts; None on a login node
+    ranks_per_node: int = 1
     checkpoint_bytes: float = 0.0  # one checkpoint on disk (16-bit weights, fp32 master weights and Adam moments)
     background_checkpoint: bool = False  # --background_checkpoint, and this node's memory holds a host copy
     checkpoint_writes: str = ""  # how checkpoints are written, and why
@@ -134,6 +137,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         plan.memory = _phase_memory(plan, plan.ds_config, plan.batch.micro)
         bf16 = dsc.precision(plan.ds_config) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
         plan.checkpoint_bytes = plan.num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
+        _plan_host_memory(plan)
         _plan_checkpoint_writes(plan)
     if decides:
         _find_resume_point(plan)
@@ -197,6 +201,21 @@ def _micro_chooser(plan: Plan, raw: dict, hardware: str):
     return choose
 
 
+def _plan_host_memory(plan: Plan) -> None:
+    """The node's host memory for offloaded optimizer states and parameters, and what this node has (where it runs)."""
+    import torch
+
+    from . import ds_config as dsc
+    from .memory import offload_host_bytes
+
+    ds = plan.ds_config
+    plan.ranks_per_node = plan.world if not torch.cuda.is_available() else min(plan.world, torch.cuda.device_count())
+    plan.host_bytes = offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, dsc.zero_stage(ds),
+                                         *dsc.offloads(ds), ds.get("data_types", {}).get("grad_accum_dtype") == "fp32",
+                                         gpu=torch.cuda.is_available() or not plan.here)
+    plan.host_available = host_memory_available() if plan.here else None
+
+
 def _plan_checkpoint_writes(plan: Plan) -> None:
     """--background_checkpoint copies each rank's share of a checkpoint to host memory: on when a node's copy, beside
     the optimizer states an offload keeps there, fits in 3/4 of the memory this node has available."""
@@ -208,8 +227,7 @@ def _plan_checkpoint_writes(plan: Plan) -> None:
         plan.checkpoint_writes = "synchronous (--no-background_checkpoint)"
         return
     offloaded = any(dsc.offloads(plan.ds_config))
-    per_node = plan.world if not torch.cuda.is_available() else min(plan.world, torch.cuda.device_count())
-    copy = plan.checkpoint_bytes * per_node / plan.world
+    copy = plan.checkpoint_bytes * plan.ranks_per_node / plan.world
     need = copy * (2 if offloaded else 1)  # the offloaded states (~ the checkpoint's size) live in host memory too
     available = host_memory_available()
     if available is not None and need > 0.75 * available:

@@ -182,12 +182,29 @@ def check_plan(plan: Plan, check_data: bool = True) -> Report:
         report.lines.append(f"plan: {batch.plan(cfg.max_steps)}")
     if plan.memory is not None:
         _check_memory(plan, report)
+        _check_host_memory(plan, report)
         _check_checkpoint_dir(cfg, plan.checkpoint_bytes, report)
         report.estimate(f"checkpoint writes: {plan.checkpoint_writes}")
     if ds is not None and check_data:
         _check_data(plan, report)
     _check_resume(plan, report)
     return report
+
+
+def _check_host_memory(plan: Plan, report: Report) -> None:
+    """Offloaded states live in the node's memory: a node without room for them would be killed minutes into setup."""
+    if not plan.host_bytes:
+        return
+    need, available = plan.host_bytes / GIB, plan.host_available
+    report.estimate(f"host memory: ~{need:.0f} GiB per node for the offloaded states of {plan.ranks_per_node} rank(s)"
+                    + (f"; {available / GIB:.0f} GiB available" if available is not None else
+                       " (the GPU nodes' memory is checked when the run starts there)"))
+    if available is not None and plan.host_bytes > available:
+        report.problems.append(Problem(
+            "zero_optimization.offload_optimizer / offload_param", f"{plan.num_params / 1e9:.1f}B parameters",
+            f"the offloaded states need ~{need:.0f} GiB of host memory on this node, {available / GIB:.0f} GiB are "
+            "available", "use more GPUs or nodes (ZeRO divides the offloaded states among the ranks), a node with "
+            "more memory, or ZeRO-3 without offload on enough GPUs to hold the model states"))
 
 
 def _check_memory(plan: Plan, report: Report) -> None:

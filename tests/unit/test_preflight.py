@@ -228,6 +228,34 @@ def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, prese
     assert abs(estimate - measured) <= 0.1 * measured, (estimate, measured)
 
 
+def test_offloaded_states_that_do_not_fit_the_node_are_refused(tmp_path, monkeypatch, session_cache):
+    """Offload puts 16 bytes per parameter (fp32 master weights, Adam moments, fp32 gradients) in the node's memory:
+    Qwen3-4B needs ~74 GiB (one H100 host measured 73.4), Qwen3-8B ~142 GiB, more than a 128 GiB node has, on two
+    ranks half each. A run whose node lacks the room stops before building anything, naming the fix."""
+    from model_utils import plan as plan_module
+    from model_utils.arguments import parse_args
+    from model_utils.memory import GIB, offload_host_bytes
+    from model_utils.preflight import check_plan
+
+    q4b, q8b = 4_022_468_096, 8_190_735_360
+    assert 72 < offload_host_bytes(q4b, 1, 1, 2, True, False, True) / GIB < 76
+    assert 80 < offload_host_bytes(q4b, 1, 1, 2, True, False, False) / GIB < 86  # bf16 accumulation on the host: 83.9
+    assert offload_host_bytes(q8b, 1, 1, 2, True, False, True) / GIB > 128
+    assert offload_host_bytes(q8b, 2, 1, 2, True, False, True) / GIB < 80  # one of two nodes
+    assert offload_host_bytes(q8b, 1, 1, 2, False, False, True) == 0
+    # A real plan on this CPU machine: the tiny model's states need little, a node with 100 MiB left has not that.
+    cfg = parse_args(["--model", "tiny", "--ds_config", str(REPO / "configs" / "zero2-offload.json"),
+                      "--dummy_data", "64", "--checkpoint_dir", str(tmp_path / "ckpt")])
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 100 * 2**20)
+    report = check_plan(plan_module.make_plan(cfg, 1, on_training_hardware=True), check_data=False)
+    [problem] = [p for p in report.problems if p.setting.startswith("zero_optimization.offload")]
+    assert "host memory on this node, 0 GiB are available" in problem.message and "more GPUs or nodes" in problem.fix
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 64 * GIB)
+    report = check_plan(plan_module.make_plan(cfg, 1, on_training_hardware=True), check_data=False)
+    assert not [p for p in report.problems if p.setting.startswith("zero_optimization.offload")]
+    assert any(line.startswith("host memory: ~1 GiB per node") for line in report.estimates), report.estimates
+
+
 def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys):
     """The presets' micro-batch is "auto": the plan picks the largest whose whole run fits 90% of the GPU (stand-in
     sizes: no GPU here), within the global batch, and the preflight prints the choice and its estimate."""
