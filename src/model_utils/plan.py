@@ -219,8 +219,6 @@ def _plan_host_memory(plan: Plan) -> None:
 def _plan_checkpoint_writes(plan: Plan) -> None:
     """--background_checkpoint copies each rank's share of a checkpoint to host memory: on when a node's copy, beside
     the optimizer states an offload keeps there, fits in 3/4 of the memory this node has available."""
-    import torch
-
     from . import ds_config as dsc
 
     if not plan.cfg.background_checkpoint:
