@@ -43,7 +43,7 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
     if fp32_grad_accumulation and bf16 and stage in (1, 2):
         grads_b = 4 * params / world
-    elif offload_opt and stage in (1, 2):
+    elif offload_opt:
         grads_b = 0  # they leave the GPU bucket by bucket (measured: Qwen3-4B, one H100, docs/PERFORMANCE.md)
     opt_b = 0 if offload_opt else opt_bytes * params / (world if stage >= 1 else 1)
     if offload_param and stage == 3:
