@@ -90,8 +90,9 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
     """Return (resolved config, notes for the log, problems).
 
     "auto" takes the matching flag's value or the default written here; a flag given explicitly replaces a concrete
-    config value, and a note says so. The batch: see `_resolve_batch`; `choose_micro(allowed)` picks the automatic
-    micro-batch (plan.py: by the memory estimate), AUTO_MICRO_WITHOUT_GPU where none is given. `hardware` is the best
+    config value, and a note says so. The batch: see `_resolve_batch`; `choose_micro(allowed, ds)` picks the automatic
+    micro-batch from the config resolved so far (plan.py: by the memory estimate), memory.AUTO_MICRO_WITHOUT_GPU where
+    none is given. `hardware` is the best
     precision the training devices support (`hardware_precision`): "bf16", "fp16" or "fp32". `check_classes` False
     skips checking the optimizer's and scheduler's parameters against their classes (a machine without torch and
     DeepSpeed).
@@ -110,6 +111,10 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
             container[key] = auto_value
         return container[key]
 
+    # Precision first: the automatic micro-batch sizes the model states by it.
+    notes_, problems_ = resolve_precision(ds, hardware)
+    notes += notes_
+    problems += problems_
     batch_problems = _resolve_batch(ds, cfg, world_size, seq_len, choose_micro, setting, notes)
     if batch_problems:  # reported once, as what is wrong with the batch, not again as an "auto" left unresolved
         for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
@@ -119,9 +124,6 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
 
     setting(ds, "gradient_clipping", None, None, 1.0, "gradient_clipping")
 
-    notes_, problems_ = resolve_precision(ds, hardware)
-    notes += notes_
-    problems += problems_
 
     opt = ds.get("optimizer")
     if isinstance(opt, dict):
@@ -174,6 +176,10 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
 BATCH_SETTINGS = ("train_", "gradient_acc", "--global_batch_tokens", "--micro_batch_size", "--gradient_accumulation")
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _resolve_batch(ds: dict, cfg: TrainConfig, world: int, seq_len: int | None, choose_micro, setting,
                    notes: list[str]) -> list[Problem]:
     """The batch in place: micro x accumulation x world = train_batch_size (blocks per optimizer step).
@@ -197,7 +203,7 @@ def _resolve_batch(ds: dict, cfg: TrainConfig, world: int, seq_len: int | None, 
             notes.append(f"--global_batch_tokens {cfg.global_batch_tokens:,} ({blocks} blocks of {seq_len}) overrides "
                          f"train_batch_size={given}")
     elif given != AUTO:
-        if not isinstance(given, int) or isinstance(given, bool) or given < 1:
+        if not _positive_int(given):
             return [Problem("train_batch_size", given, "must be a positive integer (blocks per optimizer step)",
                             'set "train_batch_size": "auto" and state the batch with --global_batch_tokens')]
         blocks = given
@@ -208,12 +214,12 @@ def _resolve_batch(ds: dict, cfg: TrainConfig, world: int, seq_len: int | None, 
     micro_flag = cfg.micro_batch_size if "micro_batch_size" in cfg.explicit else None
     current = ds.get("train_micro_batch_size_per_gpu", AUTO)
     if micro_flag == AUTO or (micro_flag is None and current == AUTO):
-        micro = choose_micro(divides) if choose_micro else choose_micro_batch(seq_len or 1, None, None, divides)[0]
+        micro = choose_micro(divides, ds) if choose_micro else choose_micro_batch(seq_len or 1, None, None, divides)[0]
         ds["train_micro_batch_size_per_gpu"] = micro
     else:
         micro = setting(ds, "train_micro_batch_size_per_gpu", "micro_batch_size", micro_flag, 1,
                         "train_micro_batch_size_per_gpu")
-    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+    if not _positive_int(micro):
         return [Problem("train_micro_batch_size_per_gpu", micro, "must be a positive integer",
                         'set "train_micro_batch_size_per_gpu" to 1 or more, or "auto" (sized by the GPU memory)')]
 
@@ -222,7 +228,7 @@ def _resolve_batch(ds: dict, cfg: TrainConfig, world: int, seq_len: int | None, 
     if blocks is None:
         accum = setting(ds, "gradient_accumulation_steps", "gradient_accumulation_steps", accum_flag, 1,
                         "gradient_accumulation_steps")
-        if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
+        if not _positive_int(accum):
             return [Problem("gradient_accumulation_steps", accum, "must be a positive integer",
                             'set "gradient_accumulation_steps" to 1 or more, or "auto"')]
     else:
@@ -343,6 +349,11 @@ class Batch:
 
 def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def fp32_grad_accumulation(ds: dict) -> bool:
+    """ZeRO-1/2 accumulates gradients in DeepSpeed's fp32 buffer on the GPU ("data_types": {"grad_accum_dtype": "fp32"})."""
+    return ds.get("data_types", {}).get("grad_accum_dtype") == "fp32"
 
 
 def offloads(ds: dict) -> tuple[bool, bool]:

@@ -11,8 +11,8 @@ GIB = 1024**3
 # The automatic micro-batch (`"train_micro_batch_size_per_gpu": "auto"`, `--micro_batch_size auto`) fills at most this
 # share of the GPU by the estimate, which lands within ~10% of the measured peak (docs/PERFORMANCE.md).
 AUTO_MEMORY_SHARE = 0.90
-# ...and holds at most this many tokens per micro-batch: on one H100, Qwen3-0.6B at seq 4096 gained from micro-batch 8
-# to 16 and no more beyond (docs/PERFORMANCE.md), while a larger micro-batch lengthens evaluation and the first step.
+# ...and holds at most this many tokens per micro-batch: on one H100, Qwen3-0.6B at seq 4096 ran fastest at 16, the
+# largest that fits (docs/PERFORMANCE.md); larger ones were not measured to gain, and lengthen evaluation and compilation.
 AUTO_MAX_MICRO_TOKENS = 65_536
 # Eager decoder layers (ZeRO-3, where they are not compiled, or --compile off) keep the intermediates that compiled ones
 # recompute under --activation_budget: on one H100, Qwen3-0.6B at micro-batch 8 peaked at 48.7 GiB under ZeRO-3 and 40.9
@@ -121,7 +121,6 @@ def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool) ->
     return float(elements) * (2 if bf16 else 4) * (2 if zero.get("overlap_comm") else 1)
 
 
-
 def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict,
                  compiled: bool = True) -> str:
     """The first configuration, in order of speed, whose estimate fits in 92% of the GPU."""
@@ -129,8 +128,8 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
     m = micro
     while m > 1:
         m //= 2
-        candidates.append(MemoryPlan(f"train_micro_batch_size_per_gpu {m} (raise gradient_accumulation_steps to keep "
-                                     f"the batch)", 2, False, False, m, False))
+        candidates.append(MemoryPlan(f"train_micro_batch_size_per_gpu {m} (--global_batch_tokens keeps the batch; or "
+                                     f"\"auto\")", 2, False, False, m, False))
     candidates += [MemoryPlan("--gradient_checkpointing", 2, False, False, micro, True),
                    MemoryPlan("--gradient_checkpointing with micro-batch 1", 2, False, False, 1, True),
                    MemoryPlan("DS_CONFIG=configs/zero3.json with --gradient_checkpointing", 3, False, False, micro, True),

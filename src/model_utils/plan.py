@@ -10,7 +10,6 @@ is a Problem in `plan.problems`; nothing here builds the model or reads the data
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass, field
 
@@ -124,7 +123,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         hardware = dsc.hardware_precision(cuda, bf16_supported()) if plan.here else "bf16"
         mconf = plan.model_config
         ds, notes, problems = dsc.resolve(raw, cfg, world, hardware, mconf.hidden_size if mconf else None,
-                                          seq_len=plan.seq_len, choose_micro=_micro_chooser(plan, raw, hardware))
+                                          seq_len=plan.seq_len, choose_micro=_micro_chooser(plan))
         plan.notes += notes
         plan.problems += problems
         if not any(p.setting.startswith(dsc.BATCH_SETTINGS) for p in problems):
@@ -179,22 +178,20 @@ def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
                         off_opt, off_par, dsc.precision(ds) != "fp32", ds.get("zero_optimization", {}),
                         plan.cfg.gradient_checkpointing, plan.fused_loss, plan.cfg.perf.flce_chunk_budget,
                         bool(plan.cfg.generate_prompt and plan.cfg.export),
-                        fp32_grad_accumulation=ds.get("data_types", {}).get("grad_accum_dtype") == "fp32",
+                        fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds),
                         compiled=_compiles(plan, ds))
 
 
-def _micro_chooser(plan: Plan, raw: dict, hardware: str):
-    """For ds_config.resolve: the automatic micro-batch, by the memory estimate of this model on this GPU."""
-    from . import ds_config as dsc
+def _micro_chooser(plan: Plan):
+    """For ds_config.resolve: the automatic micro-batch, by the memory estimate of this model on this GPU with the
+    config resolved so far (its ZeRO stage, offloads and precision size the model states)."""
 
-    def choose(allowed) -> int:
+    def choose(allowed, ds: dict) -> int:
         if plan.num_params is None or plan.gpu_memory_gib is None:
             micro, why = choose_micro_batch(plan.seq_len, None, None, allowed)
         else:
-            sized = copy.deepcopy(raw)  # the ZeRO stage, offloads and precision size the model states
-            dsc.resolve_precision(sized, hardware)
             micro, why = choose_micro_batch(plan.seq_len, plan.gpu_memory_gib,
-                                            lambda m: _phase_memory(plan, sized, m).peak[1], allowed)
+                                            lambda m: _phase_memory(plan, ds, m).peak[1], allowed)
         plan.micro_batch_choice = why
         return micro
 
@@ -211,7 +208,7 @@ def _plan_host_memory(plan: Plan) -> None:
     ds = plan.ds_config
     plan.ranks_per_node = plan.world if not torch.cuda.is_available() else min(plan.world, torch.cuda.device_count())
     plan.host_bytes = offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, dsc.zero_stage(ds),
-                                         *dsc.offloads(ds), ds.get("data_types", {}).get("grad_accum_dtype") == "fp32",
+                                         *dsc.offloads(ds), dsc.fp32_grad_accumulation(ds),
                                          gpu=torch.cuda.is_available() or not plan.here)
     plan.host_available = host_memory_available() if plan.here else None
 
