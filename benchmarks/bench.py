@@ -142,7 +142,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
         result = step()
         cuda_sync()
         dt = time.perf_counter() - t
-        losses.append(result.loss_sum.item() / run.grad_accum)  # this rank's mean over its micro-batches
+        losses.append(result.loss_sum.item() / run.batch.accumulation)  # this rank's mean over its micro-batches
         if i >= warmup:
             times.append(dt)
             timed_area += result.attention_area  # the timed steps' attention pairs (FLOPs), for rank 0's blocks
@@ -154,11 +154,11 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     config = engine.module.config
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     tokens_per_step = run.batch.tokens_per_rank_step  # per GPU
-    f12, f6 = flops_per_token(config, num_params, run.seq_len, timed_area / (tokens_per_step * steps) if steps else None)
+    f12, f6 = flops_per_token(config, num_params, run.batch.seq_len, timed_area / (tokens_per_step * steps) if steps else None)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     result = {"kind": "engine", "world_size": dist.world_size, "setup_s": setup_s, "losses": losses,
-              "num_params": num_params, "micro_batch_size": run.micro_batch, "seq_len": run.seq_len,
-              "gradient_accumulation_steps": run.grad_accum, "tokens_per_optimizer_step": run.tokens_per_step,
+              "num_params": num_params, "micro_batch_size": run.batch.micro, "seq_len": run.batch.seq_len,
+              "gradient_accumulation_steps": run.batch.accumulation, "tokens_per_optimizer_step": run.batch.tokens_per_step,
               "zero_stage": run.ds_config.get("zero_optimization", {}).get("stage", 0),
               **throughput(tokens_per_step, times, f12, f6, peak), **peak_memory(), **gpu}
     mem = torch.tensor([result.get("peak_mem_gib", 0.0), host_peak_gib()], device=dist.device)

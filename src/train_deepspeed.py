@@ -19,11 +19,23 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from model_utils import exit_status  # noqa: E402
 from model_utils.arguments import ConfigError, TrainConfig, exit_on_problems, parse_args, validate_args  # noqa: E402
+
+if TYPE_CHECKING:  # the heavy libraries load inside setup(), after the arguments are checked
+    import torch
+    from deepspeed import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
+
+    from model_utils.background_save import BackgroundSaves
+    from model_utils.concat_dataset import BlockOrder, DataPosition, PackedData
+    from model_utils.ds_config import Batch
+    from model_utils.models import FlopsModel
+    from model_utils.train_utils import Dist, Logger
 
 
 @dataclass
@@ -31,40 +43,24 @@ class Run:
     """Everything the loop needs, built by `setup`."""
 
     cfg: TrainConfig
-    dist: object
-    ds_config: dict
-    tokenizer: object
-    model: object
-    engine: object
-    data: object
-    order: object
-    batch: object  # ds_config.Batch: micro-batch, accumulation, world size, block length
-    flops: object  # models.FlopsModel
-    log: object
+    dist: Dist
+    ds_config: dict  # resolved: no "auto" left
+    tokenizer: PreTrainedTokenizerBase
+    model: torch.nn.Module
+    engine: DeepSpeedEngine
+    data: PackedData
+    order: BlockOrder
+    batch: Batch  # micro-batch, accumulation, world size, block length
+    flops: FlopsModel
+    log: Logger
     peak_tflops: float | None = None
     document_eos: int | None = None  # --document_mask: the token that ends a document
     document_boundaries: bool = False  # the attention takes documents as boundaries (FlashAttention-4), not a mask
     step: int = 0
     tokens_seen: int = 0
-    position: object = None
-    saves: object = None  # background_save.BackgroundSaves (--background_checkpoint), else None: saves block
+    position: DataPosition | None = None
+    saves: BackgroundSaves | None = None  # --background_checkpoint, else None: saves block
     levers: dict | None = None  # the speed levers in force (levers.apply_speed_levers, streamline_zero_step)
-
-    @property
-    def seq_len(self) -> int:
-        return self.batch.seq_len
-
-    @property
-    def micro_batch(self) -> int:
-        return self.batch.micro
-
-    @property
-    def grad_accum(self) -> int:
-        return self.batch.accumulation
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch.tokens_per_step
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -221,8 +217,8 @@ def model_inputs(run: Run, blocks) -> dict:
         if run.document_boundaries:
             boundaries = to_device(document_boundaries(positions), device)
             torch._dynamo.maybe_mark_dynamic(boundaries, 0)  # their count varies: one compiled graph for all
-            batch.update(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=run.seq_len,
-                         max_length_k=run.seq_len)
+            batch.update(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=run.batch.seq_len,
+                         max_length_k=run.batch.seq_len)
     return batch
 
 
@@ -232,7 +228,7 @@ def attention_area(run: Run, blocks) -> int:
     from model_utils.concat_dataset import attention_area as document_area, document_positions
 
     if run.document_eos is None:
-        return len(blocks) * run.seq_len ** 2
+        return len(blocks) * run.batch.seq_len ** 2
     return document_area(document_positions(blocks[:, :-1], run.document_eos))
 
 
@@ -277,7 +273,7 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
     loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
     nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
     blocks_read, area = [], 0
-    for _ in range(run.grad_accum):
+    for _ in range(run.batch.accumulation):
         with phase("forward"):
             indices = run.order.rank_indices(run.position, dist.rank)
             blocks_read += indices.tolist()
@@ -292,7 +288,7 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
         nonfinite |= ~torch.isfinite(loss.detach())
         loss_sum += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
     run.step += 1
-    run.tokens_seen += run.tokens_per_step
+    run.tokens_seen += run.batch.tokens_per_step
     return StepResult(loss_sum, nonfinite, area, blocks_read)
 
 
@@ -335,7 +331,7 @@ def evaluate(run: Run) -> dict:
     ids = run.data.val_ids
     if len(ids) == 0:
         return {}
-    engine, dist, m = run.engine, run.dist, run.micro_batch
+    engine, dist, m = run.engine, run.dist, run.batch.micro
     engine.eval()
     total = torch.zeros((), device=dist.device, dtype=torch.float64)
     with torch.no_grad():
@@ -367,7 +363,7 @@ def save(run: Run, wait: bool = False):
     from model_utils.train_utils import rng_state
 
     ctx = SaveContext(Path(run.cfg.checkpoint_dir), run.cfg.keep_last_checkpoints,
-                      {"model": run.cfg.model, "tokenizer": run.cfg.tokenizer, "seq_len": run.seq_len,
+                      {"model": run.cfg.model, "tokenizer": run.cfg.tokenizer, "seq_len": run.batch.seq_len,
                        "zero_stage": zero_stage(run.ds_config),
                        "ds_config": run.ds_config, "perf": run.cfg.perf.as_dict(), "levers_in_force": run.levers})
     client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
@@ -488,8 +484,8 @@ class Interval:
         run, dist, engine = self.run, self.run.dist, self.run.engine
         sums = torch.stack([self.loss_sum, torch.tensor(float(self.area), device=dist.device, dtype=torch.float64)])
         loss_total, area_total = dist.all_reduce(sums).tolist()
-        mean_loss = loss_total / (self.steps * run.grad_accum * dist.world_size)
-        tokens = self.steps * run.tokens_per_step
+        mean_loss = loss_total / (self.steps * run.batch.accumulation * dist.world_size)
+        tokens = self.steps * run.batch.tokens_per_step
         # slowest and fastest rank's mean step time (max of t and of -t: one collective)
         times = torch.tensor([self.step_time, -self.step_time], device=dist.device, dtype=torch.float64) / self.steps
         slowest, fastest = dist.all_reduce(times, torch.distributed.ReduceOp.MAX).tolist()

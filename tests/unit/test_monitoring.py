@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -127,6 +128,9 @@ def test_wandb_offline_logs_without_network_and_a_resumed_run_keeps_its_id(tmp_p
     cfg = parse_args(["--checkpoint_dir", str(tmp_path), "--wandb", "--no-tensorboard", "--wandb_project", "t"])
     ids = []
     for steps in ((1, 2), (3,)):
+        # W&B names an offline run's folder by the second it starts: a resume in the same second as the first run (only
+        # possible in a test) would share its folder.
+        time.sleep(1.01 - time.time() % 1)
         sinks = monitor.Sinks(cfg, _fake_dist(), {"train_batch_size": 4}, log=log)
         for step in steps:
             sinks.write({"step": step, "loss": 5.0 - step, "eval_loss": None})
