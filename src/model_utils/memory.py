@@ -51,14 +51,23 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     return params_b + grads_b + opt_b
 
 
+def layer_activation_bytes_per_token(config) -> float:
+    """16-bit bytes one compiled decoder layer keeps per token for its backward pass (flash attention, Liger's loss).
+
+    Korthikanti et al. count ~34·h bytes for a GPT layer with a 4h MLP. Qwen3's layers are fitted to the measured peaks
+    on one H100: 30.25·h + 1.25·I (h the hidden size, I the MLP's) gives Qwen3-0.6B (I = 3h) 34·h and Qwen3-4B
+    (I = 3.8h) 35·h, which hold within 2% the four peaks of Qwen3-4B (ZeRO-2 with and without the fp32 accumulation
+    buffer, ZeRO-3 with offload) and within 1% Qwen3-0.6B's (docs/PERFORMANCE.md)."""
+    return 30.25 * config.hidden_size + 1.25 * config.intermediate_size
+
+
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
                      chunk_budget: int, compiled: bool = True) -> float:
-    """Korthikanti et al. with flash attention: ~34·s·b·h bytes per layer (16-bit), sized up for Qwen3's 3h MLP and GQA;
-    full recomputation keeps only each layer's input (2·s·b·h) plus one layer's working set. Logits: 16-bit logits,
-    their fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
+    """Activations kept for the backward pass (`layer_activation_bytes_per_token` per layer and token); full
+    recomputation keeps only each layer's input (2·s·b·h) plus one layer's working set. Logits: 16-bit logits, their
+    fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
     h, layers = config.hidden_size, config.num_hidden_layers
-    mlp_ratio = config.intermediate_size / h
-    per_layer = micro * seq_len * h * (10 + 8 * mlp_ratio)
+    per_layer = micro * seq_len * layer_activation_bytes_per_token(config)
     scale = 1 if bf16 else 2
     acts = (layers * 2 * micro * seq_len * h + per_layer) if checkpointing else layers * per_layer
     if not compiled:
@@ -76,7 +85,7 @@ def evaluation_bytes(config, seq_len: int, micro: int, bf16: bool) -> float:
     from .evaluation import CHUNK_TOKENS
 
     h, scale = config.hidden_size, 1 if bf16 else 2
-    layer = micro * seq_len * h * (10 + 8 * config.intermediate_size / h) * scale
+    layer = micro * seq_len * layer_activation_bytes_per_token(config) * scale
     return layer + micro * seq_len * h * 2 * scale + min(CHUNK_TOKENS, micro * seq_len) * config.vocab_size * 10
 
 

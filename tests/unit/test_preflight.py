@@ -210,9 +210,11 @@ def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(t
     ("qwen3-0.6b", "configs/zero3.json", 8, 48.7),  # layers not compiled under ZeRO-3
     ("qwen3-0.6b", "configs/zero3-offload.json", 8, 40.9),
     ("qwen3-4b", "configs/zero2-offload.json", 2, 47.4),  # the fp32 accumulation buffer on the GPU
+    ("qwen3-4b", "configs/zero2-offload.json without data_types", 2, 32.5),  # DeepSpeed's offload default
+    ("qwen3-4b", "configs/zero3-offload.json", 2, 33.3),  # layers not compiled, parameters offloaded
 ])
 def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, preset, micro, measured, monkeypatch,
-                                                                   session_cache):
+                                                                   session_cache, tmp_path):
     """The automatic micro-batch trusts the estimate: each measured peak (one H100, the GPU path planned from a login
     node, as the run's own start plans it on the GPU) is within 10% of it."""
     from model_utils import levers
@@ -222,7 +224,11 @@ def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, prese
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
     monkeypatch.setattr(levers, "liger_available", lambda: True)
-    cfg = parse_args(["--model", model, "--ds_config", str(REPO / preset), "--micro_batch_size", str(micro),
+    path, _, dropped = preset.partition(" without ")
+    config = json.loads((REPO / path).read_text())
+    config.pop(dropped, None)
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    cfg = parse_args(["--model", model, "--ds_config", str(tmp_path / "ds.json"), "--micro_batch_size", str(micro),
                       "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export"])
     estimate = make_plan(cfg, 1, decides=False).memory.peak[1] / GIB
     assert abs(estimate - measured) <= 0.1 * measured, (estimate, measured)
