@@ -99,7 +99,8 @@ class TrainConfig:
     validation_fraction: float = _f(0.01, "Fraction of packed blocks held out for validation when the dataset has no "
                                           "'validation' split.")
     data_cache_dir: str | None = _f(None, "Where tokenized/packed data is cached; must be shared by all nodes for "
-                                          "multi-node runs to build it once. Default: ~/.cache/deepspeed-lm.")
+                                          "multi-node runs to build it once. Default: $DEEPSPEED_LM_CACHE, else "
+                                          "$XDG_CACHE_HOME/deepspeed-lm, else ~/.cache/deepspeed-lm.")
     num_proc: int | None = _f(None, "Processes for tokenization (datasets.map). Default: CPUs available, at most 16.")
     max_documents: int = _f(0, "Use only the first N documents of each split (0: all). Files and hub datasets are then "
                                "streamed: a hub dataset is read as far as those documents, not downloaded whole.")
