@@ -75,7 +75,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
     from model_utils.levers import apply_speed_levers, streamline_zero_step
     from model_utils.patches.flash_attn4 import takes_document_boundaries
-    from model_utils.models import build_model, gpu_peak_tflops
+    from model_utils.models import build_model, decay_groups, gpu_peak_tflops
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
     from model_utils.plan import make_plan
     from model_utils.preflight import check_plan, merge_rank_problems, raise_on_problems
@@ -120,13 +120,9 @@ def setup(cfg: TrainConfig, dist) -> Run:
                                 warn=lambda message: log.warn(message, all_ranks=True), documents=cfg.document_mask,
                                 fused=plan.fused_loss)
 
-    # nanoGPT's grouping: weight decay on matrices (and embeddings), none on norms and biases. ZeRO-3 parameters are
-    # empty placeholders: their real shape is ds_shape.
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]
+    matrices, others = decay_groups(model.parameters())
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    groups = [{"params": [p for p, m in zip(trainable, matrix) if m], "weight_decay": wd},
-              {"params": [p for p, m in zip(trainable, matrix) if not m], "weight_decay": 0.0}]
+    groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     levers.update(streamline_zero_step(engine, cfg.perf, log.info))
     writer = None

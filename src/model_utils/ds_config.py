@@ -166,10 +166,34 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
             if zero.get(key) == AUTO:
                 zero[key] = value
 
+    problems += _check_partial_offload(ds)
     for path, value in _leftover_autos(ds):
         problems.append(Problem(path, value, "has no automatic value in this project",
                                 "replace \"auto\" by a concrete value"))
     return ds, notes, problems
+
+
+def _check_partial_offload(ds: dict) -> list[Problem]:
+    """`zero_optimization.offload_optimizer.ratio`: the share of the optimizer states DeepSpeed offloads, the rest
+    updated on the GPU. DeepSpeed reads it under ZeRO-3 only, with its CPU Adam (an assertion otherwise)."""
+    zero = ds.get("zero_optimization", {})
+    offload = zero.get("offload_optimizer", {}) if isinstance(zero, dict) else {}
+    if not isinstance(offload, dict) or "ratio" not in offload:
+        return []
+    ratio, where = offload["ratio"], "zero_optimization.offload_optimizer.ratio"
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        return [Problem(where, ratio, "must be a number from 0 to 1 (the share of the optimizer states offloaded)",
+                        "use e.g. 0.5, or remove it (1: all offloaded)")]
+    if ratio == 1 or not offloads(ds)[0]:
+        return []
+    if zero_stage(ds) != 3:
+        return [Problem(where, ratio, f"DeepSpeed applies a partial offload under ZeRO-3 only (stage {zero_stage(ds)} "
+                        "here): every optimizer state would still go to the host",
+                        "use ZeRO-3 (configs/zero3-offload.json) with the ratio, or remove it")]
+    if ds.get("optimizer", {}).get("params", {}).get("torch_adam"):
+        return [Problem(where, ratio, "a partial offload runs DeepSpeed's CPU Adam on the host part, which "
+                        "optimizer.params.torch_adam true replaces", "remove torch_adam, or the ratio")]
+    return []
 
 
 # The settings a batch problem names: the plan is not sized while one of them is wrong.
@@ -354,6 +378,41 @@ def zero_stage(ds: dict) -> int:
 def fp32_grad_accumulation(ds: dict) -> bool:
     """ZeRO-1/2 accumulates gradients in DeepSpeed's fp32 buffer on the GPU ("data_types": {"grad_accum_dtype": "fp32"})."""
     return ds.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+
+
+def zero3_sub_groups(param_groups: list[list[int]], world: int, sub_group_size: float) -> list[int]:
+    """The sizes of the sub-groups ZeRO-3 cuts a rank's optimizer partition into (stage3.py): each parameter group
+    (`param_groups`: its parameters' sizes, in the order setup() groups them) whole where it holds at most
+    `sub_group_size` elements of the rank's partition, else cut after each parameter that brings a sub-group to it."""
+    sub_groups: list[int] = []
+    for group in param_groups:
+        sizes = [math.ceil(n / world) for n in group]
+        if not sizes:
+            continue
+        if sub_group_size >= sum(sizes):
+            sub_groups.append(sum(sizes))
+            continue
+        current = 0
+        for i, n in enumerate(sizes):
+            current += n
+            if current >= sub_group_size or i == len(sizes) - 1:
+                sub_groups.append(current)
+                current = 0
+    return sub_groups
+
+
+def gpu_optimizer_share(ds: dict, param_groups: list[list[int]], world: int) -> float:
+    """The share of each rank's optimizer states (fp32 master weights, Adam moments, fp32 gradients) that a partial
+    offload keeps on the GPU (`offload_optimizer.ratio` r < 1 under ZeRO-3), 0 without one: DeepSpeed keeps the first
+    floor((1 - r) n) of the rank's n sub-groups there (`zero3_sub_groups`)."""
+    zero = ds.get("zero_optimization", {})
+    ratio = zero.get("offload_optimizer", {}).get("ratio", 1.0)
+    if zero_stage(ds) != 3 or not offloads(ds)[0] or not isinstance(ratio, (int, float)) or ratio >= 1:
+        return 0.0
+    size = zero.get("sub_group_size", 1e9)
+    sub_groups = zero3_sub_groups(param_groups, world, size if isinstance(size, (int, float)) and size > 0 else 1e9)
+    total = sum(sub_groups)
+    return sum(sub_groups[:int((1 - ratio) * len(sub_groups))]) / total if total else 0.0
 
 
 def offloads(ds: dict) -> tuple[bool, bool]:

@@ -33,11 +33,13 @@ class MemoryPlan:
 
 
 def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool,
-                      fp32_grad_accumulation: bool = False) -> float:
+                      fp32_grad_accumulation: bool = False, gpu_optimizer_share: float = 0.0) -> float:
     """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param).
     `fp32_grad_accumulation` (ZeRO-1/2 with "data_types": {"grad_accum_dtype": "fp32"}): DeepSpeed accumulates each
     rank's gradient partition in an fp32 buffer on the GPU, also when the optimizer is offloaded (which then copies
-    gradients to the CPU once per step instead of once per micro-batch)."""
+    gradients to the CPU once per step instead of once per micro-batch). `gpu_optimizer_share`: the part of an
+    offloaded optimizer a partial offload (ZeRO-3, `offload_optimizer.ratio`) keeps on the GPU, 16 bytes per
+    parameter of it (fp32 master weights, Adam moments, fp32 gradients; ds_config.gpu_optimizer_share)."""
     p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
     params_b = p_bytes * params / (world if stage >= 3 else 1)
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
@@ -48,6 +50,8 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     opt_b = 0 if offload_opt else opt_bytes * params / (world if stage >= 1 else 1)
     if offload_param and stage == 3:
         params_b = 0
+    if offload_opt and gpu_optimizer_share:
+        opt_b += 16 * gpu_optimizer_share * params / (world if stage >= 1 else 1)
     return params_b + grads_b + opt_b
 
 
@@ -110,8 +114,10 @@ class PhaseMemory:
 
 def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, stage: int, off_opt: bool,
                  off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
-                 generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True) -> PhaseMemory:
-    states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation)
+                 generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True,
+                 gpu_optimizer_share: float = 0.0) -> PhaseMemory:
+    states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
+                               gpu_optimizer_share)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16)
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled),
@@ -166,13 +172,15 @@ HOST_BASELINE_GIB = 8.0
 
 
 def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int, offload_opt: bool,
-                       offload_param: bool, fp32_grad_accumulation: bool, gpu: bool = True) -> float:
+                       offload_param: bool, fp32_grad_accumulation: bool, gpu: bool = True,
+                       gpu_optimizer_share: float = 0.0) -> float:
     """Host memory one node needs for its ranks' offloaded states (0 without offload). ZeRO-1/2 without the GPU's fp32
     accumulation buffer also keeps each rank's 16-bit gradient accumulation in host memory; ZeRO-3's offloaded
-    parameters add their 16-bit share. `gpu` False: CPU ranks, whose processes hold no CUDA context (1 GiB each)."""
+    parameters add their 16-bit share; a partial offload leaves `gpu_optimizer_share` of the optimizer on the GPU.
+    `gpu` False: CPU ranks, whose processes hold no CUDA context (1 GiB each)."""
     if not (offload_opt or offload_param):
         return 0.0
-    per_param = 16.0 if offload_opt else 0.0
+    per_param = 16.0 * (1 - gpu_optimizer_share) if offload_opt else 0.0
     if offload_opt and stage in (1, 2) and not fp32_grad_accumulation:
         per_param += 2
     if offload_param and stage == 3:

@@ -167,3 +167,12 @@ def gpu_peak_tflops(device_name: str) -> float | None:
         if key in device_name:
             return peak
     return None
+
+
+def decay_groups(parameters) -> tuple[list, list]:
+    """nanoGPT's grouping of the trainable parameters: weight decay on matrices (and embeddings), none on norms and
+    biases. ZeRO-3 parameters are empty placeholders: their real shape is ds_shape. The optimizer sees the groups in
+    this order (a partial offload keeps the first of its sub-groups on the GPU)."""
+    trainable = [p for p in parameters if p.requires_grad]
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]
+    return [p for p, m in zip(trainable, matrix) if m], [p for p, m in zip(trainable, matrix) if not m]

@@ -30,6 +30,7 @@ class Plan:
     batch: object = None  # ds_config.Batch
     micro_batch_choice: str | None = None  # how "auto" chose the micro-batch; None where it was given
     num_params: int | None = None
+    param_groups: list[list[int]] = field(default_factory=list)  # the optimizer's groups' parameter sizes
     flops: object = None  # models.FlopsModel
     fused_loss: bool = False  # Liger's fused linear cross-entropy (the logits' memory depends on it)
     compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); not under ZeRO-3
@@ -148,11 +149,12 @@ def _size_model(plan: Plan) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import FlopsModel
+    from .models import FlopsModel, decay_groups
 
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(plan.model_config)
     plan.num_params = sum(p.numel() for p in meta_model.parameters())
+    plan.param_groups = [[p.numel() for p in group] for group in decay_groups(meta_model.parameters())]
     del meta_model
     plan.flops = FlopsModel.from_config(plan.model_config, plan.num_params, plan.seq_len)
 
@@ -179,7 +181,8 @@ def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
                         plan.cfg.gradient_checkpointing, plan.fused_loss, plan.cfg.perf.flce_chunk_budget,
                         bool(plan.cfg.generate_prompt and plan.cfg.export),
                         fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds),
-                        compiled=_compiles(plan, ds))
+                        compiled=_compiles(plan, ds),
+                        gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world))
 
 
 def _micro_chooser(plan: Plan):
@@ -209,8 +212,40 @@ def _plan_host_memory(plan: Plan) -> None:
     plan.ranks_per_node = plan.world if not torch.cuda.is_available() else min(plan.world, torch.cuda.device_count())
     plan.host_bytes = offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, dsc.zero_stage(ds),
                                          *dsc.offloads(ds), dsc.fp32_grad_accumulation(ds),
-                                         gpu=torch.cuda.is_available() or not plan.here)
+                                         gpu=torch.cuda.is_available() or not plan.here,
+                                         gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world))
     plan.host_available = host_memory_available() if plan.here else None
+
+
+def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float, float, float] | None:
+    """For offloaded states that do not fit the node: the largest `offload_optimizer.ratio` (steps of 0.05) of a ZeRO-3
+    run with its parameters and that share of the optimizer offloaded whose host memory fits `host_available` and whose
+    GPU part fits AUTO_MEMORY_SHARE of the GPU at micro-batch 1. Returns (ratio, host bytes, GPU bytes), or None."""
+    import copy
+
+    import torch
+
+    from . import ds_config as dsc
+    from .memory import AUTO_MEMORY_SHARE, offload_host_bytes
+
+    if plan.gpu_memory_gib is None or plan.ds_config is None or not plan.param_groups:
+        return None
+    ds = copy.deepcopy(plan.ds_config)
+    zero = ds.setdefault("zero_optimization", {})
+    zero["stage"] = 3
+    zero.setdefault("offload_param", {})["device"] = "cpu"
+    for step in range(19, 0, -1):
+        ratio = step / 20
+        zero.setdefault("offload_optimizer", {})["device"] = "cpu"
+        zero["offload_optimizer"]["ratio"] = ratio
+        share = dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world)
+        host = offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, 3, True, True, False,
+                                  gpu=torch.cuda.is_available() or not plan.here, gpu_optimizer_share=share)
+        if host > host_available:
+            continue
+        gpu = _phase_memory(plan, ds, 1).peak[1]
+        return (ratio, host, gpu) if gpu <= AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB else None
+    return None
 
 
 def _plan_checkpoint_writes(plan: Plan) -> None:

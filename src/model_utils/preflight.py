@@ -19,7 +19,7 @@ from pathlib import Path
 from .arguments import ConfigError, Problem, TrainConfig, validate_args
 from .ds_config import suggest
 from .memory import GIB, activation_bytes, cheapest_fit
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, partial_offload_that_fits
 SAMPLE_DOCUMENTS = 200
 # Section name -> DeepSpeed's pydantic model that validates it (unknown keys there are errors in DeepSpeed too).
 SECTION_MODELS = {
@@ -200,11 +200,16 @@ def _check_host_memory(plan: Plan, report: Report) -> None:
                     + (f"; {available / GIB:.0f} GiB available" if available is not None else
                        " (the GPU nodes' memory is checked when the run starts there)"))
     if available is not None and plan.host_bytes > available:
+        partial = partial_offload_that_fits(plan, available)
         report.problems.append(Problem(
             "zero_optimization.offload_optimizer / offload_param", f"{plan.num_params / 1e9:.1f}B parameters",
             f"the offloaded states need ~{need:.0f} GiB of host memory on this node, {available / GIB:.0f} GiB are "
-            "available", "use more GPUs or nodes (ZeRO divides the offloaded states among the ranks), a node with "
-            "more memory, or ZeRO-3 without offload on enough GPUs to hold the model states"))
+            "available",
+            (f"keep part of the optimizer on the GPU: configs/zero3-offload.json with \"offload_optimizer\": "
+             f"{{\"ratio\": {partial[0]:g}}} (~{partial[1] / GIB:.0f} GiB host, ~{partial[2] / GIB:.0f} GiB GPU at "
+             "micro-batch 1 by the estimate; not measured on GPUs), or " if partial else "")
+            + "use more GPUs or nodes (ZeRO divides the offloaded states among the ranks), a node with more memory, "
+            "or ZeRO-3 without offload on enough GPUs to hold the model states"))
 
 
 def _check_memory(plan: Plan, report: Report) -> None:

@@ -120,6 +120,8 @@ EFFECTS = {
         lambda e: e.optimizer.parameter_offload._max_available_parameters_in_numel,
     "zero_optimization.stage3_max_reuse_distance":
         lambda e: e.optimizer.parameter_offload._max_reuse_distance_in_numel,
+    "zero_optimization.offload_optimizer.ratio": lambda e: e.optimizer.partial_offload,
+    "zero_optimization.sub_group_size": lambda e: e.optimizer.sub_group_size,
 }
 
 
@@ -148,19 +150,32 @@ def report(preset: str, out: str):
     effective = {}
     for path, _ in leaves(run.ds_config):
         effective[path] = EFFECTS[path](run.engine) if path in EFFECTS else "NO EFFECT KNOWN"
+    # ZeRO-3's optimizer sub-groups as DeepSpeed cut them, and as the plan (the memory estimate) predicts them
+    from model_utils.ds_config import zero3_sub_groups
+    from model_utils.plan import make_plan
+
+    plan = make_plan(cfg, 1, decides=False)
+    sub_groups = {"engine": list(getattr(run.engine.optimizer, "fp16_partitioned_groups_flat_numel", [])),
+                  "plan": zero3_sub_groups(plan.param_groups, 1,
+                                           run.ds_config["zero_optimization"].get("sub_group_size", 1e9))}
     with open(out, "w") as f:
-        json.dump({"resolved": dict(leaves(run.ds_config)), "effective": effective}, f, default=str)
+        json.dump({"resolved": dict(leaves(run.ds_config)), "effective": effective, "sub_groups": sub_groups}, f,
+                  default=str)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_every_key_of_the_preset_changes_the_engine(preset, session_cache, tmp_path):
+def run_report(preset: str, tmp_path) -> dict:
     out = tmp_path / "effective.json"
     code = f"import sys; sys.path[:0] = [{TESTS!r}, {os.path.dirname(TESTS)!r}, {str(SRC)!r}]; import test_presets; " \
            f"test_presets.report({preset!r}, {str(out)!r})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_key_of_the_preset_changes_the_engine(preset, session_cache, tmp_path):
+    data = run_report(preset, tmp_path)
     raw = json.loads((REPO / preset).read_text())
     unknown = [path for path, _ in leaves(raw) if path not in EFFECTS]
     assert not unknown, f"{preset}: no known effect of {unknown}: check what they change and add it to EFFECTS, " \
@@ -168,3 +183,18 @@ def test_every_key_of_the_preset_changes_the_engine(preset, session_cache, tmp_p
     for path, _ in leaves(raw):
         want, got = data["resolved"][path], data["effective"][path]
         assert got == want, f"{preset}: {path} is {want} in the resolved config but {got} in the engine"
+
+
+def test_a_partial_offload_splits_the_optimizer_where_the_memory_estimate_expects(session_cache, tmp_path):
+    """`offload_optimizer.ratio` under ZeRO-3 (what the preflight proposes when offloaded states do not fit the node):
+    DeepSpeed takes the ratio and cuts the optimizer into the sub-groups the plan's estimate counts (the first
+    floor((1 - ratio) n) stay on the GPU, the rest go to the host)."""
+    config = json.loads((REPO / "configs" / "zero3-offload.json").read_text())
+    config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    config["zero_optimization"]["sub_group_size"] = 20_000  # several sub-groups of the tiny model
+    path = tmp_path / "partial.json"
+    path.write_text(json.dumps(config))
+    data = run_report(str(path), tmp_path)
+    assert data["effective"]["zero_optimization.offload_optimizer.ratio"] == 0.5
+    engine_groups, plan_groups = data["sub_groups"]["engine"], data["sub_groups"]["plan"]
+    assert len(engine_groups) >= 4 and engine_groups == plan_groups

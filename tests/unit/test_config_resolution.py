@@ -201,3 +201,39 @@ def test_micro_batch_flag_takes_auto_or_a_count():
         parse_args(["--micro_batch_size", "four"])
     assert [p.setting for p in validate_args(parse_args(["--micro_batch_size", "0", "--global_batch_tokens", "0"]))] \
         == ["--micro_batch_size", "--global_batch_tokens"]
+
+
+def test_a_partial_offload_is_checked_and_sized_as_deepspeed_splits_it():
+    """`zero_optimization.offload_optimizer.ratio`: DeepSpeed reads it under ZeRO-3 with its CPU Adam only, so
+    elsewhere it would do nothing (and the host would still have to hold every optimizer state): a problem. Where it
+    applies, the GPU keeps the first floor((1 - ratio) n) of the rank's n optimizer sub-groups."""
+    from model_utils.ds_config import gpu_optimizer_share, zero3_sub_groups
+
+    zero3 = json.loads((REPO / "configs" / "zero3-offload.json").read_text())
+    zero2 = json.loads((REPO / "configs" / "zero2-offload.json").read_text())
+    cases = [(zero2, 0.5, "under ZeRO-3 only (stage 2 here)"), (zero3, 1.5, "from 0 to 1"),
+             (zero3, "half", "from 0 to 1")]
+    for raw, ratio, message in cases:
+        raw = copy.deepcopy(raw)
+        raw["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+        _, _, problems = resolve(raw, parse_args([]), 1, "bf16", 64, check_classes=False, seq_len=64)
+        [problem] = [p for p in problems if p.setting == "zero_optimization.offload_optimizer.ratio"]
+        assert message in str(problem) and "fix:" in str(problem)
+    raw = copy.deepcopy(zero3)
+    raw["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    raw["optimizer"]["params"]["torch_adam"] = True
+    _, _, problems = resolve(raw, parse_args([]), 1, "bf16", 64, check_classes=False, seq_len=64)
+    assert any("torch_adam" in str(p) for p in problems if p.setting.endswith("ratio"))
+
+    # Sub-groups: a group whole where it fits, else cut after the parameter that fills one; ZeRO-3 partitions first.
+    groups = [[100] * 10, [5] * 3]
+    assert zero3_sub_groups(groups, 1, 250) == [300, 300, 300, 100, 15]
+    assert zero3_sub_groups(groups, 2, 1e9) == [500, 9]
+    raw = copy.deepcopy(zero3)
+    raw["zero_optimization"].update(sub_group_size=250)
+    raw["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    ds, _, problems = resolve(raw, parse_args([]), 1, "bf16", 64, check_classes=False, seq_len=64)
+    assert not problems, problems_text(problems)
+    assert gpu_optimizer_share(ds, groups, 1) == 600 / 1015  # 2 of 5 sub-groups stay on the GPU
+    raw["zero_optimization"]["offload_optimizer"]["ratio"] = 1.0
+    assert gpu_optimizer_share(resolve(raw, parse_args([]), 1, "bf16", 64, check_classes=False, seq_len=64)[0], groups, 1) == 0

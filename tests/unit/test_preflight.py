@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -260,6 +261,44 @@ def test_offloaded_states_that_do_not_fit_the_node_are_refused(tmp_path, monkeyp
     report = check_plan(plan_module.make_plan(cfg, 1, on_training_hardware=True), check_data=False)
     assert not [p for p in report.problems if p.setting.startswith("zero_optimization.offload")]
     assert any(line.startswith("host memory: ~1 GiB per node") for line in report.estimates), report.estimates
+
+
+def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypatch, session_cache):
+    """Qwen3-8B with its optimizer offloaded on one H200 (139.8 GiB) whose node has 120 GiB free: the whole optimizer
+    (~142 GiB) does not fit the host; the fix names the largest offload ratio whose host part fits, and that ratio's
+    own plan fits the node and the GPU."""
+    import re
+
+    from model_utils import levers
+    from model_utils import plan as plan_module
+    from model_utils.arguments import parse_args
+    from model_utils.memory import GIB
+    from model_utils.preflight import check_plan
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "139.8")
+    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 120 * GIB)
+
+    def planned(config_path):
+        cfg = parse_args(["--model", "qwen3-8b", "--ds_config", str(config_path), "--global_batch_tokens", "131072",
+                          "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export"])
+        plan = plan_module.make_plan(cfg, 1, decides=False)
+        plan.host_available = 120 * GIB  # as a run's start on that node finds it (planned for its GPU from here)
+        return plan, check_plan(plan, check_data=False)
+
+    plan, report = planned(REPO / "configs" / "zero2-offload.json")
+    [problem] = [p for p in report.problems if p.setting.startswith("zero_optimization.offload")]
+    assert "~142 GiB of host memory on this node, 120 GiB are available" in problem.message
+    ratio = float(re.search(r'configs/zero3-offload.json with "offload_optimizer": \{"ratio": ([\d.]+)\}',
+                            problem.fix).group(1))
+    assert 0 < ratio < 1
+    config = json.loads((REPO / "configs" / "zero3-offload.json").read_text())
+    config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+    path = Path(session_cache) / f"zero3-offload-ratio-{ratio}.json"
+    path.write_text(json.dumps(config))
+    plan, report = planned(path)
+    assert plan.host_bytes <= 120 * GIB and not [p for p in report.problems if "offload" in p.setting], report.problems
+    assert plan.memory.peak[1] <= 0.9 * 139.8 * GIB and plan.batch.micro >= 1
 
 
 def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys):
