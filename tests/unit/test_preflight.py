@@ -301,6 +301,35 @@ def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypa
     assert plan.memory.peak[1] <= 0.9 * 139.8 * GIB and plan.batch.micro >= 1
 
 
+def test_offloaded_accumulation_through_the_cpu_gets_the_gpu_buffer_named(monkeypatch, session_cache):
+    """The seeds' ZeRO-2 + optimizer offload config accumulates gradients through the CPU: the preflight names the
+    fp32 GPU buffer that avoids it, and its cost; the preset, which carries it, gets no such note."""
+    from model_utils import levers
+    from model_utils import plan as plan_module
+    from model_utils.arguments import parse_args
+    from model_utils.preflight import check_plan
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
+    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    seeds = json.loads((REPO / "configs" / "zero2-offload.json").read_text())
+    seeds.pop("data_types")
+    path = Path(session_cache) / "seeds-zero2-offload.json"
+    path.write_text(json.dumps(seeds))
+
+    def notes(config_path, tokens):
+        cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(config_path), "--global_batch_tokens", str(tokens),
+                          "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export"])
+        return [n for n in check_plan(plan_module.make_plan(cfg, 1, decides=False), check_data=False).notes
+                if "grad_accum_dtype" in n]
+
+    [note] = notes(path, 131072)
+    assert "micro-batches' gradients to the CPU and back" in note and "~15.0 GiB more per GPU" in note, note
+    assert not notes(REPO / "configs" / "zero2-offload.json", 131072)
+    micro = plan_module.make_plan(parse_args(["--model", "qwen3-4b", "--ds_config", str(path), "--global_batch_tokens",
+                                              "131072", "--dummy_data", "64", "--no-export"]), 1, decides=False).batch.micro
+    assert not notes(path, micro * 4096)  # no accumulation: nothing goes back and forth
+
+
 def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys):
     """The presets' micro-batch is "auto": the plan picks the largest whose whole run fits 90% of the GPU (stand-in
     sizes: no GPU here), within the global batch, and the preflight prints the choice and its estimate."""
