@@ -48,6 +48,21 @@ case "${PLAN:-h100}" in
     python3 benchmarks/attention.py --batch 16 2>&1 | grep -E "^(\||shape|Flash)" | tee "$OUT/attention.txt"
     bench q4b_offload 150 --model qwen3-4b --ds_config configs/zero2-offload.json --gradient_checkpointing --micro_batch_size 2 --steps 3 --warmup 1 --timeout 300 --variants default --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100"
     ;;
+  offload)  # Qwen3-4B with the offload preset against HF Trainer + DeepSpeed + Liger, same config and global batch (~9 min)
+    bench q4b_pair 540 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 262144 \
+      --micro_batch_size 2 --compare-hf --hf-skip noliger --variants default --steps 2 --warmup 1 --timeout 330 \
+      --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 262,144 tokens per step"
+    ;;
+  offload-profile)  # where a Qwen3-4B offload step goes: the micro-batches on the GPU against the CPU optimizer step
+    bench q4b_profile 400 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 2 --variants default --steps 2 --warmup 1 --profile --timeout 380 \
+      --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, phase timing"
+    ;;
+  partial-offload)  # one H200: Qwen3-8B, ZeRO-3 with parameters and 65% of the optimizer offloaded (the preflight's fix)
+    bench q8b_partial 560 --model qwen3-8b --ds_config configs/zero3-offload.json \
+      --ds-set zero_optimization.offload_optimizer.ratio=0.65 --global_batch_tokens 131072 --variants default \
+      --steps 2 --warmup 1 --timeout 540 --title "Qwen3-8B, ZeRO-3 + partial optimizer offload (ratio 0.65), 1 H200"
+    ;;
   scale)  # per-GPU scaling on 1/2/4 H200 (default path), Qwen3-8B ZeRO-3, the loss check, then the peers if time
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)
     bench h200_1gpu 60 --nproc 1 --micro_batch_size 8 "${C[@]}" --title "Qwen3-0.6B, 1 H200, default path"
