@@ -259,6 +259,11 @@ def _plan_checkpoint_writes(plan: Plan) -> None:
     offloaded = any(dsc.offloads(plan.ds_config))
     copy = plan.checkpoint_bytes * plan.ranks_per_node / plan.world
     need = copy * (2 if offloaded else 1)  # the offloaded states (~ the checkpoint's size) live in host memory too
+    if not plan.here:  # a login node's memory says nothing of the GPU nodes'
+        plan.checkpoint_writes = (f"in the background where a GPU node's host copy (~{copy / GIB:.1f} GiB"
+                                  + (", beside the offloaded optimizer states" if offloaded else "")
+                                  + ") fits in 3/4 of its free memory, else synchronous: decided when the run starts")
+        return
     available = host_memory_available()
     if available is not None and need > 0.75 * available:
         plan.checkpoint_writes = (f"synchronous: the host copy (~{copy / GIB:.1f} GiB per node"

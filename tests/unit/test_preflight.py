@@ -466,23 +466,25 @@ def test_disk_need_counts_every_checkpoint_that_can_exist_at_once(args, on_disk,
 
 
 def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, session_cache, monkeypatch, capsys):
-    """--background_checkpoint (the default) holds a copy of the node's share of a checkpoint in host memory: the
-    preflight says so, and falls back to synchronous writes where the copy would not fit."""
+    """--background_checkpoint (the default) holds a copy of the node's share of a checkpoint in host memory: a run's
+    start (on the node that holds it) falls back to synchronous writes where the copy would not fit; the preflight on a
+    login node, whose memory says nothing of the GPU nodes', says the rule."""
     from model_utils import plan as plan_module
     from model_utils.arguments import TrainConfig
 
     monkeypatch.chdir(tmp_path)
     args = ["--checkpoint_dir", str(tmp_path / "c")]
-    roomy, _ = preflight_in_process(args, {}, monkeypatch, capsys)
-    assert "checkpoint writes: in the background, from a host copy of ~0.0 GiB per node" in roomy.stdout, roomy.stdout
+    login, _ = preflight_in_process(args, {}, monkeypatch, capsys)
+    assert ("checkpoint writes: in the background where a GPU node's host copy (~0.0 GiB) fits in 3/4 of its free "
+            "memory, else synchronous: decided when the run starts") in login.stdout, login.stdout
     off, _ = preflight_in_process([*args, "--no-background_checkpoint"], {}, monkeypatch, capsys)
     assert "checkpoint writes: synchronous (--no-background_checkpoint)" in off.stdout
-    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e6)  # 1 MB left on this node
-    tight, _ = preflight_in_process(args, {}, monkeypatch, capsys)
-    assert tight.returncode == 0
-    assert "checkpoint writes: synchronous: the host copy (~0.0 GiB per node) does not fit in 3/4 of the 0 GiB" \
-           in tight.stdout, tight.stdout
     cfg = TrainConfig(checkpoint_dir=str(tmp_path / "c"))
-    assert plan_module.make_plan(cfg, 1).background_checkpoint is False
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e6)  # 1 MB left on this node
+    tight = plan_module.make_plan(cfg, 1, on_training_hardware=True)
+    assert tight.background_checkpoint is False
+    assert tight.checkpoint_writes.startswith("synchronous: the host copy (~0.0 GiB per node) does not fit in 3/4 of "
+                                              "the 0 GiB available"), tight.checkpoint_writes
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: 64e9)
-    assert plan_module.make_plan(cfg, 1).background_checkpoint
+    roomy = plan_module.make_plan(cfg, 1, on_training_hardware=True)
+    assert roomy.background_checkpoint and roomy.checkpoint_writes.startswith("in the background, from a host copy")
