@@ -166,21 +166,33 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
             if zero.get(key) == AUTO:
                 zero[key] = value
 
-    problems += _check_partial_offload(ds)
+    partial_problems = _check_partial_offload(ds)
+    problems += partial_problems
+    ratio = _offload_ratio(ds)
+    if not partial_problems and ratio is not None and ratio < 1 and zero_stage(ds) == 3 and offloads(ds)[0]:
+        notes.append(f"zero_optimization.offload_optimizer.ratio {ratio:g}: DeepSpeed's ZeRO-3 checkpoints hold the Adam "
+                     "moments of the offloaded part only (stage3.py saves its CPU Adam's state, not that of the AdamW "
+                     "updating the rest on the GPU): a resume restarts the GPU part's moments and does not continue "
+                     "exactly")
     for path, value in _leftover_autos(ds):
         problems.append(Problem(path, value, "has no automatic value in this project",
                                 "replace \"auto\" by a concrete value"))
     return ds, notes, problems
 
 
+def _offload_ratio(ds: dict):
+    """`zero_optimization.offload_optimizer.ratio` as written, None where it is not."""
+    zero = ds.get("zero_optimization", {})
+    offload = zero.get("offload_optimizer", {}) if isinstance(zero, dict) else {}
+    return offload.get("ratio") if isinstance(offload, dict) else None
+
+
 def _check_partial_offload(ds: dict) -> list[Problem]:
     """`zero_optimization.offload_optimizer.ratio`: the share of the optimizer states DeepSpeed offloads, the rest
     updated on the GPU. DeepSpeed reads it under ZeRO-3 only, with its CPU Adam (an assertion otherwise)."""
-    zero = ds.get("zero_optimization", {})
-    offload = zero.get("offload_optimizer", {}) if isinstance(zero, dict) else {}
-    if not isinstance(offload, dict) or "ratio" not in offload:
+    ratio, where = _offload_ratio(ds), "zero_optimization.offload_optimizer.ratio"
+    if ratio is None:
         return []
-    ratio, where = offload["ratio"], "zero_optimization.offload_optimizer.ratio"
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         return [Problem(where, ratio, "must be a number from 0 to 1 (the share of the optimizer states offloaded)",
                         "use e.g. 0.5, or remove it (1: all offloaded)")]

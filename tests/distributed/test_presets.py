@@ -150,23 +150,41 @@ def report(preset: str, out: str):
     effective = {}
     for path, _ in leaves(run.ds_config):
         effective[path] = EFFECTS[path](run.engine) if path in EFFECTS else "NO EFFECT KNOWN"
-    # ZeRO-3's optimizer sub-groups as DeepSpeed cut them, and as the plan (the memory estimate) predicts them
+    with open(out, "w") as f:
+        json.dump({"resolved": dict(leaves(run.ds_config)), "effective": effective}, f, default=str)
+
+
+def partial_offload_checkpoint(preset: str, out: str):
+    """One ZeRO-3 step with a partial optimizer offload, and which sub-groups' Adam state DeepSpeed's state_dict holds.
+    Stand-in: the CPU accelerator names every sub-group's device "cpu", so sub-group 0 is labelled "cuda" (no GPU here)
+    to take DeepSpeed's GPU path: its backup torch AdamW, on this machine's tensors."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    from model_utils.arguments import parse_args
+    from model_utils.train_utils import free_port, setup_distributed
+    from train_deepspeed import setup, train_step
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    cfg = parse_args(["--ds_config", preset, "--dummy_data", "32", "--seq_len", "32", "--max_steps", "100",
+                      "--checkpoint_dir", os.path.join(os.path.dirname(out), "ckpt"), "--no-tensorboard"])
     from model_utils.ds_config import zero3_sub_groups
     from model_utils.plan import make_plan
 
+    run = setup(cfg, setup_distributed())
+    zero3 = run.engine.optimizer
     plan = make_plan(cfg, 1, decides=False)
-    sub_groups = {"engine": list(getattr(run.engine.optimizer, "fp16_partitioned_groups_flat_numel", [])),
-                  "plan": zero3_sub_groups(plan.param_groups, 1,
-                                           run.ds_config["zero_optimization"].get("sub_group_size", 1e9))}
+    planned = zero3_sub_groups(plan.param_groups, 1, run.ds_config["zero_optimization"]["sub_group_size"])
+    zero3.subgroup_to_device[0] = "cuda"
+    train_step(run)
+    saved = zero3.state_dict()["optimizer_state_dict"]["state"]
     with open(out, "w") as f:
-        json.dump({"resolved": dict(leaves(run.ds_config)), "effective": effective, "sub_groups": sub_groups}, f,
-                  default=str)
+        json.dump({"ratio": zero3.partial_offload, "engine_groups": list(zero3.fp16_partitioned_groups_flat_numel),
+                   "plan_groups": planned, "saved": len(saved), "gpu_part_state": len(zero3.backup_optimizer.state)}, f)
 
 
-def run_report(preset: str, tmp_path) -> dict:
+def run_report(preset: str, tmp_path, what: str = "report") -> dict:
     out = tmp_path / "effective.json"
     code = f"import sys; sys.path[:0] = [{TESTS!r}, {os.path.dirname(TESTS)!r}, {str(SRC)!r}]; import test_presets; " \
-           f"test_presets.report({preset!r}, {str(out)!r})"
+           f"test_presets.{what}({preset!r}, {str(out)!r})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -188,13 +206,16 @@ def test_every_key_of_the_preset_changes_the_engine(preset, session_cache, tmp_p
 def test_a_partial_offload_splits_the_optimizer_where_the_memory_estimate_expects(session_cache, tmp_path):
     """`offload_optimizer.ratio` under ZeRO-3 (what the preflight proposes when offloaded states do not fit the node):
     DeepSpeed takes the ratio and cuts the optimizer into the sub-groups the plan's estimate counts (the first
-    floor((1 - ratio) n) stay on the GPU, the rest go to the host)."""
+    floor((1 - ratio) n) stay on the GPU, the rest go to the host). The GPU is a stand-in (partial_offload_checkpoint)."""
     config = json.loads((REPO / "configs" / "zero3-offload.json").read_text())
     config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
     config["zero_optimization"]["sub_group_size"] = 20_000  # several sub-groups of the tiny model
     path = tmp_path / "partial.json"
     path.write_text(json.dumps(config))
-    data = run_report(str(path), tmp_path)
-    assert data["effective"]["zero_optimization.offload_optimizer.ratio"] == 0.5
-    engine_groups, plan_groups = data["sub_groups"]["engine"], data["sub_groups"]["plan"]
-    assert len(engine_groups) >= 4 and engine_groups == plan_groups
+    data = run_report(str(path), tmp_path, "partial_offload_checkpoint")
+    assert data["ratio"] == 0.5
+    assert len(data["engine_groups"]) >= 4 and data["engine_groups"] == data["plan_groups"], data
+    # What a checkpoint of it holds: DeepSpeed's ZeRO-3 state_dict keeps its CPU Adam's state, not the state of the AdamW
+    # that updates the sub-groups on the GPU, so a resume restarts their moments (ds_config's note says so). Should a
+    # DeepSpeed release save them, this fails: drop the note.
+    assert data["gpu_part_state"] == 1 and data["saved"] == len(data["engine_groups"]) - 1, data
