@@ -75,6 +75,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
     from model_utils.levers import apply_speed_levers, streamline_zero_step
     from model_utils.patches.flash_attn4 import takes_document_boundaries
+    from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
     from model_utils.models import build_model, decay_groups, gpu_peak_tflops
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
     from model_utils.plan import make_plan
@@ -125,6 +126,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     levers.update(streamline_zero_step(engine, cfg.perf, log.info))
+    keep_partial_offload_state(engine.optimizer, log.info)  # ZeRO-3 with offload_optimizer.ratio < 1
     writer = None
     if plan.background_checkpoint:
         from model_utils.background_save import install

@@ -169,15 +169,26 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
     partial_problems = _check_partial_offload(ds)
     problems += partial_problems
     ratio = _offload_ratio(ds)
-    if not partial_problems and ratio is not None and ratio < 1 and zero_stage(ds) == 3 and offloads(ds)[0]:
-        notes.append(f"zero_optimization.offload_optimizer.ratio {ratio:g}: DeepSpeed's ZeRO-3 checkpoints hold the Adam "
-                     "moments of the offloaded part only (stage3.py saves its CPU Adam's state, not that of the AdamW "
-                     "updating the rest on the GPU): a resume restarts the GPU part's moments and does not continue "
-                     "exactly")
+    if not partial_problems and ratio is not None and ratio < 1 and zero_stage(ds) == 3 and offloads(ds)[0] \
+            and not _partial_offload_state_kept():
+        notes.append(f"zero_optimization.offload_optimizer.ratio {ratio:g}: this DeepSpeed's ZeRO-3 checkpoints hold "
+                     "the Adam moments of the offloaded part only (its CPU Adam's state, not that of the AdamW updating "
+                     "the rest on the GPU), and the patch that adds them is tested with another release: a resume "
+                     "restarts the GPU part's moments and does not continue exactly")
     for path, value in _leftover_autos(ds):
         problems.append(Problem(path, value, "has no automatic value in this project",
                                 "replace \"auto\" by a concrete value"))
     return ds, notes, problems
+
+
+def _partial_offload_state_kept() -> bool:
+    """Whether patches.deepspeed_zero3 saves a partial offload's GPU part with its checkpoints (the installed DeepSpeed
+    is one it was tested with)."""
+    from .patches import installed, within
+    from .patches.deepspeed_zero3 import PARTIAL_OFFLOAD_STATE as patch
+
+    version = installed(patch.distribution)
+    return version is not None and within(version, patch.oldest, patch.newest)
 
 
 def _offload_ratio(ds: dict):

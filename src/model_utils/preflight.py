@@ -208,8 +208,7 @@ def _check_host_memory(plan: Plan, report: Report) -> None:
             "available",
             (f"keep part of the optimizer on the GPU: configs/zero3-offload.json with \"offload_optimizer\": "
              f"{{\"ratio\": {partial[0]:g}}} (~{partial[1] / GIB:.0f} GiB host, ~{partial[2] / GIB:.0f} GiB GPU at "
-             "micro-batch 1 by the estimate; not measured on GPUs; a resume then restarts the Adam moments of the part on the "
-             "GPU, which DeepSpeed does not checkpoint), or " if partial else "")
+             "micro-batch 1 by the estimate; not measured on GPUs), or " if partial else "")
             + "use more GPUs or nodes (ZeRO divides the offloaded states among the ranks), a node with more memory, "
             "or ZeRO-3 without offload on enough GPUs to hold the model states"))
 
