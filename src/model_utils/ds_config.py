@@ -184,11 +184,10 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
 def _partial_offload_state_kept() -> bool:
     """Whether patches.deepspeed_zero3 saves a partial offload's GPU part with its checkpoints (the installed DeepSpeed
     is one it was tested with)."""
-    from .patches import installed, within
-    from .patches.deepspeed_zero3 import PARTIAL_OFFLOAD_STATE as patch
+    from .patches import gate
+    from .patches.deepspeed_zero3 import PARTIAL_OFFLOAD_STATE
 
-    version = installed(patch.distribution)
-    return version is not None and within(version, patch.oldest, patch.newest)
+    return gate(PARTIAL_OFFLOAD_STATE)
 
 
 def _offload_ratio(ds: dict):
