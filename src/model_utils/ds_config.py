@@ -166,11 +166,9 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
             if zero.get(key) == AUTO:
                 zero[key] = value
 
-    partial_problems = _check_partial_offload(ds)
-    problems += partial_problems
-    ratio = _offload_ratio(ds)
-    if not partial_problems and ratio is not None and ratio < 1 and zero_stage(ds) == 3 and offloads(ds)[0] \
-            and not _partial_offload_state_kept():
+    problems += _check_partial_offload(ds)
+    ratio = partial_offload_ratio(ds)
+    if ratio is not None and not _partial_offload_state_kept():
         notes.append(f"zero_optimization.offload_optimizer.ratio {ratio:g}: this DeepSpeed's ZeRO-3 checkpoints hold "
                      "the Adam moments of the offloaded part only (its CPU Adam's state, not that of the AdamW updating "
                      "the rest on the GPU), and the patch that adds them is tested with another release: a resume "
@@ -195,6 +193,16 @@ def _offload_ratio(ds: dict):
     zero = ds.get("zero_optimization", {})
     offload = zero.get("offload_optimizer", {}) if isinstance(zero, dict) else {}
     return offload.get("ratio") if isinstance(offload, dict) else None
+
+
+def partial_offload_ratio(ds: dict) -> float | None:
+    """The `offload_optimizer.ratio` in force: a valid ratio below 1 under ZeRO-3 with the optimizer offloaded (what
+    DeepSpeed applies); None otherwise (`_check_partial_offload` reports a ratio that would not apply)."""
+    ratio = _offload_ratio(ds)
+    if (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1
+            or zero_stage(ds) != 3 or not offloads(ds)[0]):
+        return None
+    return ratio
 
 
 def _check_partial_offload(ds: dict) -> list[Problem]:
@@ -427,11 +435,10 @@ def gpu_optimizer_share(ds: dict, param_groups: list[list[int]], world: int) -> 
     """The share of each rank's optimizer states (fp32 master weights, Adam moments, fp32 gradients) that a partial
     offload keeps on the GPU (`offload_optimizer.ratio` r < 1 under ZeRO-3), 0 without one: DeepSpeed keeps the first
     floor((1 - r) n) of the rank's n sub-groups there (`zero3_sub_groups`)."""
-    zero = ds.get("zero_optimization", {})
-    ratio = zero.get("offload_optimizer", {}).get("ratio", 1.0)
-    if zero_stage(ds) != 3 or not offloads(ds)[0] or not isinstance(ratio, (int, float)) or ratio >= 1:
+    ratio = partial_offload_ratio(ds)
+    if ratio is None:
         return 0.0
-    size = zero.get("sub_group_size", 1e9)
+    size = ds["zero_optimization"].get("sub_group_size", 1e9)
     sub_groups = zero3_sub_groups(param_groups, world, size if isinstance(size, (int, float)) and size > 0 else 1e9)
     total = sum(sub_groups)
     return sum(sub_groups[:int((1 - ratio) * len(sub_groups))]) / total if total else 0.0

@@ -201,19 +201,25 @@ def _micro_chooser(plan: Plan):
     return choose
 
 
-def _plan_host_memory(plan: Plan) -> None:
-    """The node's host memory for offloaded optimizer states and parameters, and what this node has (where it runs)."""
+def _offloaded_host_bytes(plan: Plan, ds: dict) -> float:
+    """Host memory a node needs for the states `ds` offloads (memory.offload_host_bytes for this plan's model, world,
+    ranks per node and GPU ranks)."""
     import torch
 
     from . import ds_config as dsc
     from .memory import offload_host_bytes
 
-    ds = plan.ds_config
+    return offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, dsc.zero_stage(ds), *dsc.offloads(ds),
+                              dsc.fp32_grad_accumulation(ds), gpu=torch.cuda.is_available() or not plan.here,
+                              gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world))
+
+
+def _plan_host_memory(plan: Plan) -> None:
+    """The node's host memory for offloaded optimizer states and parameters, and what this node has (where it runs)."""
+    import torch
+
     plan.ranks_per_node = plan.world if not torch.cuda.is_available() else min(plan.world, torch.cuda.device_count())
-    plan.host_bytes = offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, dsc.zero_stage(ds),
-                                         *dsc.offloads(ds), dsc.fp32_grad_accumulation(ds),
-                                         gpu=torch.cuda.is_available() or not plan.here,
-                                         gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world))
+    plan.host_bytes = _offloaded_host_bytes(plan, plan.ds_config)
     plan.host_available = host_memory_available() if plan.here else None
 
 
@@ -223,10 +229,7 @@ def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float,
     GPU part fits AUTO_MEMORY_SHARE of the GPU at micro-batch 1. Returns (ratio, host bytes, GPU bytes), or None."""
     import copy
 
-    import torch
-
-    from . import ds_config as dsc
-    from .memory import AUTO_MEMORY_SHARE, offload_host_bytes
+    from .memory import AUTO_MEMORY_SHARE
 
     if plan.gpu_memory_gib is None or plan.ds_config is None or not plan.param_groups:
         return None
@@ -234,17 +237,15 @@ def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float,
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = 3
     zero.setdefault("offload_param", {})["device"] = "cpu"
+    offload = zero.setdefault("offload_optimizer", {})
+    offload["device"] = "cpu"
     for step in range(19, 0, -1):
-        ratio = step / 20
-        zero.setdefault("offload_optimizer", {})["device"] = "cpu"
-        zero["offload_optimizer"]["ratio"] = ratio
-        share = dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world)
-        host = offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, 3, True, True, False,
-                                  gpu=torch.cuda.is_available() or not plan.here, gpu_optimizer_share=share)
+        offload["ratio"] = step / 20
+        host = _offloaded_host_bytes(plan, ds)
         if host > host_available:
             continue
         gpu = _phase_memory(plan, ds, 1).peak[1]
-        return (ratio, host, gpu) if gpu <= AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB else None
+        return (offload["ratio"], host, gpu) if gpu <= AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB else None
     return None
 
 
