@@ -3,6 +3,7 @@
 #
 #   default     Qwen3-0.6B at the automatic micro-batch: train, evaluate, checkpoint, export, generate
 #   resume      the same checkpoint directory, more steps: resumes from default's last checkpoint
+#   delayed     ZeRO-2 + optimizer offload with --delayed_update_from_step 5: train to 30, then resume to 40
 #   presets     every configs/*.json (ZeRO-1, ZeRO-2 + optimizer offload, ZeRO-3, ZeRO-3 + offload, fp16)
 #   documents   --document_mask
 #   checkpointing  --gradient_checkpointing
@@ -79,7 +80,7 @@ print(" | ".join(parts))
 EOF
     ((status == 0)) || failed=1
     # Checkpoints take disk (8 GiB each for Qwen3-0.6B): only default's stay, for resume and finetune.
-    [[ $name == default || $name == resume ]] || rm -rf "$dir"
+    [[ $name == default || $name == resume || $name == delayed ]] || rm -rf "$dir"
 }
 
 flags=(--micro_batch_size "$JOURNEY_MICRO_BATCH" --log_interval 5 --eval_iters 8)
@@ -89,6 +90,13 @@ if wanted default; then
 fi
 if wanted resume; then
     run resume "$JOURNEY_DIR/default" MAX_STEPS=40 -- "${flags[@]}" --eval_interval 20 --checkpoint_freq 20
+fi
+if wanted delayed; then
+    # ZeRO-2 + optimizer offload with the delayed update from step 5: train, evaluate, checkpoint, export; then resume
+    run delayed "$JOURNEY_DIR/delayed" MAX_STEPS=30 DS_CONFIG=configs/zero2-offload.json -- "${flags[@]}" \
+        --eval_interval 20 --checkpoint_freq 20 --delayed_update_from_step 5
+    run delayed-resume "$JOURNEY_DIR/delayed" MAX_STEPS=40 DS_CONFIG=configs/zero2-offload.json -- "${flags[@]}" \
+        --eval_interval 20 --checkpoint_freq 20 --delayed_update_from_step 5
 fi
 if wanted presets; then
     for preset in configs/*.json; do

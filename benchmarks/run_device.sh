@@ -58,6 +58,21 @@ case "${PLAN:-h100}" in
       --micro_batch_size 2 --variants default --steps 2 --warmup 1 --profile --timeout 380 \
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, phase timing"
     ;;
+  delayed)  # Qwen3-4B, offload preset, 131,072 tokens/step: the delayed update against HF Trainer + DeepSpeed + Liger
+    bench q4b_delayed 520 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 2 --compare-hf --hf-skip noliger --variants delayed_update --steps 3 --warmup 1 --timeout 300 \
+      --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step, delayed update"
+    ;;
+  delayed-ab)  # Qwen3-4B, offload preset, 131,072 tokens/step: the synchronous update against the delayed one
+    bench q4b_delayed_ab 540 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 2 --variants default delayed_update --steps 2 --warmup 1 --timeout 270 \
+      --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step: synchronous and delayed update"
+    ;;
+  delayed-losses)  # Qwen3-0.6B, offload preset: 50 steps of the delayed update against the synchronous one
+    bench q06_delayed_losses 300 --model qwen3-0.6b --ds_config configs/zero2-offload.json --global_batch_tokens 65536 \
+      --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-reference default \
+      --loss-check-variants delayed_update --timeout 280 --title "Delayed update: losses against the synchronous update"
+    ;;
   partial-offload)  # one H200: Qwen3-8B, ZeRO-3 with parameters and 65% of the optimizer offloaded (the preflight's fix)
     bench q8b_partial 560 --model qwen3-8b --ds_config configs/zero3-offload.json \
       --ds-set zero_optimization.offload_optimizer.ratio=0.65 --global_batch_tokens 131072 --variants default \

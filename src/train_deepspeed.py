@@ -75,6 +75,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
     from model_utils.levers import apply_speed_levers, streamline_zero_step
     from model_utils.patches.flash_attn4 import takes_document_boundaries
+    from model_utils.patches.deepspeed_offload import delay_offload_updates
     from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
     from model_utils.models import build_model, decay_groups, gpu_peak_tflops
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
@@ -126,6 +127,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     levers.update(streamline_zero_step(engine, cfg.perf, log.info))
+    delay_offload_updates(engine, cfg.delayed_update_from_step, log.info)  # ZeRO-1/2 with the optimizer offloaded
     keep_partial_offload_state(engine.optimizer, log.info)  # ZeRO-3 with offload_optimizer.ratio < 1
     writer = None
     if plan.background_checkpoint:
@@ -325,7 +327,9 @@ def evaluate(run: Run) -> dict:
     import torch
 
     from model_utils.evaluation import evaluation_loss
+    from model_utils.patches.deepspeed_offload import settle
 
+    settle(run.engine)  # the model with every step's update (--delayed_update_from_step)
     ids = run.data.val_ids
     if len(ids) == 0:
         return {}
@@ -358,7 +362,10 @@ def save(run: Run, wait: bool = False):
 
     from model_utils.checkpoint import SaveContext, save_checkpoint
     from model_utils.ds_config import zero_stage
+    from model_utils.patches.deepspeed_offload import settle
     from model_utils.train_utils import rng_state
+
+    settle(run.engine)  # a checkpoint holds every step's update; the run resumed from it continues the same way
 
     ctx = SaveContext(Path(run.cfg.checkpoint_dir), run.cfg.keep_last_checkpoints,
                       {"model": run.cfg.model, "tokenizer": run.cfg.tokenizer, "seq_len": run.batch.seq_len,
@@ -606,7 +613,7 @@ def finish(run: Run):
     from model_utils.ds_config import zero_stage
     from model_utils.monitor import write_summary
 
-    log_evaluation(run, "eval (final)")
+    log_evaluation(run, "eval (final)")  # settles an update in flight (--delayed_update_from_step) first
     if run.cfg.export:
         out = export_hf(run.engine, run.model, run.tokenizer, run.cfg.resolved_export_dir, zero_stage(run.ds_config),
                         run.dist, run.log.info)

@@ -136,6 +136,22 @@ def run_trainer(checkpoint_dir: Path, args: list[str], nproc: int = 2, env: dict
     return Trainer(checkpoint_dir, args, nproc, env).wait(timeout)
 
 
+def kill_after_checkpoint_then_resume(checkpoint_dir: Path, args: list[str], step: int) -> TrainerRun:
+    """Every rank killed (-9) once the checkpoint of `step` is complete, then the same command again: the resumed
+    run, checked to have resumed from that checkpoint."""
+    import signal
+
+    first = Trainer(checkpoint_dir, args)
+    assert first.wait_for(lambda: (checkpoint_dir / f"step-{step:08d}" / "manifest.json").exists())
+    for p in first.procs:
+        p.send_signal(signal.SIGKILL)
+    first.wait()
+    resumed = run_trainer(checkpoint_dir, args)
+    assert_ok(resumed)
+    assert "resume: continuing from" in resumed.output and f"step-{step:08d}" in resumed.output
+    return resumed
+
+
 def assert_ok(run: TrainerRun):
     assert run.returncode == 0, "trainer failed:\n" + "\n----\n".join(o[-4000:] for o in run.outputs)
 

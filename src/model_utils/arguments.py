@@ -124,6 +124,11 @@ class TrainConfig:
                                                        "--global_batch_tokens it is derived instead).")
     learning_rate: float | None = _f(None, "Override the optimizer's lr.")
     warmup_steps: int | None = _f(None, "Override the scheduler's warmup_num_steps ('auto' in the config means 5% of max_steps).")
+    delayed_update_from_step: int = _f(0, "ZeRO-1/2 with the optimizer offloaded to the CPU: from this optimizer step "
+                                          "on, each step's update runs on the host beside the next step's forward and "
+                                          "backward, which then take their gradients at the weights before it "
+                                          "(ZeRO-Offload's one-step delayed parameter update; the GPU no longer waits "
+                                          "for the CPU optimizer). 0: off, every update lands before the next step.")
     seed: int = _f(1234, "Seed for initialisation and data order.")
     max_bad_steps: int = _f(3, "Stop after this many consecutive non-finite losses/gradients (each one is skipped).")
     # ----- evaluation and logging -----
@@ -293,7 +298,8 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     positive("global_batch_tokens", optional=True)
     positive("gradient_accumulation_steps", optional=True)
     positive("warmup_steps", allow_zero=True, optional=True)
-    for name in ("eval_interval", "checkpoint_freq", "keep_last_checkpoints", "dummy_data", "max_documents"):
+    for name in ("eval_interval", "checkpoint_freq", "keep_last_checkpoints", "dummy_data", "max_documents",
+                 "delayed_update_from_step"):
         positive(name, allow_zero=True)
     positive("log_interval")
     positive("eval_iters")

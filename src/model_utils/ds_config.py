@@ -167,6 +167,7 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
                 zero[key] = value
 
     problems += _check_partial_offload(ds)
+    problems += check_delayed_update(ds, cfg.delayed_update_from_step)
     ratio = partial_offload_ratio(ds)
     if ratio is not None and not _partial_offload_state_kept():
         notes.append(f"zero_optimization.offload_optimizer.ratio {ratio:g}: this DeepSpeed's ZeRO-3 checkpoints hold "
@@ -177,6 +178,34 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
         problems.append(Problem(path, value, "has no automatic value in this project",
                                 "replace \"auto\" by a concrete value"))
     return ds, notes, problems
+
+
+def check_delayed_update(ds: dict, from_step: int) -> list[Problem]:
+    """--delayed_update_from_step defers the CPU optimizer step of ZeRO-1/2 offload (patches.deepspeed_offload): the
+    configs it covers are DeepSpeed's CPU AdamW (or Adam in its default AdamW mode) in bf16 or fp32."""
+    if not from_step or from_step < 0:
+        return []
+    where, problems = "--delayed_update_from_step", []
+    zero = ds.get("zero_optimization", {}) if isinstance(ds.get("zero_optimization"), dict) else {}
+    optimizer = ds.get("optimizer", {}) if isinstance(ds.get("optimizer"), dict) else {}
+    params = optimizer.get("params", {}) if isinstance(optimizer.get("params"), dict) else {}
+    if zero_stage(ds) not in (1, 2) or not offloads(ds)[0]:
+        problems.append(Problem(where, from_step, f"delays the CPU-offloaded optimizer step of ZeRO-1/2; this config "
+                                f"(ZeRO stage {zero_stage(ds)}, optimizer offload "
+                                f"{'on' if offloads(ds)[0] else 'off'}) has none",
+                                "use a ZeRO-1/2 config with zero_optimization.offload_optimizer.device cpu "
+                                "(configs/zero2-offload.json), or remove the flag"))
+    elif (optimizer.get("type", "").lower() not in ("adam", "adamw") or params.get("torch_adam")
+          or params.get("adam_w_mode") is False or zero.get("zenflow") or params.get("bias_correction") is False):
+        problems.append(Problem(where, from_step, "the delayed update steps DeepSpeed's CPU AdamW state; this config's "
+                                f"optimizer ({json.dumps(optimizer)[:120]}) is another, or ZenFlow manages the offload",
+                                "use optimizer.type AdamW (or Adam) without torch_adam, adam_w_mode false, "
+                                "bias_correction false or zenflow, or remove the flag"))
+    if precision(ds) == "fp16":
+        problems.append(Problem(where, from_step, "fp16's dynamic loss scaling skips steps on overflow, which a "
+                                "delayed update has already queued",
+                                "use bf16 (\"bf16\": {\"enabled\": true}), or remove the flag"))
+    return problems
 
 
 def _partial_offload_state_kept() -> bool:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST_ARGS, REPO, Trainer, assert_ok, run_trainer
+from conftest import FAST_ARGS, REPO, Trainer, assert_ok, kill_after_checkpoint_then_resume, run_trainer
 from model_utils.checkpoint import find_resume_checkpoint, inspect_checkpoint, list_checkpoints
 
 
@@ -147,14 +147,7 @@ def _blocks_by_rank(ckpt):
 
 def test_resume_after_kill_9_is_exact(baseline, tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = Trainer(ckpt, RESUME_ARGS)
-    assert first.wait_for(lambda: (ckpt / "step-00000005" / "manifest.json").exists())
-    for p in first.procs:
-        p.send_signal(signal.SIGKILL)
-    first.wait()
-    resumed = run_trainer(ckpt, RESUME_ARGS)
-    assert_ok(resumed)
-    assert "resume: continuing from" in resumed.output and "step-00000005" in resumed.output
+    resumed = kill_after_checkpoint_then_resume(ckpt, RESUME_ARGS, 5)
     _assert_continues_exactly(baseline, resumed, 5)
     # Data position: each rank saw exactly the blocks (as a multiset) it sees in the uninterrupted run.
     want = _blocks_by_rank(baseline.checkpoint_dir)

@@ -244,3 +244,48 @@ def test_a_partial_offload_is_checked_and_sized_as_deepspeed_splits_it(monkeypat
     assert any("ratio 0.5" in n and "does not continue exactly" in n for n in notes), notes
     raw["zero_optimization"]["offload_optimizer"]["ratio"] = 1.0
     assert gpu_optimizer_share(resolve(raw, parse_args([]), 1, "bf16", 64, check_classes=False, seq_len=64)[0], groups, 1) == 0
+
+
+def test_the_delayed_update_is_refused_where_it_would_do_nothing_or_change_what_it_does_not_cover():
+    """--delayed_update_from_step defers ZeRO-1/2's CPU-offloaded update (DeepSpeed's CPU AdamW state, bf16 or fp32):
+    a config without that update, another optimizer, or fp16's loss scaling is a problem naming the flag."""
+    offload = json.loads((REPO / "configs" / "zero2-offload.json").read_text())
+    zero3_offload = json.loads((REPO / "configs" / "zero3-offload.json").read_text())
+    flag = ["--delayed_update_from_step", "3"]
+
+    def delayed_problems(raw, hardware="bf16", argv=flag):
+        _, _, problems = resolve(raw, parse_args(argv), 1, hardware, 64, check_classes=False, seq_len=64)
+        return [str(p) for p in problems if p.setting == "--delayed_update_from_step"]
+
+    assert delayed_problems(offload) == [] and delayed_problems(offload, argv=[]) == []
+    assert delayed_problems(offload, hardware="fp32") == []
+    [no_offload] = delayed_problems(SHIPPED)
+    assert "ZeRO stage 2, optimizer offload off" in no_offload and "configs/zero2-offload.json" in no_offload
+    [zero3] = delayed_problems(zero3_offload)
+    assert "ZeRO stage 3, optimizer offload on" in zero3
+    for key, value in (("torch_adam", True), ("adam_w_mode", False)):
+        raw = copy.deepcopy(offload)
+        raw["optimizer"]["params"][key] = value
+        [problem] = delayed_problems(raw)
+        assert key in problem and "fix:" in problem
+    raw = copy.deepcopy(offload)
+    raw["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-3}}
+    assert "Lamb" in delayed_problems(raw)[0]
+    raw = copy.deepcopy(offload)
+    raw["bf16"] = {"enabled": False}
+    raw["fp16"] = {"enabled": True}
+    assert any("fp16's dynamic loss scaling" in p for p in delayed_problems(raw, hardware="fp16"))
+    assert validate_args(parse_args(["--delayed_update_from_step", "-1"]))
+
+
+def test_an_untested_deepspeed_keeps_its_own_offload_step(monkeypatch):
+    """On a DeepSpeed release the delayed update was not tested with, the engine keeps its own step and the log
+    says the flag is not applied."""
+    from model_utils import patches
+    from model_utils.patches.deepspeed_offload import delay_offload_updates
+
+    monkeypatch.setattr(patches, "installed", lambda distribution: "0.18.0")
+    said = []
+    assert delay_offload_updates(object(), 3, said.append) is False
+    assert any("outside 0.19.8-0.19.8" in s for s in said) and any("not applied" in s for s in said), said
+    assert delay_offload_updates(object(), 0, said.append) is False

@@ -1,0 +1,209 @@
+"""ZeRO-1/2 with the optimizer offloaded to the CPU: the one-step delayed parameter update (--delayed_update_from_step).
+
+DeepSpeed's offload step runs on the host while the GPU waits: the gradient clip, DeepSpeedCPUAdam over the fp32
+master weights, their conversion to bf16 and the copy back (about 1.4 s per step for Qwen3-4B on one H100, 15% of a
+131,072-token step). ZeRO-Offload's delayed parameter update (Ren et al., 2021) moves that work beside the next step's
+forward and backward: the update of step t runs in a background thread while step t+1 computes its gradients on the
+weights before that update, and lands on the GPU at step t+1's boundary. What changes: from the given step on, each
+step's gradients are taken at the weights of one step earlier (the update applied is AdamW's, unchanged).
+
+The thread steps DeepSpeedCPUAdam's own state (step count, moments) with torch's fused CPU AdamW, whose kernel releases
+Python's GIL (DeepSpeed's op holds it for the whole update, which starves the GPU of kernel launches: 21 against 675
+TFLOP/s of matrix products beside it, `benchmarks/offload_step.py`). The update in flight is applied (`settle`) before
+anything reads the weights outside training: checkpoints, evaluations, the export. Those steps are fixed by the run's
+settings, so a run resumed from a checkpoint continues exactly as the run that wrote it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import Patch, gate
+
+DELAYED_UPDATE = Patch(
+    "deepspeed", "0.19.8", "0.19.8",
+    "DeepSpeedZeroOptimizer.step (replaced on the instance for CPU offload: its norm, skip and all-gather kept, the "
+    "update deferred to a thread) and .scale_if_loss (waits for the update in flight before the boundary backward "
+    "copies gradients to the host); DeepSpeedCPUAdam's state stepped by torch's fused AdamW",
+    "Qwen3-4B on one H100 (ZeRO-2 offload): the ~1.4 s host update per step runs beside the next step's GPU work "
+    "(docs/PERFORMANCE.md, Big models with CPU offload)",
+    ("tests/distributed/test_delayed_update.py::test_delayed_update_equals_deepspeed_with_gradients_one_step_late",
+     "tests/distributed/test_delayed_update.py::test_a_delayed_update_run_resumes_exactly"))
+
+
+def delay_offload_updates(engine, from_step: int, log) -> bool:
+    """Install the delayed update on a ZeRO-1/2 engine with CPU optimizer offload, from optimizer step `from_step` on
+    (0: off). Returns whether it is in force; the checks of ds_config.check_delayed_update have refused the configs
+    it does not cover before the engine was built, so here only an untested DeepSpeed release takes the stock step."""
+    if from_step <= 0:
+        return False
+    if not gate(DELAYED_UPDATE, log):
+        log(f"offload: --delayed_update_from_step {from_step} not applied (each step's update before the next step)")
+        return False
+    DelayedUpdate(engine, from_step).install()
+    log(f"offload: from step {from_step} on, each step's CPU optimizer update runs beside the next step's forward and "
+        "backward, which take their gradients at the weights before it (the one-step delayed parameter update)")
+    return True
+
+
+def settle(engine) -> None:
+    """Apply the update in flight, if any, so that the model holds every step's update (before a checkpoint, an
+    evaluation or the export)."""
+    delayed = getattr(engine.optimizer, "dslm_delayed_update", None)
+    if delayed is not None:
+        delayed.apply_pending()
+
+
+class DelayedUpdate:
+    """The delayed step on one ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer with cpu_offload, bf16 or fp32)."""
+
+    def __init__(self, engine, from_step: int):
+        import torch
+
+        self.engine, self.opt, self.from_step = engine, engine.optimizer, from_step
+        self.cpu_adam = self.opt.optimizer  # DeepSpeedCPUAdam: its param_groups and state are the ones checkpointed
+        self.thread: threading.Thread | None = None
+        self.error: Exception | None = None
+        self.pending = False  # an update computed (or computing) on the host that the GPU has not received
+        self.copied = None  # CUDA event: the GPU has read the host's bf16 buffers (they may be rewritten after it)
+        self.stock_step = self.opt.step
+        # One torch AdamW per parameter group over DeepSpeed's fp32 partition: its fused CPU kernel does the update.
+        self.adams = [torch.optim.AdamW([partition], fused=True)
+                      for partition in self.opt.single_partition_of_fp32_groups]
+
+    def install(self) -> None:
+        opt = self.opt
+        opt.dslm_delayed_update = self
+        stock_scale_if_loss = opt.scale_if_loss
+
+        def scale_if_loss(value):
+            # engine.backward calls this first; the boundary's backward copies the gradients into the host buffers
+            # the update in flight reads, so it waits for that update (usually long done) to finish.
+            if self.engine.is_gradient_accumulation_boundary():
+                self.join()
+            return stock_scale_if_loss(value)
+
+        opt.scale_if_loss = scale_if_loss
+        opt.step = self.step
+
+    # ----- the thread -----
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError("the delayed optimizer update failed on the host") from error
+
+    def _update(self, work: list) -> None:
+        try:
+            if self.copied is not None:
+                self.copied.synchronize()  # the bf16 buffers are on their way to the GPU: wait before rewriting them
+            for adam, partition, bit16_buffer, inverse_scale, hyper in work:
+                if inverse_scale is not None:
+                    partition.grad.mul_(inverse_scale)  # DeepSpeed's unscale_and_clip_grads, same operation
+                adam.param_groups[0].update(hyper)
+                adam.step()
+                bit16_buffer.copy_(partition)
+        except Exception as error:  # re-raised in the training thread by join()
+            self.error = error
+
+    # ----- DeepSpeedZeroOptimizer.step, delayed -----
+    def step(self, closure=None):
+        import torch
+        from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, is_invalid_grad_norm
+
+        if self.engine.global_steps + 1 < self.from_step:
+            return self.stock_step(closure)
+        opt = self.opt
+        opt.micro_step_id = INITIAL_MICRO_STEP_ID
+        opt._wait_for_offload_copies()
+        opt._offload_accumulated_param_ids = set()
+        self.apply_pending()  # the previous step's update, computed beside this step's micro-batches
+
+        # The norm, the clip and the skip of a non-finite gradient, as DeepSpeed's step.
+        opt.overflow = False
+        if opt.check_grad_overflow:
+            opt.check_overflow(partition_gradients=opt.partition_gradients)
+        norm = None
+        if opt.compute_grad_norm and not opt.overflow:
+            norm = opt.scaled_global_norm()
+            if (opt.dtype != torch.bfloat16 or opt.check_grad_overflow) and is_invalid_grad_norm(norm):
+                opt.overflow = True
+        prev_scale = opt.loss_scale
+        opt._update_scale(opt.overflow)
+        if opt.overflow:
+            if opt.compute_grad_norm:
+                opt._global_grad_norm = float("inf")
+            opt.zero_grad(set_to_none=True)
+            opt._release_preflattened_grad_buffers()
+            opt.reset_cpu_buffers()
+            return
+        if norm is not None:
+            opt._global_grad_norm = norm / prev_scale
+
+        inverse_scale = self._inverse_clip_scale(norm)
+        work = []
+        for i, partition in enumerate(opt.single_partition_of_fp32_groups):
+            group, adam = self.cpu_adam.param_groups[i], self.adams[i]
+            state = self.cpu_adam.state[partition]
+            if not state:  # DeepSpeedCPUAdam's own layout, so its checkpoints and hp-param links hold them
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(partition.data, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(partition.data, dtype=torch.float32)
+            adam.state[partition] = {"step": torch.tensor(float(state["step"]), dtype=torch.float32),
+                                     "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            state["step"] += 1
+            hyper = {"lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"],
+                     "weight_decay": group["weight_decay"]}
+            work.append((adam, partition, opt.param_buffer_of_bit16_for_cpu_offload_groups[i], inverse_scale, hyper))
+            opt._release_preflattened_grad_buffers(i)
+            opt.averaged_gradients[i] = None
+        opt._lazy_init_hp_params_optimizer_state()
+        opt.reset_cpu_buffers()
+        self.pending = True
+        self.thread = threading.Thread(target=self._update, args=(work,), name="delayed-optimizer-update", daemon=True)
+        self.thread.start()
+
+    def _inverse_clip_scale(self, norm):
+        """1 / the combined scale of DeepSpeed's unscale_and_clip_grads, as a host scalar tensor (None: no scaling)."""
+        import torch
+        from deepspeed.runtime.zero.stage_1_and_2 import is_invalid_grad_norm
+
+        opt = self.opt
+        if opt.clip_grad == 0.0 and opt.loss_scale == 1.0:
+            return None
+        combined = opt.loss_scale
+        if opt.clip_grad > 0.0:
+            if is_invalid_grad_norm(norm):  # a non-finite norm that did not skip the step (bf16): scale by 1/inf
+                norm = torch.tensor(float("inf"), dtype=torch.float, device=opt.device)
+            clip = ((norm / opt.loss_scale) + 1e-6) / opt.clip_grad
+            combined = torch.clamp(clip, min=1.0) * opt.loss_scale
+        inverse = 1.0 / combined
+        return inverse.cpu() if torch.is_tensor(inverse) else torch.tensor(inverse, dtype=torch.float32)
+
+    def apply_pending(self) -> None:
+        """Wait for the update in flight and put its weights on the GPU: the bf16 partition copied up, all-gathered
+        over the data-parallel ranks, the model's parameters pointed at it (DeepSpeed's step, after its update)."""
+        import torch
+        from deepspeed import comm as dist
+        from deepspeed.runtime.utils import all_gather_dp_groups
+
+        self.join()
+        if not self.pending:
+            return
+        opt = self.opt
+        for i, bit16_buffer in enumerate(opt.param_buffer_of_bit16_for_cpu_offload_groups):
+            partition_id = dist.get_rank(group=opt.real_dp_process_group[i])
+            opt.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(bit16_buffer.data, non_blocking=True)
+        if torch.cuda.is_available() and opt.parallel_partitioned_bit16_groups[0][0].is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
+                             partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+                             dp_process_group=opt.real_dp_process_group,
+                             start_alignment_factor=opt.nccl_start_alignment_factor,
+                             allgather_bucket_size=opt.allgather_bucket_size)
+        for i in range(len(opt.bit16_groups)):
+            opt._update_model_bit16_weights(i)
+        self.pending = False

@@ -1,0 +1,123 @@
+"""The delayed parameter update of ZeRO-1/2 CPU offload (model_utils/patches/deepspeed_offload.py, the trainer's
+--delayed_update_from_step), for real: DeepSpeed ZeRO-2 with the optimizer offloaded, bf16, on CPU (gloo)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST_ARGS, SRC, assert_ok, kill_after_checkpoint_then_resume, run_trainer
+from model_utils.train_utils import free_port
+
+# Runs in a fresh process (DeepSpeed initialises torch.distributed). "delayed": the patch from step 1. "reference":
+# DeepSpeed's own offload step with torch's fused AdamW on the host (the kernel the patch's thread runs), the model's
+# weights set before each step to those of one step earlier: gradients taken one step late, by hand. Both clip
+# (gradient_clipping 0.05 is below the norms here) and accumulate two micro-batches in fp32.
+SCRIPT = r"""
+import json, os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+sys.path.insert(0, sys.argv[3])
+import deepspeed
+from model_utils.patches import deepspeed_offload
+mode = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                            torch.nn.Linear(64, 4))
+params = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+if mode == "reference":
+    params.update(torch_adam=True, fused=True)
+ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+      "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+      "optimizer": {"type": "AdamW", "params": params},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                    "warmup_num_steps": 4, "warmup_type": "linear"}},
+      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+decay = [p for p in model.parameters() if p.dim() > 1]
+others = [p for p in model.parameters() if p.dim() <= 1]
+groups = [{"params": decay, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}]
+engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+delayed = mode == "delayed" and deepspeed_offload.delay_offload_updates(engine, 1, print)
+weights = lambda: [p.detach().clone() for p in engine.module.parameters()]
+late = weights()
+torch.manual_seed(1)
+batches = [torch.randn(2, 16).to(torch.bfloat16) for _ in range(12)]
+losses, norms = [], []
+for step in range(6):
+    if mode == "reference":  # the weights of one step earlier
+        current = weights()
+        for p, w in zip(engine.module.parameters(), late):
+            p.data.copy_(w)
+        late = current
+    step_loss = 0.0
+    for x in batches[2 * step:2 * step + 2]:
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        step_loss += loss.item()
+    losses.append(step_loss)
+    norms.append(float(engine.get_global_grad_norm()))
+in_flight = getattr(engine.optimizer, "dslm_delayed_update", None)
+pending_before_settle = bool(in_flight and in_flight.pending)
+deepspeed_offload.settle(engine)
+master = [t.detach().flatten().tolist() for t in engine.optimizer.single_partition_of_fp32_groups]
+state = engine.optimizer.optimizer.state[engine.optimizer.single_partition_of_fp32_groups[0]]
+print("RESULT " + json.dumps({"delayed": delayed, "losses": losses, "norms": norms, "master": master,
+                              "weights": [p.detach().float().flatten().tolist() for p in engine.module.parameters()],
+                              "pending_before_settle": pending_before_settle, "lr": engine.get_lr()[0],
+                              "adam_step": int(state["step"]),
+                              "exp_avg_sq": state["exp_avg_sq"].flatten()[:64].tolist()}))
+"""
+
+
+def _run(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(free_port()), str(SRC)], capture_output=True,
+                         text=True, timeout=400)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_delayed_update_equals_deepspeed_with_gradients_one_step_late():
+    delayed, reference = _run("delayed"), _run("reference")
+    assert delayed["delayed"] is True
+    assert delayed["pending_before_settle"], "the last step's update should still be in flight before settle()"
+    # Every step's loss, gradient norm and the final weights, master weights and Adam state: bitwise equal.
+    assert delayed["losses"] == reference["losses"]
+    assert delayed["norms"] == reference["norms"]
+    assert delayed["master"] == reference["master"]
+    assert delayed["weights"] == reference["weights"]
+    assert delayed["exp_avg_sq"] == reference["exp_avg_sq"]
+    assert delayed["adam_step"] == 6 and delayed["lr"] == reference["lr"]
+    # The delay changes the trajectory: the first two steps run at the initial weights, later ones one step late.
+    assert delayed["losses"][0] != delayed["losses"][1]  # different batches, same weights
+    assert len(set(delayed["losses"])) == 6
+
+
+DELAYED_ARGS = [*FAST_ARGS, "--ds_config", "configs/zero2-offload.json", "--max_steps", "8", "--checkpoint_freq", "4",
+                "--no-export", "--seed", "5", "--gradient_accumulation_steps", "2"]
+
+
+def _losses(run) -> dict:
+    return {r["step"]: r["loss"] for r in run.train_records()}  # the last record of each step counts
+
+
+@pytest.mark.timeout(1200)
+def test_a_delayed_update_run_resumes_exactly(session_cache, tmp_path):
+    """The trainer on 2 ranks with --delayed_update_from_step 3: killed (-9) after its step-4 checkpoint and resumed,
+    it logs the uninterrupted run's losses from step 5 on (a checkpoint settles the update in flight, and the
+    uninterrupted run settles it at the same step). Without the delay the losses part at step 4, the first whose
+    gradients are taken at the weights of one step earlier (before step 3's update)."""
+    delayed = [*DELAYED_ARGS, "--delayed_update_from_step", "3"]
+    whole = run_trainer(tmp_path / "whole", delayed)
+    assert_ok(whole)
+    assert "each step's CPU optimizer update runs beside the next step's forward and backward" in whole.output
+    resumed = kill_after_checkpoint_then_resume(tmp_path / "killed", delayed, 4)
+    plain = run_trainer(tmp_path / "plain", DELAYED_ARGS)
+    assert_ok(plain)
+    want, got, undelayed = _losses(whole), _losses(resumed), _losses(plain)
+    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)], (want, got)
+    assert [undelayed[s] for s in (1, 2, 3)] == [want[s] for s in (1, 2, 3)] and undelayed[4] != want[4], (want,
+                                                                                                          undelayed)
