@@ -54,8 +54,9 @@ case "${PLAN:-h100}" in
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 262,144 tokens per step"
     ;;
   offload-profile)  # where a Qwen3-4B offload step goes: the micro-batches on the GPU against the CPU optimizer step
-    bench q4b_profile 400 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
-      --micro_batch_size 2 --variants default --steps 2 --warmup 1 --profile --timeout 380 \
+    # the phase timing and the GPU's idle gaps print first; the profiler's tables of a 4B step take minutes more
+    bench q4b_profile 580 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 2 --variants default --steps 2 --warmup 1 --profile --timeout 570 \
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, phase timing"
     ;;
   delayed)  # Qwen3-4B, offload preset, 131,072 tokens/step: the delayed update against HF Trainer + DeepSpeed + Liger
