@@ -183,6 +183,7 @@ def check_plan(plan: Plan, check_data: bool = True) -> Report:
     if plan.memory is not None:
         _check_memory(plan, report)
         _note_offload_accumulation(plan, report)
+        _estimate_offload_update(plan, report)
         _check_host_memory(plan, report)
         _check_checkpoint_dir(cfg, plan.checkpoint_bytes, report)
         report.estimate(f"checkpoint writes: {plan.checkpoint_writes}")
@@ -232,6 +233,29 @@ def _note_offload_accumulation(plan: Plan, report: Report) -> None:
         "to the CPU and back: \"data_types\": {\"grad_accum_dtype\": \"fp32\"} accumulates them on the GPU and copies "
         "them once per step (Qwen3-4B on one H100: 1.48x the tokens/s; configs/zero2-offload.json has it), for "
         f"~{extra / GIB:.1f} GiB more per GPU{room}")
+
+
+# Host seconds of a ZeRO-1/2 offload update per 10^9 parameters of a rank's partition, measured on one H100's host
+# (16 cores; benchmarks/offload_step.py): the clip 0.058, DeepSpeedCPUAdam 0.205, the bf16 conversion 0.072 and the
+# copy to the GPU 0.036 (docs/PERFORMANCE.md, Where an offload step goes).
+OFFLOAD_UPDATE_S_PER_BILLION = 0.37
+
+
+def _estimate_offload_update(plan: Plan, report: Report) -> None:
+    """ZeRO-1/2 with the optimizer offloaded: how long the GPU waits for each step's update on the host, and the flag
+    that runs it beside the next step instead."""
+    from . import ds_config as dsc
+
+    ds = plan.ds_config
+    if not (dsc.offloads(ds)[0] and dsc.zero_stage(ds) in (1, 2) and plan.num_params):
+        return
+    from_step = plan.cfg.delayed_update_from_step
+    seconds = OFFLOAD_UPDATE_S_PER_BILLION * plan.num_params / plan.world / 1e9
+    report.estimate(f"offload update: ~{seconds:.1f} s per step on the host for each rank's "
+                    f"{plan.num_params / plan.world / 1e9:.2f}B parameters (as on one H100's 16-core host); "
+                    + (f"from step {from_step} on it runs beside the next step (--delayed_update_from_step)" if from_step
+                       else "the GPU waits for it: --delayed_update_from_step S runs it beside the next step, whose "
+                            "gradients are then taken one update late (docs/PERFORMANCE.md)"))
 
 
 def _check_memory(plan: Plan, report: Report) -> None:

@@ -488,3 +488,31 @@ def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, sessio
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: 64e9)
     roomy = plan_module.make_plan(cfg, 1, on_training_hardware=True)
     assert roomy.background_checkpoint and roomy.checkpoint_writes.startswith("in the background, from a host copy")
+
+
+def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, session_cache):
+    """ZeRO-1/2 with the optimizer offloaded: the preflight states how long each step's host update takes for the
+    rank's share of the parameters (the H100 host's measured rate) and names --delayed_update_from_step; with the
+    flag it says from which step the update runs beside the next one. Other configs get no such line."""
+    from model_utils import levers
+    from model_utils import plan as plan_module
+    from model_utils.arguments import parse_args
+    from model_utils.preflight import check_plan
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
+    monkeypatch.setattr(levers, "liger_available", lambda: True)
+
+    def update_lines(config, world=1, *extra):
+        cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(REPO / config), "--global_batch_tokens", "131072",
+                          "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export", *extra])
+        report = check_plan(plan_module.make_plan(cfg, world, decides=False), check_data=False)
+        return [line for line in report.estimates if line.startswith("offload update:")]
+
+    [line] = update_lines("configs/zero2-offload.json")
+    assert "~1.5 s per step on the host for each rank's 4.02B parameters" in line
+    assert "the GPU waits for it: --delayed_update_from_step S" in line
+    [line] = update_lines("configs/zero2-offload.json", 2)
+    assert "~0.7 s per step" in line and "2.01B parameters" in line
+    [line] = update_lines("configs/zero2-offload.json", 1, "--delayed_update_from_step", "20")
+    assert "from step 20 on it runs beside the next step" in line
+    assert update_lines("ds_config.json") == [] and update_lines("configs/zero3-offload.json") == []
