@@ -1,5 +1,5 @@
 """The delayed parameter update of ZeRO-1/2 CPU offload (model_utils/patches/deepspeed_offload.py, the trainer's
---delayed_update_from_step), for real: DeepSpeed ZeRO-2 with the optimizer offloaded, bf16, on CPU (gloo)."""
+--delayed_update_from_step), for real: DeepSpeed ZeRO-1 and ZeRO-2 with the optimizer offloaded, bf16, on CPU (gloo)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from model_utils.train_utils import free_port
 # (gradient_clipping 0.05 is below the norms here) and accumulate two micro-batches in fp32.
 SCRIPT = r"""
 import json, os, sys, torch
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+os.environ.update(RANK=sys.argv[5], WORLD_SIZE="2", LOCAL_RANK=sys.argv[5], MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[2])
 sys.path.insert(0, sys.argv[3])
 import deepspeed
 from model_utils.patches import deepspeed_offload
@@ -34,7 +35,7 @@ ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gr
       "optimizer": {"type": "AdamW", "params": params},
       "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                     "warmup_num_steps": 4, "warmup_type": "linear"}},
-      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+      "zero_optimization": {"stage": int(sys.argv[4]), "offload_optimizer": {"device": "cpu"}}}
 decay = [p for p in model.parameters() if p.dim() > 1]
 others = [p for p in model.parameters() if p.dim() <= 1]
 groups = [{"params": decay, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}]
@@ -42,7 +43,7 @@ engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=d
 delayed = mode == "delayed" and deepspeed_offload.delay_offload_updates(engine, 1, print)
 weights = lambda: [p.detach().clone() for p in engine.module.parameters()]
 late = weights()
-torch.manual_seed(1)
+torch.manual_seed(1 + int(sys.argv[5]))  # each rank its own data
 batches = [torch.randn(2, 16).to(torch.bfloat16) for _ in range(12)]
 losses, norms = [], []
 for step in range(6):
@@ -72,28 +73,41 @@ print("RESULT " + json.dumps({"delayed": delayed, "losses": losses, "norms": nor
 """
 
 
-def _run(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(free_port()), str(SRC)], capture_output=True,
-                         text=True, timeout=400)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, out.stdout[-2000:] + out.stderr[-4000:]
-    return json.loads(line[len("RESULT "):])
+def _run(mode: str, stage: int) -> list[dict]:
+    """Two ranks (gloo): each rank's result."""
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", SCRIPT, mode, port, str(SRC), str(stage), str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    results = []
+    for rank in ranks:
+        stdout, stderr = rank.communicate(timeout=400)
+        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+        assert line, stdout[-2000:] + stderr[-4000:]
+        results.append(json.loads(line[len("RESULT "):]))
+    return results
 
 
-def test_delayed_update_equals_deepspeed_with_gradients_one_step_late():
-    delayed, reference = _run("delayed"), _run("reference")
-    assert delayed["delayed"] is True
-    assert delayed["pending_before_settle"], "the last step's update should still be in flight before settle()"
-    # Every step's loss, gradient norm and the final weights, master weights and Adam state: bitwise equal.
-    assert delayed["losses"] == reference["losses"]
-    assert delayed["norms"] == reference["norms"]
-    assert delayed["master"] == reference["master"]
-    assert delayed["weights"] == reference["weights"]
-    assert delayed["exp_avg_sq"] == reference["exp_avg_sq"]
-    assert delayed["adam_step"] == 6 and delayed["lr"] == reference["lr"]
-    # The delay changes the trajectory: the first two steps run at the initial weights, later ones one step late.
-    assert delayed["losses"][0] != delayed["losses"][1]  # different batches, same weights
-    assert len(set(delayed["losses"])) == 6
+@pytest.mark.parametrize("stage", [1, 2])
+def test_delayed_update_equals_deepspeed_with_gradients_one_step_late(stage):
+    """Two ranks, each with its own data and its half of the master weights and Adam state."""
+    delayed, reference = _run("delayed", stage), _run("reference", stage)
+    for mine, theirs in zip(delayed, reference):
+        assert mine["delayed"] is True
+        assert mine["pending_before_settle"], "the last step's update should still be in flight before settle()"
+        # Every step's loss, gradient norm and the final weights, master weights and Adam state: bitwise equal.
+        assert mine["losses"] == theirs["losses"]
+        assert mine["norms"] == theirs["norms"]
+        assert mine["master"] == theirs["master"]
+        assert mine["weights"] == theirs["weights"]
+        assert mine["exp_avg_sq"] == theirs["exp_avg_sq"]
+        assert mine["adam_step"] == 6 and mine["lr"] == theirs["lr"]
+        # The delay changes the trajectory: the first two steps run at the initial weights, later ones one step late.
+        assert mine["losses"][0] != mine["losses"][1]  # different batches, same weights
+        assert len(set(mine["losses"])) == 6
+    # Each rank updated its own half and received the other's: the same model on both.
+    assert delayed[0]["master"] != delayed[1]["master"]
+    assert delayed[0]["weights"] == delayed[1]["weights"]
+    assert delayed[0]["losses"] != delayed[1]["losses"]
 
 
 DELAYED_ARGS = [*FAST_ARGS, "--ds_config", "configs/zero2-offload.json", "--max_steps", "8", "--checkpoint_freq", "4",
