@@ -612,8 +612,10 @@ def finish(run: Run):
     from model_utils.checkpoint import export_hf
     from model_utils.ds_config import zero_stage
     from model_utils.monitor import write_summary
+    from model_utils.patches.deepspeed_offload import settle
 
-    log_evaluation(run, "eval (final)")  # settles an update in flight (--delayed_update_from_step) first
+    settle(run.engine)  # the evaluation and the export see every step's update (--delayed_update_from_step)
+    log_evaluation(run, "eval (final)")
     if run.cfg.export:
         out = export_hf(run.engine, run.model, run.tokenizer, run.cfg.resolved_export_dir, zero_stage(run.ds_config),
                         run.dist, run.log.info)
