@@ -251,11 +251,17 @@ def _estimate_offload_update(plan: Plan, report: Report) -> None:
         return
     from_step = plan.cfg.delayed_update_from_step
     seconds = OFFLOAD_UPDATE_S_PER_BILLION * plan.num_params / plan.world / 1e9
+    if not from_step:
+        overlap = ("the GPU waits for it: --delayed_update_from_step S runs it beside the next step, whose gradients "
+                   "are then taken one update late (docs/PERFORMANCE.md)")
+    elif plan.batch.accumulation > 1:
+        overlap = f"from step {from_step} on it runs beside the next step (--delayed_update_from_step)"
+    else:  # the boundary backward copies the gradients into the buffers the update reads, so it waits for it
+        overlap = (f"from step {from_step} on it runs beside the next step's forward only: with one micro-batch per "
+                   "step its backward waits for the update; gradient accumulation (a smaller micro-batch for the same "
+                   "--global_batch_tokens) lets the update run beside the other micro-batches")
     report.estimate(f"offload update: ~{seconds:.1f} s per step on the host for each rank's "
-                    f"{plan.num_params / plan.world / 1e9:.2f}B parameters (as on one H100's 16-core host); "
-                    + (f"from step {from_step} on it runs beside the next step (--delayed_update_from_step)" if from_step
-                       else "the GPU waits for it: --delayed_update_from_step S runs it beside the next step, whose "
-                            "gradients are then taken one update late (docs/PERFORMANCE.md)"))
+                    f"{plan.num_params / plan.world / 1e9:.2f}B parameters (as on one H100's 16-core host); {overlap}")
 
 
 def _check_memory(plan: Plan, report: Report) -> None:

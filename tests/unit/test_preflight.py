@@ -514,5 +514,9 @@ def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, sessio
     [line] = update_lines("configs/zero2-offload.json", 2)
     assert "~0.7 s per step" in line and "2.01B parameters" in line
     [line] = update_lines("configs/zero2-offload.json", 1, "--delayed_update_from_step", "20")
-    assert "from step 20 on it runs beside the next step" in line
+    assert "from step 20 on it runs beside the next step (" in line
+    # One micro-batch per step (8,192 tokens at micro-batch 2): only its forward runs beside the update.
+    cfg_one = ["--delayed_update_from_step", "20", "--micro_batch_size", "2", "--global_batch_tokens", "8192"]
+    [line] = update_lines("configs/zero2-offload.json", 1, *cfg_one)
+    assert "beside the next step's forward only" in line and "gradient accumulation" in line
     assert update_lines("ds_config.json") == [] and update_lines("configs/zero3-offload.json") == []
