@@ -127,7 +127,8 @@ def setup(cfg: TrainConfig, dist) -> Run:
     groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     levers.update(streamline_zero_step(engine, cfg.perf, log.info))
-    delay_offload_updates(engine, cfg.delayed_update_from_step, log.info)  # ZeRO-1/2 with the optimizer offloaded
+    delayed = delay_offload_updates(engine, cfg.delayed_update_from_step, log.info)  # ZeRO-1/2, optimizer offloaded
+    levers["delayed_update_from_step"] = cfg.delayed_update_from_step if delayed else 0
     keep_partial_offload_state(engine.optimizer, log.info)  # ZeRO-3 with offload_optimizer.ratio < 1
     writer = None
     if plan.background_checkpoint:
@@ -178,20 +179,29 @@ def load_checkpoint(run: Run, info, tag: str):
         set_rng_state(torch.load(rng_file, weights_only=False))
     run.log.info(f"resume: continuing from {info.path} at step {run.step} "
                  f"(epoch {run.position.epoch}, {run.position.blocks_consumed} blocks into it)")
-    changed = lever_changes(info.manifest or {}, run.cfg.perf, run.levers)
+    changed = lever_changes(info.manifest or {}, run.cfg.perf, run.levers, run.step)
     if changed:
         run.log.warn("resume: speed levers that change the numerics differ from the checkpoint's "
                      f"({'; '.join(changed)}): the run continues, but its losses will not match an uninterrupted "
                      "run's bit for bit")
 
 
-def lever_changes(manifest: dict, perf, in_force: dict | None) -> list[str]:
+def lever_changes(manifest: dict, perf, in_force: dict | None, resumed_at: int = 0) -> list[str]:
     """The numerics-changing speed levers that differ from a checkpoint's manifest: the settings, and what those
-    settings resolved to on the machine (an `auto` that chose another kernel in another environment)."""
+    settings resolved to on the machine (an `auto` that chose another kernel in another environment); and the delayed
+    update, where it now delays other steps after `resumed_at` than the run that wrote the checkpoint would have."""
     changes = perf.numerics_changes(manifest.get("perf", {}))
     recorded = manifest.get("levers_in_force", {})
-    changes += [f"{name} in force: {recorded[name]} -> {value}" for name, value in (in_force or {}).items()
+    in_force = in_force or {}
+    changes += [f"{name} in force: {recorded[name]} -> {value}" for name, value in in_force.items()
                 if name in perf.numerics_levers() and name in recorded and recorded[name] != value]
+
+    def first_delayed(from_step: int) -> str:  # the first step after the resume point whose update is delayed
+        return f"from step {max(from_step, resumed_at + 1)}" if from_step else "off"
+
+    key = "delayed_update_from_step"
+    if key in recorded and key in in_force and first_delayed(recorded[key]) != first_delayed(in_force[key]):
+        changes.append(f"delayed update: {first_delayed(recorded[key])} -> {first_delayed(in_force[key])}")
     return changes
 
 

@@ -129,6 +129,9 @@ def test_a_delayed_update_run_resumes_exactly(session_cache, tmp_path):
     assert_ok(whole)
     assert "each step's CPU optimizer update runs beside the next step's forward and backward" in whole.output
     resumed = kill_after_checkpoint_then_resume(tmp_path / "killed", delayed, 4)
+    manifest = json.loads((tmp_path / "killed" / "step-00000004" / "manifest.json").read_text())
+    assert manifest["levers_in_force"]["delayed_update_from_step"] == 3
+    assert "differ from the checkpoint's" not in resumed.output
     plain = run_trainer(tmp_path / "plain", DELAYED_ARGS)
     assert_ok(plain)
     want, got, undelayed = _losses(whole), _losses(resumed), _losses(plain)

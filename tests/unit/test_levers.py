@@ -61,6 +61,22 @@ def test_a_resume_names_the_levers_that_change_the_numerics():
     assert train_deepspeed.lever_changes({}, PerfConfig(compile="off"), {"compile": "off"}) == []  # older manifests
 
 
+def test_a_resume_names_a_changed_delayed_update():
+    """--delayed_update_from_step changes which gradients each update uses: a resume says so where the steps after
+    the resume point are delayed otherwise than the run that wrote the checkpoint would have delayed them."""
+    import train_deepspeed
+
+    def changes(saved_from, now_from, resumed_at):
+        saved = {"perf": PerfConfig().as_dict(), "levers_in_force": {"delayed_update_from_step": saved_from}}
+        return train_deepspeed.lever_changes(saved, PerfConfig(), {"delayed_update_from_step": now_from}, resumed_at)
+
+    assert changes(5, 5, 30) == [] and changes(0, 0, 30) == []
+    assert changes(5, 20, 30) == []  # both delay every step from 31 on
+    assert changes(5, 40, 30) == ["delayed update: from step 31 -> from step 40"]
+    assert changes(0, 20, 30) == ["delayed update: off -> from step 31"]
+    assert changes(20, 0, 30) == ["delayed update: from step 31 -> off"]
+
+
 def test_fa4_runs_only_where_it_can(monkeypatch):
     """`auto` takes FlashAttention-4 where it can run (package, GPU), `sdpa` never; `fa4` by name is refused where it
     cannot run. No GPU here: where FA4 could run is stated through fa4_unavailable_reason."""
