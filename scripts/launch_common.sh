@@ -385,10 +385,15 @@ run_forwarding_signals() {
     while :; do
         FORWARDED=0
         wait "$pid" && status=0 || status=$?
-        # Above 128 after a trapped signal: wait was interrupted and the step still runs.
-        if ! ((FORWARDED && status > 128)) || ! kill -0 "$pid" 2>/dev/null; then
-            break
-        fi
+        # Above 128 after a trapped signal: wait was interrupted, or the step died of a signal.
+        ((FORWARDED && status > 128)) || break
+        kill -0 "$pid" 2>/dev/null && continue # still running: wait for it again
+        # It exited just after the signal: its own status, which the interrupted wait did not return. Bash can lose
+        # it when the step exits during the trap (wait then says 127, or -1): the interrupted status stands then.
+        local again=0
+        wait "$pid" || again=$?
+        ((again == 127 || again < 0)) || status=$again
+        break
     done
     trap - USR1 TERM INT
     return "$status"
