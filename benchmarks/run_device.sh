@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the device machine (repo root): install the carried wheels, normalise the environment, then run the
-# benchmark invocations named by PLAN (h100 | rounds | h100-checks | scale | custom), each bounded, logs and JSON under $OUT.
+# benchmark invocations named by PLAN (the cases below, or shell commands calling bench()), each bounded, logs and
+# JSON under $OUT.
 #   PLAN=h100 bash benchmarks/run_device.sh
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -73,6 +74,17 @@ case "${PLAN:-h100}" in
     bench q06_delayed_losses 300 --model qwen3-0.6b --ds_config configs/zero2-offload.json --global_batch_tokens 65536 \
       --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-reference default \
       --loss-check-variants delayed_update --timeout 280 --title "Delayed update: losses against the synchronous update"
+    ;;
+  zero3-offload)  # Qwen3-4B, ZeRO-3 with parameters and optimizer offloaded, 131,072 tokens/step: micro-batch 2 x 16
+    # against 4 x 8 (the automatic micro-batch's choice by the estimate), one call (~9 min)
+    bench q4b_zero3_offload 560 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 2 4 --variants default --steps 2 --warmup 1 --timeout 270 \
+      --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, 1 H100, 131,072 tokens per step"
+    ;;
+  q4b-losses)  # Qwen3-4B, offload preset: 50 steps of 8,192 tokens, the default path against the unoptimised one (~9 min)
+    bench q4b_losses 560 --model qwen3-4b --ds_config configs/zero2-offload.json \
+      --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 280 \
+      --title "Qwen3-4B, offload preset: losses against the unoptimised path"
     ;;
   partial-offload)  # one H200: Qwen3-8B, ZeRO-3 with parameters and 65% of the optimizer offloaded (the preflight's fix)
     bench q8b_partial 560 --model qwen3-8b --ds_config configs/zero3-offload.json \
