@@ -164,6 +164,7 @@ def load_checkpoint(run: Run, info, tag: str):
 
     from model_utils.checkpoint import rng_state_file, world_size_changed
     from model_utils.concat_dataset import DataPosition
+    from model_utils.ds_config import optimisation_changes
     from model_utils.train_utils import set_rng_state
 
     _, client = run.engine.load_checkpoint(str(info.path.parent), tag=tag)
@@ -184,6 +185,10 @@ def load_checkpoint(run: Run, info, tag: str):
         run.log.warn("resume: speed levers that change the numerics differ from the checkpoint's "
                      f"({'; '.join(changed)}): the run continues, but its losses will not match an uninterrupted "
                      "run's bit for bit")
+    changed = optimisation_changes((info.manifest or {}).get("ds_config", {}), run.ds_config)
+    if changed:
+        run.log.warn(f"resume: the optimisation differs from the checkpoint's run ({'; '.join(changed)}): the run "
+                     "continues with this run's values; the same settings continue it exactly")
 
 
 def lever_changes(manifest: dict, perf, in_force: dict | None, resumed_at: int = 0) -> list[str]:

@@ -478,3 +478,44 @@ def offloads(ds: dict) -> tuple[bool, bool]:
     opt = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     par = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
     return opt, par
+
+
+# The parts of a resolved config that set the optimisation, and the flag each derived value comes from: a resume that
+# changes one continues the run with other settings (a longer --max_steps stretches the cosine decay, for one).
+OPTIMISATION_KEYS = ("train_batch_size", "gradient_clipping", "optimizer", "scheduler", "data_types")
+DERIVED_FROM = {"train_batch_size": "micro-batch x accumulation x ranks; --global_batch_tokens keeps it",
+                "scheduler.params.total_num_steps": "--max_steps",
+                "scheduler.params.warmup_num_steps": "--warmup_steps, or 5% of --max_steps",
+                "optimizer.params.lr": "--learning_rate"}
+
+
+def optimisation_changes(saved: dict, current: dict) -> list[str]:
+    """What differs between a checkpoint's resolved DeepSpeed config (its manifest's) and this run's, among the
+    settings of the optimisation and the precision, as 'key: old -> new (where the value comes from)'."""
+
+    def flat(ds: dict) -> dict:
+        values = {f"{name}.enabled": ds.get(name, {}).get("enabled") for name in ("bf16", "fp16")
+                  if isinstance(ds.get(name), dict)}
+
+        def walk(node, prefix):
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    walk(value, f"{prefix}.{key}")
+            else:
+                values[prefix] = node
+
+        for key in OPTIMISATION_KEYS:
+            if key in ds:
+                walk(ds[key], key)
+        return values
+
+    if not saved:
+        return []  # a checkpoint written before manifests held the config
+    before, after = flat(saved), flat(json.loads(json.dumps(current)))  # as the manifest stores it (lists, not tuples)
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if old != new:
+            source = f" ({DERIVED_FROM[key]})" if key in DERIVED_FROM else ""
+            changes.append(f"{key}: {json.dumps(old)} -> {json.dumps(new)}{source}")
+    return changes

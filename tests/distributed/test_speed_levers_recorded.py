@@ -1,6 +1,6 @@
 """The speed levers of a real run (2 CPU ranks) are recorded where a user and a resume look for them: the run header,
 summary.json and each checkpoint's manifest (the settings and what they resolved to on this machine). A resume with
-a lever that changes the numerics says so and carries on."""
+a lever that changes the numerics, or a changed optimisation setting, says so and carries on."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cach
     same = run_trainer(ckpt, [*args, "--max_steps", "3"])
     assert_ok(same)
     assert "speed levers that change the numerics differ" not in same.output
+    # A longer run stretches the cosine decay: the resume names it, with the flag it comes from.
+    assert ("the optimisation differs from the checkpoint's run (scheduler.params.total_num_steps: 2 -> 3 "
+            "(--max_steps))") in same.output
     changed = run_trainer(ckpt, [*args, "--max_steps", "4", "--flce_chunk_budget", "4", "--overflow_check", "norm"])
     assert_ok(changed)
     assert ("speed levers that change the numerics differ from the checkpoint's (flce_chunk_budget: 8 -> 4)"

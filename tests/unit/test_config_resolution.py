@@ -31,6 +31,31 @@ def test_shipped_config_resolves_cleanly_and_fills_run_values():
     assert SHIPPED["scheduler"]["params"]["total_num_steps"] == "auto"  # the input is not modified
 
 
+def test_a_resume_names_what_changed_in_the_optimisation():
+    """A resume compares the checkpoint's resolved config (its manifest's) with this run's: a longer --max_steps
+    stretches the cosine decay, another world size without --global_batch_tokens changes the batch; each is named with
+    the flag it comes from. The same settings, or another world size at the same global batch, name nothing."""
+    from model_utils.ds_config import optimisation_changes
+
+    def resolved(args, world=2):
+        ds, _, problems = resolve(SHIPPED, parse_args(args), world, hardware="fp32", seq_len=256)
+        assert problems == []
+        return json.loads(json.dumps(ds))  # as a manifest holds it
+
+    saved = resolved(["--max_steps", "200"])
+    assert optimisation_changes(saved, resolved(["--max_steps", "200"])) == []
+    assert optimisation_changes(saved, resolved(["--max_steps", "400"])) == [
+        "scheduler.params.total_num_steps: 200 -> 400 (--max_steps)",
+        "scheduler.params.warmup_num_steps: 10 -> 20 (--warmup_steps, or 5% of --max_steps)"]
+    assert optimisation_changes(saved, resolved(["--max_steps", "200"], world=4)) == [
+        "train_batch_size: 16 -> 32 (micro-batch x accumulation x ranks; --global_batch_tokens keeps it)"]
+    tokens = ["--max_steps", "200", "--global_batch_tokens", "8192", "--micro_batch_size", "4"]
+    assert optimisation_changes(resolved(tokens), resolved(tokens, world=4)) == []  # accumulation 4 -> 2, same batch
+    changed = optimisation_changes(saved, resolved(["--max_steps", "200", "--learning_rate", "1e-4"]))
+    assert changed == ["optimizer.params.lr: 0.0003 -> 0.0001 (--learning_rate)"]
+    assert optimisation_changes({}, saved) == []  # a checkpoint without the config in its manifest
+
+
 def test_bf16_auto_turns_on_where_supported():
     ds, _, problems = resolve(SHIPPED, parse_args([]), 1, hardware="bf16")
     assert ds["bf16"]["enabled"] is True and problems == [] and "fp16" not in ds
