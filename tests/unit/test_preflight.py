@@ -241,7 +241,7 @@ def test_offloaded_states_that_do_not_fit_the_node_are_refused(tmp_path, monkeyp
     ranks half each. A run whose node lacks the room stops before building anything, naming the fix."""
     from model_utils import plan as plan_module
     from model_utils.arguments import parse_args
-    from model_utils.memory import GIB, offload_host_bytes
+    from model_utils.memory import GIB, HOST_STATE_OVERHEAD, offload_host_bytes
     from model_utils.preflight import check_plan
 
     q4b, q8b = 4_022_468_096, 8_190_735_360
@@ -250,6 +250,11 @@ def test_offloaded_states_that_do_not_fit_the_node_are_refused(tmp_path, monkeyp
     assert offload_host_bytes(q8b, 1, 1, 2, True, False, True) / GIB > 128
     assert offload_host_bytes(q8b, 2, 1, 2, True, False, True) / GIB < 80  # one of two nodes
     assert offload_host_bytes(q8b, 1, 1, 2, False, False, True) == 0
+    # ZeRO-3 with parameters and optimizer offloaded adds its 16-bit parameters and its gradient accumulation buffer,
+    # which DeepSpeed pins in host memory (one H100 host measured 90.6 GiB for Qwen3-4B)
+    assert 88 < offload_host_bytes(q4b, 1, 1, 3, True, True, False) / GIB < 93
+    fp32_buffer = offload_host_bytes(q4b, 1, 1, 3, True, True, True) - offload_host_bytes(q4b, 1, 1, 3, True, True, False)
+    assert fp32_buffer == pytest.approx(2 * q4b * HOST_STATE_OVERHEAD)  # grad_accum_dtype fp32: 2 bytes more
     # A real plan on this CPU machine: the tiny model's states need little, a node with 100 MiB left has not that.
     cfg = parse_args(["--model", "tiny", "--ds_config", str(REPO / "configs" / "zero2-offload.json"),
                       "--dummy_data", "64", "--checkpoint_dir", str(tmp_path / "ckpt")])
