@@ -60,7 +60,7 @@ class Run:
     tokens_seen: int = 0
     position: DataPosition | None = None
     saves: BackgroundSaves | None = None  # --background_checkpoint, else None: saves block
-    levers: dict | None = None  # the speed levers in force (levers.apply_speed_levers, streamline_zero_step)
+    levers: dict | None = None  # the speed levers in force (apply_speed_levers, streamline_zero_step, the delayed update)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
