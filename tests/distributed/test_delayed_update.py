@@ -15,7 +15,8 @@ from model_utils.train_utils import free_port
 # Runs in a fresh process (DeepSpeed initialises torch.distributed). "delayed": the patch from step 1. "reference":
 # DeepSpeed's own offload step with torch's fused AdamW on the host (the kernel the patch's thread runs), the model's
 # weights set before each step to those of one step earlier: gradients taken one step late, by hand. Both clip
-# (gradient_clipping 0.05 is below the norms here) and accumulate two micro-batches in fp32.
+# (gradient_clipping 0.05 is below the norms here) and accumulate two micro-batches (in fp32 on the GPU or, as
+# DeepSpeed does by default, in bf16 through host memory).
 SCRIPT = r"""
 import json, os, sys, torch
 os.environ.update(RANK=sys.argv[5], WORLD_SIZE="2", LOCAL_RANK=sys.argv[5], MASTER_ADDR="127.0.0.1",
@@ -31,7 +32,7 @@ params = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 if mode == "reference":
     params.update(torch_adam=True, fused=True)
 ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
-      "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+      "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": sys.argv[6]},
       "optimizer": {"type": "AdamW", "params": params},
       "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                     "warmup_num_steps": 4, "warmup_type": "linear"}},
@@ -73,10 +74,10 @@ print("RESULT " + json.dumps({"delayed": delayed, "losses": losses, "norms": nor
 """
 
 
-def _run(mode: str, stage: int) -> list[dict]:
+def _run(mode: str, stage: int, accumulation: str) -> list[dict]:
     """Two ranks (gloo): each rank's result."""
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, "-c", SCRIPT, mode, port, str(SRC), str(stage), str(rank)],
+    ranks = [subprocess.Popen([sys.executable, "-c", SCRIPT, mode, port, str(SRC), str(stage), str(rank), accumulation],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     results = []
     for rank in ranks:
@@ -87,10 +88,12 @@ def _run(mode: str, stage: int) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_delayed_update_equals_deepspeed_with_gradients_one_step_late(stage):
-    """Two ranks, each with its own data and its half of the master weights and Adam state."""
-    delayed, reference = _run("delayed", stage), _run("reference", stage)
+@pytest.mark.parametrize("stage, accumulation", [(1, "fp32"), (2, "fp32"), (2, "bf16")])
+def test_delayed_update_equals_deepspeed_with_gradients_one_step_late(stage, accumulation):
+    """Two ranks, each with its own data and its half of the master weights and Adam state. fp32: the presets'
+    accumulation on the GPU; bf16: DeepSpeed's default (the seeds' config), each micro-batch's gradients added in host
+    memory, which the update in flight does not read."""
+    delayed, reference = _run("delayed", stage, accumulation), _run("reference", stage, accumulation)
     for mine, theirs in zip(delayed, reference):
         assert mine["delayed"] is True
         assert mine["pending_before_settle"], "the last step's update should still be in flight before settle()"
