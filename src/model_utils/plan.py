@@ -234,6 +234,7 @@ def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float,
     if plan.gpu_memory_gib is None or plan.ds_config is None or not plan.param_groups:
         return None
     ds = copy.deepcopy(plan.ds_config)
+    ds.pop("data_types", None)  # as configs/zero3-offload.json, which the fix names: gradients accumulate in bf16
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = 3
     zero.setdefault("offload_param", {})["device"] = "cpu"

@@ -297,13 +297,20 @@ def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypa
     ratio = float(re.search(r'configs/zero3-offload.json with "offload_optimizer": \{"ratio": ([\d.]+)\}',
                             problem.fix).group(1))
     assert 0 < ratio < 1
-    config = json.loads((REPO / "configs" / "zero3-offload.json").read_text())
-    config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
-    path = Path(session_cache) / f"zero3-offload-ratio-{ratio}.json"
-    path.write_text(json.dumps(config))
-    plan, report = planned(path)
+
+    def preset_with(ratio):
+        config = json.loads((REPO / "configs" / "zero3-offload.json").read_text())
+        config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+        path = Path(session_cache) / f"zero3-offload-ratio-{ratio}.json"
+        path.write_text(json.dumps(config))
+        return planned(path)
+
+    plan, report = preset_with(ratio)
     assert plan.host_bytes <= 120 * GIB and not [p for p in report.problems if "offload" in p.setting], report.problems
     assert plan.memory.peak[1] <= 0.9 * 139.8 * GIB and plan.batch.micro >= 1
+    # ...and it is the largest: the named preset with the next ratio up does not fit the node
+    plan, report = preset_with(round(ratio + 0.05, 2))
+    assert plan.host_bytes > 120 * GIB, plan.host_bytes / GIB
 
 
 def test_offloaded_accumulation_through_the_cpu_gets_the_gpu_buffer_named(monkeypatch, session_cache):
