@@ -183,7 +183,7 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
 def check_delayed_update(ds: dict, from_step: int) -> list[Problem]:
     """--delayed_update_from_step defers the CPU optimizer step of ZeRO-1/2 offload (patches.deepspeed_offload): the
     configs it covers are DeepSpeed's CPU AdamW (or Adam in its default AdamW mode) in bf16 or fp32."""
-    if not from_step or from_step < 0:
+    if from_step <= 0:
         return []
     where, problems = "--delayed_update_from_step", []
     zero = ds.get("zero_optimization", {}) if isinstance(ds.get("zero_optimization"), dict) else {}
@@ -195,7 +195,7 @@ def check_delayed_update(ds: dict, from_step: int) -> list[Problem]:
                                 f"{'on' if offloads(ds)[0] else 'off'}) has none",
                                 "use a ZeRO-1/2 config with zero_optimization.offload_optimizer.device cpu "
                                 "(configs/zero2-offload.json), or remove the flag"))
-    elif (optimizer.get("type", "").lower() not in ("adam", "adamw") or params.get("torch_adam")
+    elif (optimizer.get("type", "").lower() not in ADAM_NAMES or params.get("torch_adam")
           or params.get("adam_w_mode") is False or zero.get("zenflow") or params.get("bias_correction") is False):
         problems.append(Problem(where, from_step, "the delayed update steps DeepSpeed's CPU AdamW state; this config's "
                                 f"optimizer ({json.dumps(optimizer)[:120]}) is another, or ZenFlow manages the offload",
@@ -387,12 +387,17 @@ def precision(ds: dict) -> str:
     return "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
 
 
-def _leftover_autos(node, prefix=""):
+def _flat_items(node, prefix=""):
+    """(dotted key, value) for every leaf of a config section."""
     if isinstance(node, dict):
         for key, value in node.items():
-            yield from _leftover_autos(value, f"{prefix}.{key}" if prefix else key)
-    elif node == AUTO:
+            yield from _flat_items(value, f"{prefix}.{key}" if prefix else key)
+    else:
         yield prefix, node
+
+
+def _leftover_autos(node):
+    return ((path, value) for path, value in _flat_items(node) if value == AUTO)
 
 
 @dataclass(frozen=True)
@@ -496,17 +501,7 @@ def optimisation_changes(saved: dict, current: dict) -> list[str]:
     def flat(ds: dict) -> dict:
         values = {f"{name}.enabled": ds.get(name, {}).get("enabled") for name in ("bf16", "fp16")
                   if isinstance(ds.get(name), dict)}
-
-        def walk(node, prefix):
-            if isinstance(node, dict):
-                for key, value in node.items():
-                    walk(value, f"{prefix}.{key}")
-            else:
-                values[prefix] = node
-
-        for key in OPTIMISATION_KEYS:
-            if key in ds:
-                walk(ds[key], key)
+        values.update(_flat_items({key: ds[key] for key in OPTIMISATION_KEYS if key in ds}))
         return values
 
     if not saved:
