@@ -685,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             exit_on_problems(e.problems)
         return exit_status.BAD_INPUT
     except DataError as e:
+        together = True  # raised by every rank on what rank 0 found and broadcast (concat_dataset.prepare_data)
         if dist.is_main:
             exit_on_problems([e.problem])
         return exit_status.BAD_INPUT
