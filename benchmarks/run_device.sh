@@ -75,11 +75,11 @@ case "${PLAN:-h100}" in
       --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-reference default \
       --loss-check-variants delayed_update --timeout 280 --title "Delayed update: losses against the synchronous update"
     ;;
-  zero3-offload)  # Qwen3-4B, ZeRO-3 with parameters and optimizer offloaded, 131,072 tokens/step: micro-batch 2 x 16
-    # against 4 x 8 (the automatic micro-batch's choice by the estimate), one call (~9 min)
-    bench q4b_zero3_offload 560 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
-      --micro_batch_size 2 4 --variants default --steps 2 --warmup 1 --timeout 270 \
-      --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, 1 H100, 131,072 tokens per step"
+  zero3-offload)  # Qwen3-4B, ZeRO-3 with parameters and optimizer offloaded, 131,072 tokens/step, micro-batch 4 x 8: the
+    # gradients accumulated on the GPU and in DeepSpeed's host buffer, against HF Trainer + DeepSpeed + Liger (~10 min)
+    bench q4b_zero3_offload 580 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 4 --variants grad_buffer_gpu grad_buffer_host --compare-hf --hf-skip noliger --steps 2 \
+      --warmup 1 --timeout 250 --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, 1 H100, 131,072 tokens per step"
     ;;
   q4b-losses)  # Qwen3-4B, offload preset: 50 steps of 8,192 tokens, the default path against the unoptimised one (~9 min)
     bench q4b_losses 560 --model qwen3-4b --ds_config configs/zero2-offload.json \
