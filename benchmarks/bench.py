@@ -68,10 +68,6 @@ VARIANTS = {
     # The default path with ZeRO-1/2 offload's update delayed by one step from the first (the trainer's
     # --delayed_update_from_step); pair with an offload config.
     "delayed_update": {"args": ["--delayed_update_from_step", "1"]},
-    # The default path with ZeRO-3's gradients accumulated on the GPU or in DeepSpeed's host buffer when the optimizer
-    # is offloaded (the trainer's --offload_grad_buffer; auto takes gpu where it fits); pair with configs/zero3-offload.json.
-    "grad_buffer_gpu": {"args": ["--offload_grad_buffer", "gpu"]},
-    "grad_buffer_host": {"args": ["--offload_grad_buffer", "host"]},
     # The default path with attention within documents (the trainer's --document_mask); pair with --document_length.
     "document_mask": {"args": ["--document_mask"]},
     "nofused_document_mask": {"args": _variant(fused_kernels="off")["args"] + ["--document_mask"]},  # its reference

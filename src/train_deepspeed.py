@@ -73,7 +73,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils import ds_config as dsc
     from model_utils.checkpoint import convert_to_universal, needs_universal
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
-    from model_utils.levers import apply_speed_levers, place_offload_gradients, streamline_zero_step
+    from model_utils.levers import apply_speed_levers, streamline_zero_step
     from model_utils.patches.flash_attn4 import takes_document_boundaries
     from model_utils.patches.deepspeed_offload import delay_offload_updates
     from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
@@ -130,7 +130,6 @@ def setup(cfg: TrainConfig, dist) -> Run:
     delayed = delay_offload_updates(engine, cfg.delayed_update_from_step, log.info)  # ZeRO-1/2, optimizer offloaded
     levers["delayed_update_from_step"] = cfg.delayed_update_from_step if delayed else 0
     keep_partial_offload_state(engine.optimizer, log.info)  # ZeRO-3 with offload_optimizer.ratio < 1
-    levers.update(place_offload_gradients(engine, plan.offload_grad_buffer, log.info))  # ZeRO-3, optimizer offloaded
     writer = None
     if plan.background_checkpoint:
         from model_utils.background_save import install

@@ -62,13 +62,6 @@ class PerfConfig:
                                      "by the fused AdamW on the GPU and booked by the loop). auto = device where it "
                                      "applies (torch's fused AdamW, no offload, a DeepSpeed LR scheduler), else norm.",
                              choices=("auto", "device", "norm", "scan"), numerics=False)
-    offload_grad_buffer: str = _f("auto", "ZeRO-3 with the optimizer offloaded to the CPU: where each step's gradients "
-                                          "are accumulated over its micro-batches. gpu: a buffer on the GPU (2 bytes "
-                                          "per parameter of the rank, 4 with grad_accum_dtype fp32), copied to the "
-                                          "host once per step; host: DeepSpeed's pinned host buffer, which every "
-                                          "micro-batch copies to the GPU and back. auto = gpu where the run still "
-                                          "fits the GPU by the memory estimate, else host. The values are the same.",
-                                  choices=("auto", "gpu", "host"), numerics=False)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

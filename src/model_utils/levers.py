@@ -108,20 +108,6 @@ def streamline_zero_step(engine, perf: PerfConfig, log) -> dict:
     return {"overflow_check": deepspeed_zero.streamline_zero_step(engine, perf.overflow_check, log)}
 
 
-def place_offload_gradients(engine, setting: str, log) -> dict:
-    """ZeRO-3 with the optimizer offloaded: the gradient accumulation buffer on the GPU (--offload_grad_buffer gpu,
-    which the plan resolves auto to) or in host memory; what is in force, for the record ("n/a" outside that case)."""
-    from .patches.deepspeed_zero3 import place_gradient_buffer_on_gpu
-
-    optimizer = engine.optimizer
-    if not (getattr(optimizer, "offload_optimizer", False) and hasattr(optimizer, "grad_partitions_flat_buffer")):
-        return {"offload_grad_buffer": "n/a"}
-    if setting == "host":
-        log("gradients: ZeRO-3 accumulates them in pinned host memory (--offload_grad_buffer host, DeepSpeed's path)")
-        return {"offload_grad_buffer": "host"}
-    return {"offload_grad_buffer": "gpu" if place_gradient_buffer_on_gpu(optimizer, log) else "host"}
-
-
 def _decoder_layers(model):
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
     return getattr(base, "layers", None)

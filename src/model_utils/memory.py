@@ -33,23 +33,18 @@ class MemoryPlan:
 
 
 def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool,
-                      fp32_grad_accumulation: bool = False, gpu_optimizer_share: float = 0.0,
-                      grad_buffer_on_gpu: bool = False) -> float:
+                      fp32_grad_accumulation: bool = False, gpu_optimizer_share: float = 0.0) -> float:
     """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param).
     `fp32_grad_accumulation` (ZeRO-1/2 with "data_types": {"grad_accum_dtype": "fp32"}): DeepSpeed accumulates each
     rank's gradient partition in an fp32 buffer on the GPU, also when the optimizer is offloaded (which then copies
     gradients to the CPU once per step instead of once per micro-batch). `gpu_optimizer_share`: the part of an
     offloaded optimizer a partial offload (ZeRO-3, `offload_optimizer.ratio`) keeps on the GPU, 16 bytes per
-    parameter of it (fp32 master weights, Adam moments, fp32 gradients; ds_config.gpu_optimizer_share).
-    `grad_buffer_on_gpu`: ZeRO-3 with the optimizer offloaded accumulates the rank's gradient partition in a GPU buffer
-    (--offload_grad_buffer gpu) of grad_accum_dtype, 16-bit by default."""
+    parameter of it (fp32 master weights, Adam moments, fp32 gradients; ds_config.gpu_optimizer_share)."""
     p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
     params_b = p_bytes * params / (world if stage >= 3 else 1)
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
     if fp32_grad_accumulation and bf16 and stage in (1, 2):
         grads_b = 4 * params / world
-    elif offload_opt and stage == 3 and grad_buffer_on_gpu:
-        grads_b = (4 if fp32_grad_accumulation or not bf16 else 2) * params / world
     elif offload_opt:
         grads_b = 0  # they leave the GPU bucket by bucket (measured: Qwen3-4B, one H100, docs/PERFORMANCE.md)
     opt_b = 0 if offload_opt else opt_bytes * params / (world if stage >= 1 else 1)
@@ -120,9 +115,9 @@ class PhaseMemory:
 def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, stage: int, off_opt: bool,
                  off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
                  generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True,
-                 gpu_optimizer_share: float = 0.0, grad_buffer_on_gpu: bool = False) -> PhaseMemory:
+                 gpu_optimizer_share: float = 0.0) -> PhaseMemory:
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
-                               gpu_optimizer_share, grad_buffer_on_gpu)
+                               gpu_optimizer_share)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16)
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled),
@@ -179,12 +174,11 @@ HOST_BASELINE_GIB = 8.0
 
 def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int, offload_opt: bool,
                        offload_param: bool, fp32_grad_accumulation: bool, gpu: bool = True,
-                       gpu_optimizer_share: float = 0.0, grad_buffer_on_gpu: bool = False) -> float:
+                       gpu_optimizer_share: float = 0.0) -> float:
     """Host memory one node needs for its ranks' offloaded states (0 without offload). ZeRO-1/2 without the GPU's fp32
     accumulation buffer also keeps each rank's 16-bit gradient accumulation in host memory; ZeRO-3 with the optimizer
     offloaded keeps its gradient accumulation buffer there (pinned, in grad_accum_dtype, for every parameter of the
-    rank's partition, also under a partial offload: DeepSpeed's stage3 allocates it on the optimizer's device), unless
-    `grad_buffer_on_gpu` (--offload_grad_buffer gpu) moves it to the GPU; ZeRO-3's
+    rank's partition, also under a partial offload: DeepSpeed's stage3 allocates it on the optimizer's device); ZeRO-3's
     offloaded parameters add their 16-bit share; a partial offload leaves `gpu_optimizer_share` of the optimizer on
     the GPU. `gpu` False: CPU ranks, whose processes hold no CUDA context (1 GiB each)."""
     if not (offload_opt or offload_param):
@@ -192,7 +186,7 @@ def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int,
     per_param = 16.0 * (1 - gpu_optimizer_share) if offload_opt else 0.0
     if offload_opt and stage in (1, 2) and not fp32_grad_accumulation:
         per_param += 2
-    if offload_opt and stage == 3 and not grad_buffer_on_gpu:
+    if offload_opt and stage == 3:
         per_param += 4 if fp32_grad_accumulation else 2
     if offload_param and stage == 3:
         per_param += 2

@@ -34,9 +34,6 @@ class Plan:
     flops: object = None  # models.FlopsModel
     fused_loss: bool = False  # Liger's fused linear cross-entropy (the logits' memory depends on it)
     compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); not under ZeRO-3
-    # ZeRO-3 with the optimizer offloaded to the CPU: where the gradients accumulate (--offload_grad_buffer resolved:
-    # gpu or host); "n/a" otherwise
-    offload_grad_buffer: str = "n/a"
     memory: PhaseMemory | None = None
     gpu_memory_gib: float | None = None
     gpu_memory_source: str = ""  # the GPU's name, GPU_MEMORY_GIB, or why no size is known
@@ -136,7 +133,6 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         if not plan.here and raw.get("bf16", {}).get("enabled") is True:
             plan.notes.append("bf16 is on: the GPU nodes must support it (A100/H100 or newer); not checkable here")
     if plan.resolved and plan.num_params:
-        plan.offload_grad_buffer = _place_gradient_buffer(plan, plan.ds_config, plan.batch.micro)
         plan.compiled_layers = _compiles(plan, plan.ds_config)
         plan.memory = _phase_memory(plan, plan.ds_config, plan.batch.micro)
         bf16 = dsc.precision(plan.ds_config) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
@@ -186,31 +182,7 @@ def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
                         bool(plan.cfg.generate_prompt and plan.cfg.export),
                         fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds),
                         compiled=_compiles(plan, ds),
-                        gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world),
-                        grad_buffer_on_gpu=plan.offload_grad_buffer == "gpu")
-
-
-def _place_gradient_buffer(plan: Plan, ds: dict, micro: int) -> str:
-    """--offload_grad_buffer resolved for `ds` at `micro`: "n/a" unless ZeRO-3 offloads its optimizer to the CPU;
-    "host" where asked, or where the installed DeepSpeed is not one patches.deepspeed_zero3 was tested with; "gpu"
-    where asked; auto: "gpu" where the run's estimated peak with the buffer on the GPU fits AUTO_MEMORY_SHARE of it (or
-    no GPU size is known), else "host"."""
-    from . import ds_config as dsc
-    from .memory import AUTO_MEMORY_SHARE
-    from .patches import gate
-    from .patches.deepspeed_zero3 import GRADIENT_BUFFER_ON_GPU
-
-    zero = ds.get("zero_optimization", {})
-    if dsc.zero_stage(ds) != 3 or zero.get("offload_optimizer", {}).get("device") != "cpu":
-        return "n/a"
-    setting = plan.cfg.perf.offload_grad_buffer
-    if setting == "host" or not gate(GRADIENT_BUFFER_ON_GPU):
-        return "host"
-    if setting == "gpu" or plan.gpu_memory_gib is None or plan.num_params is None:
-        return "gpu"
-    plan.offload_grad_buffer = "gpu"
-    fits = _phase_memory(plan, ds, micro).peak[1] <= AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB
-    return "gpu" if fits else "host"
+                        gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world))
 
 
 def _micro_chooser(plan: Plan):
@@ -218,8 +190,6 @@ def _micro_chooser(plan: Plan):
     config resolved so far (its ZeRO stage, offloads and precision size the model states)."""
 
     def choose(allowed, ds: dict) -> int:
-        # the gradient buffer of a ZeRO-3 optimizer offload on the GPU where it fits beside the smallest micro-batch
-        plan.offload_grad_buffer = _place_gradient_buffer(plan, ds, 1)
         if plan.num_params is None or plan.gpu_memory_gib is None:
             micro, why = choose_micro_batch(plan.seq_len, None, None, allowed)
         else:
@@ -241,8 +211,7 @@ def _offloaded_host_bytes(plan: Plan, ds: dict) -> float:
 
     return offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, dsc.zero_stage(ds), *dsc.offloads(ds),
                               dsc.fp32_grad_accumulation(ds), gpu=torch.cuda.is_available() or not plan.here,
-                              gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world),
-                              grad_buffer_on_gpu=plan.offload_grad_buffer == "gpu")
+                              gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world))
 
 
 def _plan_host_memory(plan: Plan) -> None:

@@ -1,5 +1,5 @@
-"""DeepSpeed's ZeRO-3 optimizer (DeepSpeedZeroOptimizer_Stage3) with its optimizer offloaded: a partial offload made to
-checkpoint all of its optimizer state, and the gradients accumulated on the GPU.
+"""DeepSpeed's ZeRO-3 optimizer (DeepSpeedZeroOptimizer_Stage3) with a partial optimizer offload, made to checkpoint
+all of its optimizer state.
 
 With `"offload_optimizer": {"ratio": r}` (r < 1) DeepSpeed updates the first sub-groups of the optimizer partition on
 the GPU with a torch AdamW of its own (`backup_optimizer`) and the rest on the host with its CPU Adam. Its
@@ -7,8 +7,6 @@ the GPU with a torch AdamW of its own (`backup_optimizer`) and the rest on the h
 
 - PARTIAL_OFFLOAD_STATE: the GPU part's AdamW state is added to the optimizer's checkpoint (one entry per sub-group it
   updates) and put back when the checkpoint is loaded.
-- GRADIENT_BUFFER_ON_GPU: with the optimizer offloaded, the gradient accumulation buffer lives on the GPU instead of
-  in pinned host memory (--offload_grad_buffer).
 """
 
 from __future__ import annotations
@@ -53,53 +51,4 @@ def keep_partial_offload_state(optimizer, log) -> bool:
     optimizer._rigid_state_dict, optimizer._rigid_load_state_dict = state_dict, load_state_dict
     log("checkpoints: a partial optimizer offload's GPU part (its AdamW state) is saved with the rest "
         "(patches.deepspeed_zero3)")
-    return True
-
-
-GRADIENT_BUFFER_ON_GPU = Patch(
-    "deepspeed", "0.19.8", "0.19.8",
-    "DeepSpeedZeroOptimizer_Stage3.grad_partitions_flat_buffer, its per-parameter views "
-    "(_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition) and inf_or_nan_tracker: allocated on the GPU when "
-    "the optimizer is offloaded, as DeepSpeed's own reload_states places them",
-    "speed: with the optimizer offloaded DeepSpeed keeps the gradient accumulation buffer in pinned host memory, so "
-    "every micro-batch copies each gradient partition to the host and, after the first, the buffer back to the GPU to "
-    "add to it (DeepSpeed issue 4113); on the GPU the buffer crosses PCIe once per optimizer step "
-    "(docs/PERFORMANCE.md, Big models with CPU offload)",
-    ("tests/distributed/test_offload_grad_buffer.py::test_gradients_accumulated_on_the_gpu_train_as_deepspeeds_host_buffer",))
-
-
-def place_gradient_buffer_on_gpu(optimizer, log) -> bool:
-    """Move a ZeRO-3 optimizer's gradient accumulation buffer from host memory to the GPU when the optimizer is
-    offloaded to the CPU (not NVMe). DeepSpeed's partition_grads then adds each micro-batch's gradient partition to it
-    on the GPU and copies the sum to the optimizer's fp32 gradients at the accumulation boundary, as it does for a
-    buffer on the GPU. The values are those of DeepSpeed's own path, which also adds on the GPU and stores the sum in
-    the same dtype. Returns whether it applied; the log says which path runs."""
-    import itertools
-
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    views = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
-    if not (getattr(optimizer, "offload_optimizer", False) and hasattr(optimizer, "grad_partitions_flat_buffer")
-            and hasattr(optimizer, views)):
-        return False
-    if getattr(optimizer, "swap_optimizer", False) or getattr(optimizer, "zenflow", False):
-        log("gradients: ZeRO-3 accumulates them in host memory (DeepSpeed's own path; NVMe and ZenFlow offload are "
-            "not covered by patches.deepspeed_zero3)")
-        return False
-    if not gate(GRADIENT_BUFFER_ON_GPU, log):
-        return False
-    device = get_accelerator().current_device_name()
-    old = optimizer.grad_partitions_flat_buffer
-    buffer = torch.zeros(old.numel(), dtype=old.dtype, device=device)
-    mapping = getattr(optimizer, views)
-    offset = 0
-    for param in itertools.chain.from_iterable(optimizer.fp16_groups):
-        mapping[param.ds_id] = buffer.narrow(0, offset, param.partition_numel())
-        offset += param.partition_numel()
-    optimizer.grad_partitions_flat_buffer = buffer
-    optimizer.inf_or_nan_tracker = torch.zeros(1, dtype=torch.bool, device=device)
-    log(f"gradients: ZeRO-3 accumulates them on {device} ({buffer.numel() * buffer.element_size() / 2**30:.1f} GiB, "
-        f"{buffer.dtype}) and copies the sum to the offloaded optimizer once per step (patches.deepspeed_zero3; "
-        "--offload_grad_buffer host: DeepSpeed's pinned host buffer, copied both ways every micro-batch)")
     return True
