@@ -137,8 +137,10 @@ def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool) ->
 
 
 def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict,
-                 compiled: bool = True) -> str:
-    """The first configuration, in order of speed, whose estimate fits in 92% of the GPU."""
+                 compiled: bool = True, host_available: float | None = None, ranks_per_node: int = 1) -> str:
+    """The first configuration, in order of speed, whose estimate fits in 92% of the GPU and, for those that offload,
+    whose host part fits `host_available` (this node's free memory; None where unknown, as on a login node: the
+    offloading ones then name their host need)."""
     candidates = []
     m = micro
     while m > 1:
@@ -151,6 +153,7 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
                    MemoryPlan("DS_CONFIG=configs/zero2-offload.json with --gradient_checkpointing", 2, True, False, micro, True),
                    MemoryPlan("DS_CONFIG=configs/zero3-offload.json with --gradient_checkpointing and micro-batch 1",
                               3, True, True, 1, True)]
+    skipped_for_host = False
     for plan in candidates:
         # configs/zero2-offload.json accumulates gradients in fp32 on the GPU
         fp32_accumulation = plan.offload_optimizer and plan.zero_stage == 2
@@ -159,9 +162,18 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
                 + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16)
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
                                    compiled and plan.zero_stage != 3))
-        if need <= 0.92 * memory_gib * GIB:
-            return f"cheapest configuration that fits (~{need / GIB:.0f} GiB): {plan.label}"
-    return "nothing fits on this many GPUs: use more GPUs (ZeRO-3 divides the model states by their number)"
+        if need > 0.92 * memory_gib * GIB:
+            continue
+        host = offload_host_bytes(params, world, ranks_per_node, plan.zero_stage, plan.offload_optimizer,
+                                  plan.offload_param, fp32_accumulation)
+        if host_available is not None and host > host_available:
+            skipped_for_host = True
+            continue
+        return (f"cheapest configuration that fits (~{need / GIB:.0f} GiB"
+                + (f", and ~{host / GIB:.0f} GiB of host memory per node" if host else "") + f"): {plan.label}")
+    return ("nothing fits on this many GPUs" + (" with this node's memory for offloaded states" if skipped_for_host
+                                                else "")
+            + ": use more GPUs (ZeRO-3 divides the model states by their number)")
 
 
 # Host memory of a rank that offloads: its share of the optimizer states (fp32 master weights, Adam moments, fp32

@@ -301,7 +301,8 @@ def _check_memory(plan: Plan, report: Report) -> None:
             "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
             f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
             cheapest_fit(plan.num_params, mconf, plan.world, plan.seq_len, micro, bf16, plan.fused_loss, chunk,
-                         memory, ds.get("zero_optimization", {}), plan.compiled_layers)))
+                         memory, ds.get("zero_optimization", {}), plan.compiled_layers, plan.host_available,
+                         plan.ranks_per_node)))
 
 
 def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> Report:

@@ -301,6 +301,26 @@ def test_a_partial_offload_counts_the_pinned_blocks_of_its_gpu_part(monkeypatch,
     assert pinned - unpinned == pytest.approx(4 * share * plan.num_params * HOST_STATE_OVERHEAD / GIB)
 
 
+def test_the_cheapest_fit_leaves_out_offloads_whose_host_part_does_not_fit_the_node():
+    """Qwen3-8B on one H100 (79.2 GiB): by GPU memory alone the cheapest fix is ZeRO-2 with the optimizer offloaded,
+    whose states need ~142 GiB of host memory. On a node with 124 GiB available it is left out (as is the full ZeRO-3
+    offload); where the node is unknown (a login node) the fix names its host need."""
+    from transformers import Qwen3Config
+
+    from model_utils.memory import GIB, cheapest_fit
+
+    q8b = Qwen3Config(vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_hidden_layers=36,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    args = (8_190_735_360, q8b, 1, 4096, 2, True, True, 8, 79.2, {"stage": 3}, False)
+    unknown = cheapest_fit(*args)
+    assert "configs/zero2-offload.json" in unknown and "of host memory per node" in unknown, unknown
+    assert 135 < float(unknown.split("~")[2].split(" GiB")[0]) < 150, unknown
+    small_node = cheapest_fit(*args, host_available=124 * GIB)
+    assert "configs/" not in small_node and "with this node's memory" in small_node, small_node
+    large_node = cheapest_fit(*args, host_available=512 * GIB)
+    assert large_node == unknown
+
+
 def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypatch, session_cache):
     """Qwen3-8B with its optimizer offloaded on one H200 (139.8 GiB) whose node has 120 GiB free: the whole optimizer
     (~142 GiB) does not fit the host; the fix names the largest offload ratio whose host part fits, and that ratio's
