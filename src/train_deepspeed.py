@@ -690,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
             exit_on_problems([e.problem])
         return exit_status.BAD_INPUT
     except ResumeError as e:
+        together = True  # raised by every rank on rank 0's broadcast verdict (checkpoint.convert_to_universal)
         if dist.is_main:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return exit_status.BAD_INPUT

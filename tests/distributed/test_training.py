@@ -220,6 +220,19 @@ def test_different_world_size_resumes_through_a_universal_checkpoint(baseline, t
     assert inspect_checkpoint(ckpt / "step-00000014").manifest["world_size"] == 1
 
 
+def test_a_failed_universal_conversion_stops_with_the_command_to_run_by_hand(baseline, tmp_path):
+    """The conversion of a checkpoint saved by another number of ranks fails (here its output folder is taken by a
+    file): the run stops with status 2, the reason and the command, no traceback, and the checkpoint untouched."""
+    ckpt = _copy_tree(baseline.checkpoint_dir, tmp_path / "ckpt")
+    (ckpt / "step-00000010-universal").write_text("in the way")
+    before = sorted(os.listdir(ckpt))
+    run = run_trainer(ckpt, [a if a != "10" else "14" for a in RESUME_ARGS], nproc=1)
+    assert run.returncode == 2, run.output[-3000:]
+    assert "converting it failed" in run.output and "Run it by hand:" in run.output, run.output[-3000:]
+    assert "Traceback" not in run.output
+    assert sorted(os.listdir(ckpt)) == before
+
+
 def test_resume_never_refuses_to_overwrite_existing_checkpoints(baseline, tmp_path):
     """Two ranks: only rank 0 reads the checkpoints, and both stop on what it found, reported once."""
     ckpt = _copy_tree(baseline.checkpoint_dir, tmp_path / "ckpt")
