@@ -180,6 +180,12 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
     return ds, notes, problems
 
 
+def zero12_optimizer_offload(ds: dict) -> bool:
+    """ZeRO-1/2 with the optimizer offloaded: the path of DeepSpeed's CPU update that the delayed update runs beside
+    the next step, and whose accumulation goes through host memory unless grad_accum_dtype is fp32."""
+    return zero_stage(ds) in (1, 2) and offloads(ds)[0]
+
+
 def check_delayed_update(ds: dict, from_step: int) -> list[Problem]:
     """--delayed_update_from_step defers the CPU optimizer step of ZeRO-1/2 offload (patches.deepspeed_offload): the
     configs it covers are DeepSpeed's CPU AdamW (or Adam in its default AdamW mode) in bf16 or fp32."""
@@ -189,7 +195,7 @@ def check_delayed_update(ds: dict, from_step: int) -> list[Problem]:
     zero = ds.get("zero_optimization", {}) if isinstance(ds.get("zero_optimization"), dict) else {}
     optimizer = ds.get("optimizer", {}) if isinstance(ds.get("optimizer"), dict) else {}
     params = optimizer.get("params", {}) if isinstance(optimizer.get("params"), dict) else {}
-    if zero_stage(ds) not in (1, 2) or not offloads(ds)[0]:
+    if not zero12_optimizer_offload(ds):
         problems.append(Problem(where, from_step, f"delays the CPU-offloaded optimizer step of ZeRO-1/2; this config "
                                 f"(ZeRO stage {zero_stage(ds)}, optimizer offload "
                                 f"{'on' if offloads(ds)[0] else 'off'}) has none",

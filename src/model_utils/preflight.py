@@ -221,7 +221,7 @@ def _note_offload_accumulation(plan: Plan, report: Report) -> None:
     from .memory import AUTO_MEMORY_SHARE
 
     ds = plan.ds_config
-    if not (dsc.offloads(ds)[0] and dsc.zero_stage(ds) in (1, 2) and dsc.precision(ds) != "fp32"
+    if not (dsc.zero12_optimizer_offload(ds) and dsc.precision(ds) != "fp32"
             and plan.batch.accumulation > 1 and not dsc.fp32_grad_accumulation(ds)):
         return
     extra = 4 * plan.num_params / plan.world
@@ -247,7 +247,7 @@ def _estimate_offload_update(plan: Plan, report: Report) -> None:
     from . import ds_config as dsc
 
     ds = plan.ds_config
-    if not (dsc.offloads(ds)[0] and dsc.zero_stage(ds) in (1, 2) and plan.num_params):
+    if not (dsc.zero12_optimizer_offload(ds) and plan.num_params):
         return
     from_step = plan.cfg.delayed_update_from_step
     seconds = OFFLOAD_UPDATE_S_PER_BILLION * plan.num_params / plan.world / 1e9
