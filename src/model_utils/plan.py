@@ -185,6 +185,17 @@ def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
                         gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world))
 
 
+def automatic_micro_batch(plan: Plan) -> int | None:
+    """The micro-batch "auto" would take for this plan's resolved config and per-rank batch (the largest that divides
+    it and fits by the estimate); None where no GPU size is known."""
+    if plan.gpu_memory_gib is None or not plan.num_params or not plan.resolved:
+        return None
+    per_rank = plan.batch.micro * plan.batch.accumulation
+    micro, _ = choose_micro_batch(plan.seq_len, plan.gpu_memory_gib,
+                                  lambda m: _phase_memory(plan, plan.ds_config, m).peak[1], lambda m: per_rank % m == 0)
+    return micro
+
+
 def _micro_chooser(plan: Plan):
     """For ds_config.resolve: the automatic micro-batch, by the memory estimate of this model on this GPU with the
     config resolved so far (its ZeRO stage, offloads and precision size the model states)."""

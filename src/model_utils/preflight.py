@@ -183,6 +183,7 @@ def check_plan(plan: Plan, check_data: bool = True) -> Report:
     if plan.memory is not None:
         _check_memory(plan, report)
         _note_offload_accumulation(plan, report)
+        _note_parameter_fetches(plan, report)
         _estimate_offload_update(plan, report)
         _check_host_memory(plan, report)
         _check_checkpoint_dir(cfg, plan.checkpoint_bytes, report)
@@ -233,6 +234,28 @@ def _note_offload_accumulation(plan: Plan, report: Report) -> None:
         "to the CPU and back: \"data_types\": {\"grad_accum_dtype\": \"fp32\"} accumulates them on the GPU and copies "
         "them once per step (Qwen3-4B on one H100: 1.48x the tokens/s; configs/zero2-offload.json has it), for "
         f"~{extra / GIB:.1f} GiB more per GPU{room}")
+
+
+def _note_parameter_fetches(plan: Plan, report: Report) -> None:
+    """ZeRO-3 with the parameters offloaded fetches all of them from host memory for every micro-batch's forward and
+    again for its backward: a given micro-batch smaller than the largest that fits multiplies that traffic."""
+    from . import ds_config as dsc
+    from .plan import automatic_micro_batch
+
+    ds, batch = plan.ds_config, plan.batch
+    if not (dsc.zero_stage(ds) == 3 and dsc.offloads(ds)[1] and batch.accumulation > 1 and not plan.micro_batch_choice):
+        return
+    best = automatic_micro_batch(plan)
+    if best is None or best <= batch.micro:
+        return
+    per_rank = batch.micro * batch.accumulation
+    fetched = 2 * 2 * plan.num_params / plan.world  # 16-bit parameters, forward and backward
+    report.notes.append(
+        f"ZeRO-3 with the parameters offloaded fetches all of them from host memory for each micro-batch's forward and "
+        f"backward (~{fetched / GIB:.0f} GiB per rank), {batch.accumulation} times per step at micro-batch "
+        f"{batch.micro}: micro-batch {best} (x {per_rank // best}) fits by the estimate and fetches them "
+        f"{per_rank // best} times (--micro_batch_size auto; Qwen3-4B on one H100 with configs/zero3-offload.json: "
+        "13.1k tokens/s at 4 x 8 against 6.7k at 2 x 16, docs/PERFORMANCE.md)")
 
 
 # Host seconds of a ZeRO-1/2 offload update per 10^9 parameters of a rank's partition, measured on one H100's host

@@ -395,6 +395,31 @@ def test_offloaded_accumulation_through_the_cpu_gets_the_gpu_buffer_named(monkey
     assert not notes(path, micro * 4096)  # no accumulation: nothing goes back and forth
 
 
+def test_a_small_micro_batch_under_parameter_offload_gets_the_larger_one_named(monkeypatch, session_cache):
+    """ZeRO-3 with the parameters offloaded fetches them all from host memory for every micro-batch: Qwen3-4B at
+    131,072 tokens per step on one H100 (79.2 GiB) with micro-batch 2 (x 16) gets the note naming 4 (x 8), which fits by
+    the estimate; at 4, or with "auto", or under ZeRO-2 offload, there is none."""
+    from model_utils import levers
+    from model_utils import plan as plan_module
+    from model_utils.arguments import parse_args
+    from model_utils.preflight import check_plan
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
+    monkeypatch.setattr(levers, "liger_available", lambda: True)
+
+    def notes(preset, micro):
+        cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(REPO / "configs" / preset), "--global_batch_tokens",
+                          "131072", "--micro_batch_size", micro, "--dummy_data", "64", "--checkpoint_dir",
+                          "/nonexistent/ckpt", "--no-export"])
+        return [n for n in check_plan(plan_module.make_plan(cfg, 1, decides=False), check_data=False).notes
+                if "parameters offloaded fetches" in n]
+
+    [note] = notes("zero3-offload.json", "2")
+    assert "16 times per step at micro-batch 2: micro-batch 4 (x 8) fits" in note and "~15 GiB per rank" in note, note
+    assert not notes("zero3-offload.json", "4") and not notes("zero3-offload.json", "auto")
+    assert not notes("zero2-offload.json", "1")
+
+
 def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys):
     """The presets' micro-batch is "auto": the plan picks the largest whose whole run fits 90% of the GPU (stand-in
     sizes: no GPU here), within the global batch, and the preflight prints the choice and its estimate."""
