@@ -255,7 +255,7 @@ def _note_parameter_fetches(plan: Plan, report: Report) -> None:
         f"backward (~{fetched / GIB:.0f} GiB per rank), {batch.accumulation} times per step at micro-batch "
         f"{batch.micro}: micro-batch {best} (x {per_rank // best}) fits by the estimate and fetches them "
         f"{per_rank // best} times (--micro_batch_size auto; Qwen3-4B on one H100 with configs/zero3-offload.json: "
-        "13.1k tokens/s at 4 x 8 against 6.7k at 2 x 16, docs/PERFORMANCE.md)")
+        "13.1k tokens/s at 4 x 8 against 6.7k at 2 x 16 with SDPA, docs/PERFORMANCE.md)")
 
 
 # Host seconds of a ZeRO-1/2 offload update per 10^9 parameters of a rank's partition, measured on one H100's host
