@@ -195,10 +195,8 @@ def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int,
     offloaded parameters add their 16-bit share; a partial offload leaves `gpu_optimizer_share` of the optimizer on
     the GPU, but DeepSpeed creates that part's fp32 gradient buffers in pinned host memory before moving them to the
     GPU (`pinned_optimizer`: offload_optimizer.pin_memory), and PyTorch's pinned-memory cache keeps what they took (4
-    bytes per parameter of the GPU part: Qwen3-4B with `"ratio": 0.5` held 8 GiB of freed pinned blocks after its setup,
-    and Qwen3-8B with `"ratio": 0.55` on one H200 node with 124 GiB, 110 GiB by the model without them, was killed by
-    the host's memory limit in its first step). `gpu` False: CPU ranks, whose processes hold no CUDA context (1 GiB
-    each)."""
+    bytes per parameter of the GPU part; docs/PERFORMANCE.md has the measurements). `gpu` False: CPU ranks, whose
+    processes hold no CUDA context (1 GiB each)."""
     if not (offload_opt or offload_param):
         return 0.0
     per_param = 16.0 * (1 - gpu_optimizer_share) if offload_opt else 0.0

@@ -185,28 +185,28 @@ def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
                         gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world))
 
 
+def _largest_fitting_micro(plan: Plan, ds: dict, allowed) -> tuple[int, str]:
+    """memory.choose_micro_batch for this plan's model on this GPU with `ds` (resolved so far: its ZeRO stage, offloads
+    and precision size the model states); the default where no GPU size or model is known."""
+    if plan.num_params is None or plan.gpu_memory_gib is None:
+        return choose_micro_batch(plan.seq_len, None, None, allowed)
+    return choose_micro_batch(plan.seq_len, plan.gpu_memory_gib, lambda m: _phase_memory(plan, ds, m).peak[1], allowed)
+
+
 def automatic_micro_batch(plan: Plan) -> int | None:
     """The micro-batch "auto" would take for this plan's resolved config and per-rank batch (the largest that divides
     it and fits by the estimate); None where no GPU size is known."""
     if plan.gpu_memory_gib is None or not plan.num_params or not plan.resolved:
         return None
     per_rank = plan.batch.micro * plan.batch.accumulation
-    micro, _ = choose_micro_batch(plan.seq_len, plan.gpu_memory_gib,
-                                  lambda m: _phase_memory(plan, plan.ds_config, m).peak[1], lambda m: per_rank % m == 0)
-    return micro
+    return _largest_fitting_micro(plan, plan.ds_config, lambda m: per_rank % m == 0)[0]
 
 
 def _micro_chooser(plan: Plan):
-    """For ds_config.resolve: the automatic micro-batch, by the memory estimate of this model on this GPU with the
-    config resolved so far (its ZeRO stage, offloads and precision size the model states)."""
+    """For ds_config.resolve: the automatic micro-batch, recording how it was chosen."""
 
     def choose(allowed, ds: dict) -> int:
-        if plan.num_params is None or plan.gpu_memory_gib is None:
-            micro, why = choose_micro_batch(plan.seq_len, None, None, allowed)
-        else:
-            micro, why = choose_micro_batch(plan.seq_len, plan.gpu_memory_gib,
-                                            lambda m: _phase_memory(plan, ds, m).peak[1], allowed)
-        plan.micro_batch_choice = why
+        micro, plan.micro_batch_choice = _largest_fitting_micro(plan, ds, allowed)
         return micro
 
     return choose
