@@ -65,7 +65,7 @@ VARIANTS = {
     "cudnn": _variant(sdpa_backend="cudnn"),
     # The default path with the overflow verdict on the host: only that lever differs from "default".
     "host_overflow_check": {"args": ["--overflow_check", "norm"]},
-    # The default path with ZeRO-1/2 offload's update delayed by one step from the first (the trainer's
+    # The default path with ZeRO offload's update delayed by one step from the first (the trainer's
     # --delayed_update_from_step); pair with an offload config.
     "delayed_update": {"args": ["--delayed_update_from_step", "1"]},
     # The default path with attention within documents (the trainer's --document_mask); pair with --document_length.

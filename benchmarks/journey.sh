@@ -5,6 +5,7 @@
 #   resume      the same checkpoint directory, more steps: resumes from default's last checkpoint
 #   delayed     ZeRO-2 + optimizer offload with --delayed_update_from_step 5: train to 30, then resume to 40
 #   zero3-offload  ZeRO-3 + parameter and optimizer offload, accumulating 4 micro-batches: train to 6, resume to 12
+#   zero3-delayed  the same with --delayed_update_from_step 3
 #   presets     every configs/*.json (ZeRO-1, ZeRO-2 + optimizer offload, ZeRO-3, ZeRO-3 + offload, fp16)
 #   documents   --document_mask
 #   checkpointing  --gradient_checkpointing
@@ -81,7 +82,8 @@ print(" | ".join(parts))
 EOF
     ((status == 0)) || failed=1
     # Checkpoints take disk (8 GiB each for Qwen3-0.6B): only default's stay, for resume and finetune.
-    [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload ]] || rm -rf "$dir"
+    [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed ]] \
+        || rm -rf "$dir"
 }
 
 flags=(--micro_batch_size "$JOURNEY_MICRO_BATCH" --log_interval 5 --eval_iters 8)
@@ -105,6 +107,14 @@ if wanted zero3-offload; then
               --checkpoint_freq 6)
     run zero3-offload "$JOURNEY_DIR/zero3-offload" MAX_STEPS=6 DS_CONFIG=configs/zero3-offload.json -- "${z3_flags[@]}"
     run zero3-offload-resume "$JOURNEY_DIR/zero3-offload" MAX_STEPS=12 DS_CONFIG=configs/zero3-offload.json -- \
+        "${z3_flags[@]}"
+fi
+if wanted zero3-delayed; then
+    # the same with the delayed update from step 3: each step's CPU update beside the next step's micro-batches
+    z3_flags=(--micro_batch_size 4 --gradient_accumulation_steps 4 --log_interval 1 --eval_iters 4 --eval_interval 6
+              --checkpoint_freq 6 --delayed_update_from_step 3)
+    run zero3-delayed "$JOURNEY_DIR/zero3-delayed" MAX_STEPS=6 DS_CONFIG=configs/zero3-offload.json -- "${z3_flags[@]}"
+    run zero3-delayed-resume "$JOURNEY_DIR/zero3-delayed" MAX_STEPS=12 DS_CONFIG=configs/zero3-offload.json -- \
         "${z3_flags[@]}"
 fi
 if wanted presets; then

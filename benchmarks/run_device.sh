@@ -81,8 +81,14 @@ case "${PLAN:-h100}" in
       --micro_batch_size 4 --steps 2 --warmup 1 --timeout 250 --variants default --compare-hf --hf-skip noliger \
       --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, 1 H100, 131,072 tokens per step"
     ;;
-  journey-zero3)  # the ZeRO-3 + offload journey (Qwen3-0.6B, 4 micro-batches a step): train to 6, resume to 12
-    JOURNEY_ONLY=zero3-offload JOURNEY_DIR=/tmp/journey bash benchmarks/journey.sh 2>&1 | tail -5
+  zero3-delayed)  # the same, the CPU update delayed by one step from the first, against HF Trainer + DeepSpeed + Liger
+    bench q4b_zero3_delayed 480 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 4 --steps 2 --warmup 1 --timeout 250 --variants delayed_update --compare-hf --hf-skip noliger \
+      --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, delayed update, 1 H100, 131,072 tokens per step"
+    ;;
+  journey-zero3)  # the ZeRO-3 + offload journeys (Qwen3-0.6B, 4 micro-batches a step), the update synchronous and
+    # delayed: train to 6, resume to 12
+    JOURNEY_ONLY="zero3-offload zero3-delayed" JOURNEY_DIR=/tmp/journey bash benchmarks/journey.sh 2>&1 | tail -5
     mkdir -p "$OUT/journey" && cp /tmp/journey/*.log /tmp/journey/journey.txt "$OUT/journey/"
     ;;
   q4b-losses)  # Qwen3-4B, offload preset: 50 steps of 8,192 tokens, the default path against the unoptimised one (~9 min)

@@ -124,7 +124,7 @@ class TrainConfig:
                                                        "--global_batch_tokens it is derived instead).")
     learning_rate: float | None = _f(None, "Override the optimizer's lr.")
     warmup_steps: int | None = _f(None, "Override the scheduler's warmup_num_steps ('auto' in the config means 5% of max_steps).")
-    delayed_update_from_step: int = _f(0, "ZeRO-1/2 with the optimizer offloaded to the CPU: from this optimizer step "
+    delayed_update_from_step: int = _f(0, "ZeRO with the optimizer offloaded to the CPU: from this optimizer step "
                                           "on, each step's update runs on the host beside the next step's forward and "
                                           "backward, which then take their gradients at the weights before it "
                                           "(ZeRO-Offload's one-step delayed parameter update; the GPU no longer waits "

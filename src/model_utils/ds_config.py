@@ -181,26 +181,39 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
 
 
 def zero12_optimizer_offload(ds: dict) -> bool:
-    """ZeRO-1/2 with the optimizer offloaded: the path of DeepSpeed's CPU update that the delayed update runs beside
-    the next step, and whose accumulation goes through host memory unless grad_accum_dtype is fp32."""
+    """ZeRO-1/2 with the optimizer offloaded: DeepSpeed's path whose gradient accumulation goes through host memory
+    unless grad_accum_dtype is fp32."""
     return zero_stage(ds) in (1, 2) and offloads(ds)[0]
 
 
+def cpu_optimizer_offload(ds: dict) -> bool:
+    """ZeRO-1/2/3 with the optimizer offloaded to CPU memory (under ZeRO-3 fully or in part): DeepSpeed's CPU update,
+    which the delayed update runs beside the next step."""
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    return zero_stage(ds) in (1, 2, 3) and (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+
+
 def check_delayed_update(ds: dict, from_step: int) -> list[Problem]:
-    """--delayed_update_from_step defers the CPU optimizer step of ZeRO-1/2 offload (patches.deepspeed_offload): the
-    configs it covers are DeepSpeed's CPU AdamW (or Adam in its default AdamW mode) in bf16 or fp32."""
+    """--delayed_update_from_step defers the CPU optimizer step of ZeRO offload (patches.deepspeed_offload): the
+    configs it covers offload the optimizer to CPU memory (ZeRO-3: fully or in part, the parameters too or not) and
+    use DeepSpeed's CPU AdamW (or Adam in its default AdamW mode) in bf16 or fp32."""
     if from_step <= 0:
         return []
     where, problems = "--delayed_update_from_step", []
     zero = ds.get("zero_optimization", {}) if isinstance(ds.get("zero_optimization"), dict) else {}
     optimizer = ds.get("optimizer", {}) if isinstance(ds.get("optimizer"), dict) else {}
     params = optimizer.get("params", {}) if isinstance(optimizer.get("params"), dict) else {}
-    if not zero12_optimizer_offload(ds):
-        problems.append(Problem(where, from_step, f"delays the CPU-offloaded optimizer step of ZeRO-1/2; this config "
-                                f"(ZeRO stage {zero_stage(ds)}, optimizer offload "
-                                f"{'on' if offloads(ds)[0] else 'off'}) has none",
-                                "use a ZeRO-1/2 config with zero_optimization.offload_optimizer.device cpu "
-                                "(configs/zero2-offload.json), or remove the flag"))
+    offload_device = (zero.get("offload_optimizer") or {}).get("device", "none")
+    param_device = (zero.get("offload_param") or {}).get("device", "none")
+    if not cpu_optimizer_offload(ds):
+        problems.append(Problem(where, from_step, f"delays the CPU-offloaded optimizer step of ZeRO; this config "
+                                f"(ZeRO stage {zero_stage(ds)}, optimizer offload {offload_device}) has none",
+                                "use a config with zero_optimization.offload_optimizer.device cpu "
+                                "(configs/zero2-offload.json, configs/zero3-offload.json), or remove the flag"))
+    elif param_device == "nvme":
+        problems.append(Problem(where, from_step, "the delayed update rewrites the 16-bit parameters in host memory; "
+                                "this config swaps them to NVMe (zero_optimization.offload_param.device nvme)",
+                                "use offload_param.device cpu or none, or remove the flag"))
     elif (optimizer.get("type", "").lower() not in ADAM_NAMES or params.get("torch_adam")
           or params.get("adam_w_mode") is False or zero.get("zenflow") or params.get("bias_correction") is False):
         problems.append(Problem(where, from_step, "the delayed update steps DeepSpeed's CPU AdamW state; this config's "

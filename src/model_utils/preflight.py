@@ -258,22 +258,27 @@ def _note_parameter_fetches(plan: Plan, report: Report) -> None:
         "13.1k tokens/s at 4 x 8 against 6.7k at 2 x 16 with SDPA, docs/PERFORMANCE.md)")
 
 
-# Host seconds of a ZeRO-1/2 offload update per 10^9 parameters of a rank's partition, measured on one H100's host
+# Host seconds of an offload update per 10^9 parameters of a rank's offloaded partition, measured on one H100's host
 # (16 cores; benchmarks/offload_step.py): the clip 0.058, DeepSpeedCPUAdam 0.205, the bf16 conversion 0.072 and the
-# copy to the GPU 0.036 (docs/PERFORMANCE.md, Where an offload step goes).
+# copy to the GPU 0.036 (docs/PERFORMANCE.md, Where an offload step goes). Under ZeRO-3 the delayed update leaves the
+# conversion at the step's boundary, since the forward fetches the weights from the 16-bit partitions it writes.
 OFFLOAD_UPDATE_S_PER_BILLION = 0.37
+BIT16_CONVERSION_S_PER_BILLION = 0.072
 
 
 def _estimate_offload_update(plan: Plan, report: Report) -> None:
-    """ZeRO-1/2 with the optimizer offloaded: how long the GPU waits for each step's update on the host, and the flag
+    """ZeRO with the optimizer offloaded: how long the GPU waits for each step's update on the host, and the flag
     that runs it beside the next step instead."""
     from . import ds_config as dsc
 
     ds = plan.ds_config
-    if not (dsc.zero12_optimizer_offload(ds) and plan.num_params):
+    if not (dsc.cpu_optimizer_offload(ds) and plan.num_params):
         return
     from_step = plan.cfg.delayed_update_from_step
-    seconds = OFFLOAD_UPDATE_S_PER_BILLION * plan.num_params / plan.world / 1e9
+    ratio = dsc.partial_offload_ratio(ds)
+    offloaded = plan.num_params / plan.world * (1.0 if ratio is None else ratio)
+    seconds = OFFLOAD_UPDATE_S_PER_BILLION * offloaded / 1e9
+    zero3 = dsc.zero_stage(ds) == 3
     if not from_step:
         overlap = ("the GPU waits for it: --delayed_update_from_step S runs it beside the next step, whose gradients "
                    "are then taken one update late (docs/PERFORMANCE.md)")
@@ -283,8 +288,12 @@ def _estimate_offload_update(plan: Plan, report: Report) -> None:
         overlap = (f"from step {from_step} on it runs beside the next step's forward only: with one micro-batch per "
                    "step its backward waits for the update; gradient accumulation (a smaller micro-batch for the same "
                    "--global_batch_tokens) lets the update run beside the other micro-batches")
+    if from_step and zero3:
+        overlap += (f", all but the conversion to 16 bits (~{BIT16_CONVERSION_S_PER_BILLION * offloaded / 1e9:.1f} s), "
+                    "which ZeRO-3 keeps at the step's boundary")
+    share = "" if ratio is None else f" (the offloaded {ratio:g} of them)"
     report.estimate(f"offload update: ~{seconds:.1f} s per step on the host for each rank's "
-                    f"{plan.num_params / plan.world / 1e9:.2f}B parameters (as on one H100's 16-core host); {overlap}")
+                    f"{offloaded / 1e9:.2f}B parameters{share} (as on one H100's 16-core host); {overlap}")
 
 
 def _check_memory(plan: Plan, report: Report) -> None:

@@ -1,5 +1,6 @@
-"""The delayed parameter update of ZeRO-1/2 CPU offload (model_utils/patches/deepspeed_offload.py, the trainer's
---delayed_update_from_step), for real: DeepSpeed ZeRO-1 and ZeRO-2 with the optimizer offloaded, bf16, on CPU (gloo)."""
+"""The delayed parameter update of ZeRO CPU offload (model_utils/patches/deepspeed_offload.py, the trainer's
+--delayed_update_from_step), for real: DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 with the optimizer offloaded, bf16, on CPU
+(gloo)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from model_utils.train_utils import free_port
 # DeepSpeed's own offload step with torch's fused AdamW on the host (the kernel the patch's thread runs), the model's
 # weights set before each step to those of one step earlier: gradients taken one step late, by hand. Both clip
 # (gradient_clipping 0.05 is below the norms here) and accumulate two micro-batches (in fp32 on the GPU or, as
-# DeepSpeed does by default, in bf16 through host memory).
+# DeepSpeed does by default, in bf16 through host memory). ZeRO-3 offloads the parameters too, keeps the biases
+# gathered (persistent) and splits each rank's partition into sub-groups; "partial" offloads half of them and, since a
+# CPU machine has no GPU to keep the other half on, labels the first sub-group as on the GPU after the engine is built
+# (DeepSpeed then steps it with its own torch AdamW, as on a GPU). Its reference steps the offloaded part with
+# DeepSpeedCPUAdam, which DeepSpeed requires there and which rounds unlike torch's kernel.
 SCRIPT = r"""
 import json, os, sys, torch
 os.environ.update(RANK=sys.argv[5], WORLD_SIZE="2", LOCAL_RANK=sys.argv[5], MASTER_ADDR="127.0.0.1",
@@ -29,20 +34,43 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
                             torch.nn.Linear(64, 4))
 params = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
-if mode == "reference":
+stage, partial = int(sys.argv[4]), sys.argv[7] == "partial"
+if mode == "reference" and not partial:
     params.update(torch_adam=True, fused=True)
 ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
       "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": sys.argv[6]},
       "optimizer": {"type": "AdamW", "params": params},
       "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                     "warmup_num_steps": 4, "warmup_type": "linear"}},
-      "zero_optimization": {"stage": int(sys.argv[4]), "offload_optimizer": {"device": "cpu"}}}
+      "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+if stage == 3:
+    ds["zero_optimization"].update(offload_param={"device": "cpu"}, sub_group_size=2000,
+                                   stage3_param_persistence_threshold=100)
+    if partial:
+        ds["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
 decay = [p for p in model.parameters() if p.dim() > 1]
 others = [p for p in model.parameters() if p.dim() <= 1]
 groups = [{"params": decay, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}]
 engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+opt = engine.optimizer
+if partial:
+    opt.subgroup_to_device[0] = "cuda"
 delayed = mode == "delayed" and deepspeed_offload.delay_offload_updates(engine, 1, print)
-weights = lambda: [p.detach().clone() for p in engine.module.parameters()]
+if stage == 3:  # the weights as the forward fetches them: each rank's 16-bit partitions, and the persistent ones
+    flats, masters = opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat
+    weights = lambda: [f.detach().clone() for f in flats]
+    def set_weights(values):
+        for f, w in zip(flats, values):
+            f.data.copy_(w)
+        opt.persistent_parameters[0].partition(opt.persistent_parameters)  # gathered again only once released
+        opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+    assert opt.persistent_parameters and len(flats) > 2
+else:
+    masters = opt.single_partition_of_fp32_groups
+    weights = lambda: [p.detach().clone() for p in engine.module.parameters()]
+    def set_weights(values):
+        for p, w in zip(engine.module.parameters(), values):
+            p.data.copy_(w)
 late = weights()
 torch.manual_seed(1 + int(sys.argv[5]))  # each rank its own data
 batches = [torch.randn(2, 16).to(torch.bfloat16) for _ in range(12)]
@@ -50,8 +78,7 @@ losses, norms = [], []
 for step in range(6):
     if mode == "reference":  # the weights of one step earlier
         current = weights()
-        for p, w in zip(engine.module.parameters(), late):
-            p.data.copy_(w)
+        set_weights(late)
         late = current
     step_loss = 0.0
     for x in batches[2 * step:2 * step + 2]:
@@ -64,20 +91,23 @@ for step in range(6):
 in_flight = getattr(engine.optimizer, "dslm_delayed_update", None)
 pending_before_settle = bool(in_flight and in_flight.pending)
 deepspeed_offload.settle(engine)
-master = [t.detach().flatten().tolist() for t in engine.optimizer.single_partition_of_fp32_groups]
-state = engine.optimizer.optimizer.state[engine.optimizer.single_partition_of_fp32_groups[0]]
+master = [t.detach().flatten().tolist() for t in masters]
+state = opt.optimizer.state[masters[-1]]  # an offloaded partition's Adam state
+with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+    model_weights = [p.detach().float().flatten().tolist() for p in engine.module.parameters()]
 print("RESULT " + json.dumps({"delayed": delayed, "losses": losses, "norms": norms, "master": master,
-                              "weights": [p.detach().float().flatten().tolist() for p in engine.module.parameters()],
+                              "weights": [w.float().flatten().tolist() for w in weights()], "model": model_weights,
                               "pending_before_settle": pending_before_settle, "lr": engine.get_lr()[0],
                               "adam_step": int(state["step"]),
                               "exp_avg_sq": state["exp_avg_sq"].flatten()[:64].tolist()}))
 """
 
 
-def _run(mode: str, stage: int, accumulation: str) -> list[dict]:
+def _run(mode: str, stage: int, accumulation: str, offload: str = "full") -> list[dict]:
     """Two ranks (gloo): each rank's result."""
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, "-c", SCRIPT, mode, port, str(SRC), str(stage), str(rank), accumulation],
+    ranks = [subprocess.Popen([sys.executable, "-c", SCRIPT, mode, port, str(SRC), str(stage), str(rank), accumulation,
+                               offload],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     results = []
     for rank in ranks:
@@ -88,11 +118,12 @@ def _run(mode: str, stage: int, accumulation: str) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("stage, accumulation", [(1, "fp32"), (2, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("stage, accumulation", [(1, "fp32"), (2, "fp32"), (2, "bf16"), (3, "bf16")])
 def test_delayed_update_equals_deepspeed_with_gradients_one_step_late(stage, accumulation):
     """Two ranks, each with its own data and its half of the master weights and Adam state. fp32: the presets'
     accumulation on the GPU; bf16: DeepSpeed's default (the seeds' config), each micro-batch's gradients added in host
-    memory, which the update in flight does not read."""
+    memory, which the update in flight does not read. ZeRO-3 keeps its accumulation in host memory and fetches the
+    weights from the 16-bit partitions there, which the delayed update rewrites at the next step."""
     delayed, reference = _run("delayed", stage, accumulation), _run("reference", stage, accumulation)
     for mine, theirs in zip(delayed, reference):
         assert mine["delayed"] is True
@@ -109,12 +140,28 @@ def test_delayed_update_equals_deepspeed_with_gradients_one_step_late(stage, acc
         assert len(set(mine["losses"])) == 6
     # Each rank updated its own half and received the other's: the same model on both.
     assert delayed[0]["master"] != delayed[1]["master"]
-    assert delayed[0]["weights"] == delayed[1]["weights"]
+    assert delayed[0]["model"] == delayed[1]["model"]
     assert delayed[0]["losses"] != delayed[1]["losses"]
 
 
-DELAYED_ARGS = [*FAST_ARGS, "--ds_config", "configs/zero2-offload.json", "--max_steps", "8", "--checkpoint_freq", "4",
-                "--no-export", "--seed", "5", "--gradient_accumulation_steps", "2"]
+def test_a_partial_zero3_offload_delays_its_gpu_part_alike():
+    """ZeRO-3 with half of the optimizer offloaded: the sub-group DeepSpeed updates on the GPU (labelled so on this CPU
+    machine) takes DeepSpeed's own AdamW at the step, and its 16-bit partition waits for the next step like the
+    offloaded ones', so every weight is one step late alike. The reference steps the offloaded part with
+    DeepSpeedCPUAdam, so the two agree to its rounding, not bitwise; a sub-group updated a step early or late would
+    part them by about the learning rate (1e-2)."""
+    delayed, reference = _run("delayed", 3, "bf16", "partial"), _run("reference", 3, "bf16", "partial")
+    for mine, theirs in zip(delayed, reference):
+        assert mine["delayed"] is True and mine["pending_before_settle"]
+        assert mine["losses"] == pytest.approx(theirs["losses"], rel=1e-4, abs=1e-6)
+        assert mine["norms"] == pytest.approx(theirs["norms"], rel=1e-4, abs=1e-6)
+        for got, want in zip(mine["master"], theirs["master"]):
+            assert got == pytest.approx(want, abs=1e-4)
+        assert len(set(mine["losses"])) == 6
+
+
+DELAYED_ARGS = [*FAST_ARGS, "--max_steps", "8", "--checkpoint_freq", "4", "--no-export", "--seed", "5",
+                "--gradient_accumulation_steps", "2"]
 
 
 def _losses(run) -> dict:
@@ -122,12 +169,15 @@ def _losses(run) -> dict:
 
 
 @pytest.mark.timeout(1200)
-def test_a_delayed_update_run_resumes_exactly(session_cache, tmp_path):
+@pytest.mark.parametrize("preset", ["zero2-offload", "zero3-offload"])
+def test_a_delayed_update_run_resumes_exactly(session_cache, tmp_path, preset):
     """The trainer on 2 ranks with --delayed_update_from_step 3: killed (-9) after its step-4 checkpoint and resumed,
     it logs the uninterrupted run's losses from step 5 on (a checkpoint settles the update in flight, and the
     uninterrupted run settles it at the same step). Without the delay the losses part at step 4, the first whose
-    gradients are taken at the weights of one step earlier (before step 3's update)."""
-    delayed = [*DELAYED_ARGS, "--delayed_update_from_step", "3"]
+    gradients are taken at the weights of one step earlier (before step 3's update). ZeRO-2 with the optimizer
+    offloaded, and ZeRO-3 with the parameters offloaded too."""
+    config = ["--ds_config", f"configs/{preset}.json"]
+    delayed = [*DELAYED_ARGS, *config, "--delayed_update_from_step", "3"]
     whole = run_trainer(tmp_path / "whole", delayed)
     assert_ok(whole)
     assert "each step's CPU optimizer update runs beside the next step's forward and backward" in whole.output
@@ -135,7 +185,7 @@ def test_a_delayed_update_run_resumes_exactly(session_cache, tmp_path):
     manifest = json.loads((tmp_path / "killed" / "step-00000004" / "manifest.json").read_text())
     assert manifest["levers_in_force"]["delayed_update_from_step"] == 3
     assert "differ from the checkpoint's" not in resumed.output
-    plain = run_trainer(tmp_path / "plain", DELAYED_ARGS)
+    plain = run_trainer(tmp_path / "plain", [*DELAYED_ARGS, *config])
     assert_ok(plain)
     want, got, undelayed = _losses(whole), _losses(resumed), _losses(plain)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)], (want, got)

@@ -272,8 +272,9 @@ def test_a_partial_offload_is_checked_and_sized_as_deepspeed_splits_it(monkeypat
 
 
 def test_the_delayed_update_is_refused_where_it_would_do_nothing_or_change_what_it_does_not_cover():
-    """--delayed_update_from_step defers ZeRO-1/2's CPU-offloaded update (DeepSpeed's CPU AdamW state, bf16 or fp32):
-    a config without that update, another optimizer, or fp16's loss scaling is a problem naming the flag."""
+    """--delayed_update_from_step defers ZeRO's CPU-offloaded update (DeepSpeed's CPU AdamW state, bf16 or fp32): a
+    config without that update, parameters swapped to NVMe, another optimizer, or fp16's loss scaling is a problem
+    naming the flag."""
     offload = json.loads((REPO / "configs" / "zero2-offload.json").read_text())
     zero3_offload = json.loads((REPO / "configs" / "zero3-offload.json").read_text())
     flag = ["--delayed_update_from_step", "3"]
@@ -285,9 +286,17 @@ def test_the_delayed_update_is_refused_where_it_would_do_nothing_or_change_what_
     assert delayed_problems(offload) == [] and delayed_problems(offload, argv=[]) == []
     assert delayed_problems(offload, hardware="fp32") == []
     [no_offload] = delayed_problems(SHIPPED)
-    assert "ZeRO stage 2, optimizer offload off" in no_offload and "configs/zero2-offload.json" in no_offload
-    [zero3] = delayed_problems(zero3_offload)
-    assert "ZeRO stage 3, optimizer offload on" in zero3
+    assert "ZeRO stage 2, optimizer offload none" in no_offload and "configs/zero2-offload.json" in no_offload
+    assert delayed_problems(zero3_offload) == []
+    raw = copy.deepcopy(zero3_offload)
+    raw["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    assert delayed_problems(raw) == []  # a partial offload: its GPU part is delayed alike
+    raw["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/local"}
+    [nvme] = delayed_problems(raw)
+    assert "offload_param.device nvme" in nvme and "fix:" in nvme
+    raw = copy.deepcopy(zero3_offload)
+    raw["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/local"}
+    assert "optimizer offload nvme" in delayed_problems(raw)[0]
     for key, value in (("torch_adam", True), ("adam_w_mode", False)):
         raw = copy.deepcopy(offload)
         raw["optimizer"]["params"][key] = value

@@ -22,7 +22,7 @@ TESTS = Path(__file__).resolve().parents[1]
 def test_every_patch_names_tests_that_exist():
     records = patches.all_patches()
     assert set(records) == {"deepspeed_zero.NORM_OVERFLOW_CHECK", "deepspeed_zero.DEVICE_OVERFLOW_SKIP",
-                            "deepspeed_offload.DELAYED_UPDATE",
+                            "deepspeed_offload.DELAYED_UPDATE", "deepspeed_offload.DELAYED_UPDATE_ZERO3",
                             "deepspeed_zero3.PARTIAL_OFFLOAD_STATE", "flash_attn4.FA4_KERNELS",
                             "liger.FLCE_CHUNK_BUDGET", "torch_compile.COMPILE_SETTINGS"}
     for name, patch in records.items():

@@ -580,10 +580,11 @@ def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, sessio
     assert roomy.background_checkpoint and roomy.checkpoint_writes.startswith("in the background, from a host copy")
 
 
-def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, session_cache):
-    """ZeRO-1/2 with the optimizer offloaded: the preflight states how long each step's host update takes for the
-    rank's share of the parameters (the H100 host's measured rate) and names --delayed_update_from_step; with the
-    flag it says from which step the update runs beside the next one. Other configs get no such line."""
+def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, session_cache, tmp_path):
+    """ZeRO with the optimizer offloaded: the preflight states how long each step's host update takes for the rank's
+    offloaded share of the parameters (the H100 host's measured rate) and names --delayed_update_from_step; with the
+    flag it says from which step the update runs beside the next one (under ZeRO-3 all but the conversion to 16 bits).
+    Configs without an offloaded optimizer get no such line."""
     from model_utils import levers
     from model_utils import plan as plan_module
     from model_utils.arguments import parse_args
@@ -609,4 +610,12 @@ def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, sessio
     cfg_one = ["--delayed_update_from_step", "20", "--micro_batch_size", "2", "--global_batch_tokens", "8192"]
     [line] = update_lines("configs/zero2-offload.json", 1, *cfg_one)
     assert "beside the next step's forward only" in line and "gradient accumulation" in line
-    assert update_lines("ds_config.json") == [] and update_lines("configs/zero3-offload.json") == []
+    [line] = update_lines("configs/zero3-offload.json", 1, "--delayed_update_from_step", "20")
+    assert "~1.5 s per step" in line and "from step 20 on it runs beside the next step" in line
+    assert "all but the conversion to 16 bits (~0.3 s), which ZeRO-3 keeps at the step's boundary" in line
+    partial = json.loads((REPO / "configs" / "zero3-offload.json").read_text())
+    partial["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    [line] = update_lines(tmp_path / "partial.json")
+    assert "~0.7 s per step" in line and "2.01B parameters (the offloaded 0.5 of them)" in line
+    assert update_lines("ds_config.json") == [] and update_lines("configs/zero3.json") == []

@@ -7,7 +7,7 @@ that show it behaves as the stock path does. tests/unit/test_patches.py checks t
 libraries and that each named test exists.
 
     deepspeed_zero   the ZeRO-1/2 step's overflow check through the gradient norm, and its verdict on the GPU
-    deepspeed_offload  ZeRO-1/2's CPU-offloaded update run beside the next step (the delayed parameter update)
+    deepspeed_offload  ZeRO's CPU-offloaded update run beside the next step (the delayed parameter update)
     deepspeed_zero3  ZeRO-3 checkpoints of a partial optimizer offload that hold the GPU part's state too
     liger            the chunking of Liger's fused linear cross-entropy
     flash_attn4      FlashAttention-4's kernels as a torch custom op and a transformers attention implementation

@@ -1,11 +1,12 @@
-"""ZeRO-1/2 with the optimizer offloaded to the CPU: the one-step delayed parameter update (--delayed_update_from_step).
+"""ZeRO with the optimizer offloaded to the CPU: the one-step delayed parameter update (--delayed_update_from_step).
 
 DeepSpeed's offload step runs on the host while the GPU waits: the gradient clip, DeepSpeedCPUAdam over the fp32
 master weights, their conversion to bf16 and the copy back (about 1.4 s per step for Qwen3-4B on one H100, 15% of a
-131,072-token step). ZeRO-Offload's delayed parameter update (Ren et al., 2021) moves that work beside the next step's
-forward and backward: the update of step t runs in a background thread while step t+1 computes its gradients on the
-weights before that update, and lands on the GPU at step t+1's boundary. What changes: from the given step on, each
-step's gradients are taken at the weights of one step earlier (the update applied is AdamW's, unchanged).
+131,072-token step). ZeRO-Offload's delayed parameter update (Ren et al., 2021) moves that work beside the next
+step's forward and backward: the update of step t runs in a background thread while step t+1 computes its gradients on
+the weights before that update, and lands in the model at step t+1's boundary. What changes: from the given step on,
+each step's gradients are taken at the weights of one step earlier (the update applied is AdamW's, unchanged).
+ZeRO-1/2 (DelayedUpdate) and ZeRO-3 (DelayedUpdateZero3) each have their own step to replace.
 
 The thread steps DeepSpeedCPUAdam's own state (step count, moments) with torch's fused CPU AdamW, whose kernel releases
 Python's GIL (DeepSpeed's op holds it for the whole update, which starves the GPU of kernel launches: 21 against 675
@@ -30,17 +31,29 @@ DELAYED_UPDATE = Patch(
     ("tests/distributed/test_delayed_update.py::test_delayed_update_equals_deepspeed_with_gradients_one_step_late",
      "tests/distributed/test_delayed_update.py::test_a_delayed_update_run_resumes_exactly"))
 
+DELAYED_UPDATE_ZERO3 = Patch(
+    "deepspeed", "0.19.8", "0.19.8",
+    "DeepSpeedZeroOptimizer_Stage3.step (replaced on the instance for CPU offload: its norm, skip, clip and "
+    "partition bookkeeping kept, the host update deferred to a thread, the 16-bit partitions rewritten from the fp32 "
+    "master weights at the next step) and .scale_if_loss (waits for the update in flight before the boundary backward "
+    "copies gradients to the host); DeepSpeedCPUAdam's state stepped by torch's fused AdamW",
+    "Qwen3-4B on one H100 (ZeRO-3, parameters and optimizer offloaded): the host update runs beside the next step's "
+    "GPU work (docs/PERFORMANCE.md, ZeRO-3 with parameters and optimizer offloaded)",
+    ("tests/distributed/test_delayed_update.py::test_delayed_update_equals_deepspeed_with_gradients_one_step_late",
+     "tests/distributed/test_delayed_update.py::test_a_delayed_update_run_resumes_exactly"))
+
 
 def delay_offload_updates(engine, from_step: int, log) -> bool:
-    """Install the delayed update on a ZeRO-1/2 engine with CPU optimizer offload, from optimizer step `from_step` on
+    """Install the delayed update on a ZeRO engine with CPU optimizer offload, from optimizer step `from_step` on
     (0: off). Returns whether it is in force; the checks of ds_config.check_delayed_update have refused the configs
     it does not cover before the engine was built, so here only an untested DeepSpeed release takes the stock step."""
     if from_step <= 0:
         return False
-    if not gate(DELAYED_UPDATE, log):
+    zero3 = hasattr(getattr(engine, "optimizer", None), "fp32_partitioned_groups_flat")
+    if not gate(DELAYED_UPDATE_ZERO3 if zero3 else DELAYED_UPDATE, log):
         log(f"offload: --delayed_update_from_step {from_step} not applied (each step's update before the next step)")
         return False
-    DelayedUpdate(engine, from_step).install()
+    (DelayedUpdateZero3 if zero3 else DelayedUpdate)(engine, from_step).install()
     log(f"offload: from step {from_step} on, each step's CPU optimizer update runs beside the next step's forward and "
         "backward, which take their gradients at the weights before it (the one-step delayed parameter update)")
     return True
@@ -54,22 +67,23 @@ def settle(engine) -> None:
         delayed.apply_pending()
 
 
-class DelayedUpdate:
-    """The delayed step on one ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer with cpu_offload, bf16 or fp32)."""
+class _DelayedStep:
+    """What the delayed step shares between ZeRO stages: the thread that runs the host update, the wait for it before
+    the boundary backward rewrites the gradients it reads, and DeepSpeed's clip as one host scalar."""
 
-    def __init__(self, engine, from_step: int):
+    def __init__(self, engine, from_step: int, cpu_partitions: list):
         import torch
 
         self.engine, self.opt, self.from_step = engine, engine.optimizer, from_step
         self.cpu_adam = self.opt.optimizer  # DeepSpeedCPUAdam: its param_groups and state are the ones checkpointed
         self.thread: threading.Thread | None = None
         self.error: Exception | None = None
-        self.pending = False  # an update computed (or computing) on the host that the GPU has not received
+        self.pending = False  # an update computed (or computing) on the host that the model has not received
         self.copied = None  # CUDA event: the GPU has read the host's bf16 buffers (they may be rewritten after it)
         self.stock_step = self.opt.step
-        # One torch AdamW per parameter group over DeepSpeed's fp32 partition: its fused CPU kernel does the update.
-        self.adams = [torch.optim.AdamW([partition], fused=True)
-                      for partition in self.opt.single_partition_of_fp32_groups]
+        # One torch AdamW per host partition (ZeRO-1/2: parameter group; ZeRO-3: sub-group): its fused CPU kernel does
+        # the update.
+        self.adams = {id(partition): torch.optim.AdamW([partition], fused=True) for partition in cpu_partitions}
 
     def install(self) -> None:
         opt = self.opt
@@ -86,6 +100,12 @@ class DelayedUpdate:
         opt.scale_if_loss = scale_if_loss
         opt.step = self.step
 
+    def step(self, closure=None):
+        raise NotImplementedError
+
+    def apply_pending(self) -> None:
+        raise NotImplementedError
+
     # ----- the thread -----
     def join(self) -> None:
         if self.thread is not None:
@@ -94,6 +114,29 @@ class DelayedUpdate:
         if self.error is not None:
             error, self.error = self.error, None
             raise RuntimeError("the delayed optimizer update failed on the host") from error
+
+    def _queue(self, partition, group: dict, inverse_scale, bit16_buffer=None) -> tuple:
+        """One host partition's share of the update: DeepSpeedCPUAdam's state for it (created in its own layout, so
+        its checkpoints and hp-param links hold it) lent to the torch AdamW that steps it, its step count advanced."""
+        import torch
+
+        state = self.cpu_adam.state[partition]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(partition.data, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(partition.data, dtype=torch.float32)
+        adam = self.adams[id(partition)]
+        adam.state[partition] = {"step": torch.tensor(float(state["step"]), dtype=torch.float32),
+                                 "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        state["step"] += 1
+        hyper = {"lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"],
+                 "weight_decay": group["weight_decay"]}
+        return adam, partition, bit16_buffer, inverse_scale, hyper
+
+    def _start(self, work: list) -> None:
+        self.pending = True
+        self.thread = threading.Thread(target=self._update, args=(work,), name="delayed-optimizer-update", daemon=True)
+        self.thread.start()
 
     def _update(self, work: list) -> None:
         try:
@@ -104,9 +147,34 @@ class DelayedUpdate:
                     partition.grad.mul_(inverse_scale)  # DeepSpeed's unscale_and_clip_grads, same operation
                 adam.param_groups[0].update(hyper)
                 adam.step()
-                bit16_buffer.copy_(partition)
+                if bit16_buffer is not None:
+                    bit16_buffer.copy_(partition)
         except Exception as error:  # re-raised in the training thread by join()
             self.error = error
+
+    def _inverse_clip_scale(self, norm):
+        """1 / the combined scale of DeepSpeed's unscale_and_clip_grads, as a host scalar tensor (None: no scaling)."""
+        import torch
+        from deepspeed.runtime.utils import is_invalid_grad_norm
+
+        opt = self.opt
+        if opt.clip_grad == 0.0 and opt.loss_scale == 1.0:
+            return None
+        combined = opt.loss_scale
+        if opt.clip_grad > 0.0:
+            if is_invalid_grad_norm(norm):  # a non-finite norm that did not skip the step (bf16): scale by 1/inf
+                norm = torch.tensor(float("inf"), dtype=torch.float, device=norm.device)
+            clip = ((norm / opt.loss_scale) + 1e-6) / opt.clip_grad
+            combined = torch.clamp(clip, min=1.0) * opt.loss_scale
+        inverse = 1.0 / combined
+        return inverse.cpu() if torch.is_tensor(inverse) else torch.tensor(inverse, dtype=torch.float32)
+
+
+class DelayedUpdate(_DelayedStep):
+    """The delayed step on one ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer with cpu_offload, bf16 or fp32)."""
+
+    def __init__(self, engine, from_step: int):
+        super().__init__(engine, from_step, engine.optimizer.single_partition_of_fp32_groups)
 
     # ----- DeepSpeedZeroOptimizer.step, delayed -----
     def step(self, closure=None):
@@ -145,42 +213,13 @@ class DelayedUpdate:
         inverse_scale = self._inverse_clip_scale(norm)
         work = []
         for i, partition in enumerate(opt.single_partition_of_fp32_groups):
-            group, adam = self.cpu_adam.param_groups[i], self.adams[i]
-            state = self.cpu_adam.state[partition]
-            if not state:  # DeepSpeedCPUAdam's own layout, so its checkpoints and hp-param links hold them
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(partition.data, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(partition.data, dtype=torch.float32)
-            adam.state[partition] = {"step": torch.tensor(float(state["step"]), dtype=torch.float32),
-                                     "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-            state["step"] += 1
-            hyper = {"lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"],
-                     "weight_decay": group["weight_decay"]}
-            work.append((adam, partition, opt.param_buffer_of_bit16_for_cpu_offload_groups[i], inverse_scale, hyper))
+            work.append(self._queue(partition, self.cpu_adam.param_groups[i], inverse_scale,
+                                    opt.param_buffer_of_bit16_for_cpu_offload_groups[i]))
             opt._release_preflattened_grad_buffers(i)
             opt.averaged_gradients[i] = None
         opt._lazy_init_hp_params_optimizer_state()
         opt.reset_cpu_buffers()
-        self.pending = True
-        self.thread = threading.Thread(target=self._update, args=(work,), name="delayed-optimizer-update", daemon=True)
-        self.thread.start()
-
-    def _inverse_clip_scale(self, norm):
-        """1 / the combined scale of DeepSpeed's unscale_and_clip_grads, as a host scalar tensor (None: no scaling)."""
-        import torch
-        from deepspeed.runtime.zero.stage_1_and_2 import is_invalid_grad_norm
-
-        opt = self.opt
-        if opt.clip_grad == 0.0 and opt.loss_scale == 1.0:
-            return None
-        combined = opt.loss_scale
-        if opt.clip_grad > 0.0:
-            if is_invalid_grad_norm(norm):  # a non-finite norm that did not skip the step (bf16): scale by 1/inf
-                norm = torch.tensor(float("inf"), dtype=torch.float, device=opt.device)
-            clip = ((norm / opt.loss_scale) + 1e-6) / opt.clip_grad
-            combined = torch.clamp(clip, min=1.0) * opt.loss_scale
-        inverse = 1.0 / combined
-        return inverse.cpu() if torch.is_tensor(inverse) else torch.tensor(inverse, dtype=torch.float32)
+        self._start(work)
 
     def apply_pending(self) -> None:
         """Wait for the update in flight and put its weights on the GPU: the bf16 partition copied up, all-gathered
@@ -206,4 +245,80 @@ class DelayedUpdate:
                              allgather_bucket_size=opt.allgather_bucket_size)
         for i in range(len(opt.bit16_groups)):
             opt._update_model_bit16_weights(i)
+        self.pending = False
+
+
+class DelayedUpdateZero3(_DelayedStep):
+    """The delayed step on one ZeRO-3 optimizer (DeepSpeedZeroOptimizer_Stage3) with the optimizer offloaded, fully or
+    in part, the parameters offloaded or not.
+
+    Under ZeRO-3 the 16-bit partitions the forward fetches its parameters from are the ones DeepSpeed's step rewrites
+    from the fp32 master weights, so the thread updates the master weights and the Adam moments only, and the next
+    step rewrites the 16-bit partitions from them (apply_pending: about 0.07 s per 10^9 parameters on the host). The
+    sub-groups a partial offload keeps on the GPU take DeepSpeed's own AdamW there at once; their 16-bit partitions
+    wait for the next step too, so every weight is one step late alike."""
+
+    def __init__(self, engine, from_step: int):
+        opt = engine.optimizer
+        cpu = [flat for i, flat in enumerate(opt.fp32_partitioned_groups_flat) if self._on_host(opt, i)]
+        super().__init__(engine, from_step, cpu)
+
+    @staticmethod
+    def _on_host(opt, sub_group: int) -> bool:
+        return getattr(opt, "subgroup_to_device", {}).get(sub_group, "cpu") == "cpu"
+
+    # ----- DeepSpeedZeroOptimizer_Stage3.step, delayed -----
+    def step(self, closure=None):
+        from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+
+        if self.engine.global_steps + 1 < self.from_step:
+            return self.stock_step(closure)
+        opt = self.opt
+        opt._pre_step()
+        opt._partition_all_parameters()
+
+        # The norm and the skip of a non-finite gradient, as DeepSpeed's step. The norm's read to the host also
+        # waits for the GPU's last reads of the 16-bit partitions, which apply_pending rewrites.
+        opt._overflow_check_and_loss_scale_update(update_scale=False)
+        norm = None
+        if not opt.overflow:
+            norm = combine_grad_norm_groups(opt._get_norm_groups())
+            if is_invalid_grad_norm(norm):
+                opt.overflow = True
+        self.apply_pending()  # the previous step's update, computed beside this step's micro-batches
+        if opt._loss_scale_update_and_overflow_cleanup():
+            return
+        opt._global_grad_norm = norm / opt.loss_scale
+
+        inverse_scale = self._inverse_clip_scale(norm)
+        work = []
+        for i, partition in enumerate(opt.fp32_partitioned_groups_flat):
+            if not self._on_host(opt, i):  # a partial offload's GPU part: DeepSpeed's AdamW there, now
+                opt.unscale_and_clip_grads(i, norm)
+                opt._optimizer_step(i)
+                continue
+            work.append(self._queue(partition, self.cpu_adam.param_groups[opt.sub_group_to_group_id[i]],
+                                    inverse_scale))
+        opt.reset_cpu_buffers()
+        self._start(work)
+        self._gather_persistent()  # as DeepSpeed's step ends: the small parameters ZeRO-3 keeps whole on the GPU
+
+    def _gather_persistent(self) -> None:
+        persistent = self.opt.persistent_parameters
+        if persistent:
+            persistent[0].partition(persistent)  # those already whole are gathered again only once released
+            persistent[0].all_gather(persistent)
+
+    def apply_pending(self) -> None:
+        """Wait for the update in flight and hand its weights to the model: every sub-group's 16-bit partition
+        rewritten from its fp32 master weights, the persistent parameters gathered again (DeepSpeed's step, after its
+        update)."""
+        self.join()
+        if not self.pending:
+            return
+        opt = self.opt
+        for i in range(len(opt.fp16_groups)):
+            opt._reassign_or_swap_out_partitioned_parameters(i)
+        self._gather_persistent()
+        opt.invalidate_secondary_tensor()
         self.pending = False
