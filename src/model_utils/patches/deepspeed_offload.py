@@ -135,7 +135,9 @@ class _DelayedStep:
 
     def _start(self, work: list) -> None:
         self.pending = True
-        self.thread = threading.Thread(target=self._update, args=(work,), name="delayed-optimizer-update", daemon=True)
+        # Not a daemon: a process that ends with an update in flight (an error, a benchmark's last step) waits for it
+        # at exit; a daemon thread inside a torch kernel when the interpreter finalises aborts the process (SIGABRT).
+        self.thread = threading.Thread(target=self._update, args=(work,), name="delayed-optimizer-update", daemon=False)
         self.thread.start()
 
     def _update(self, work: list) -> None:
