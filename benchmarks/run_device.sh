@@ -91,17 +91,29 @@ case "${PLAN:-h100}" in
     JOURNEY_ONLY="zero3-offload zero3-delayed" JOURNEY_DIR=/tmp/journey bash benchmarks/journey.sh 2>&1 | tail -5
     mkdir -p "$OUT/journey" && cp /tmp/journey/*.log /tmp/journey/journey.txt "$OUT/journey/"
     ;;
-  q4b-losses)  # Qwen3-4B, offload preset: 50 steps of 8,192 tokens, the default path against the unoptimised one (~9 min)
-    bench q4b_losses 560 --model qwen3-4b --ds_config configs/zero2-offload.json \
-      --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 280 \
-      --title "Qwen3-4B, offload preset: losses against the unoptimised path"
+  q4b-losses)  # Qwen3-4B, offload preset: 50 steps of 8,192 tokens of the unoptimised path (~8 min alone: both paths
+    # take longer than one call), compared with the default path's 50 steps recorded in h100-2026-11-25.jsonl
+    bench q4b_losses_reference 590 --model qwen3-4b --ds_config configs/zero2-offload.json --steps 1 --warmup 1 \
+      --variants --loss-check 50 --loss-check-mb 2 --loss-check-reference nofused --loss-check-variants --timeout 570 \
+      --title "Qwen3-4B, offload preset: the unoptimised path's losses"
+    python3 - "$OUT/results.jsonl" benchmarks/results/h100-2026-11-25.jsonl <<'EOF' | tee "$OUT/q4b_losses.txt"
+import json, sys
+sys.path.insert(0, "benchmarks")
+from report import loss_check
+def run(path, name):
+    rows = [json.loads(line) for line in open(path)]
+    return next(r["result"] for r in reversed(rows) if r["job"]["name"] == name and r["job"]["model"] == "qwen3-4b")
+print("Loss check, Qwen3-4B, unoptimised against default:",
+      json.dumps(loss_check(run(sys.argv[1], "losscheck-nofused-mb2"), run(sys.argv[2], "losscheck-default-mb2"))))
+EOF
     ;;
-  partial-offload)  # one H200: Qwen3-8B, ZeRO-3 with parameters and 40% of the optimizer offloaded (the preflight's fix),
-    # micro-batch 1 x 32 (the automatic micro-batch's choice); PEER=1: against HF Trainer + DeepSpeed + Liger (~9 min)
+  partial-offload)  # one H200 (124 GiB free): Qwen3-8B, ZeRO-3 with 55% of the optimizer offloaded and the parameters on
+    # the GPU (the preflight's fix there), micro-batch 1 x 32; PEER=1: against HF Trainer + DeepSpeed + Liger (~9 min)
     bench q8b_partial 560 --model qwen3-8b --ds_config configs/zero3-offload.json \
-      --ds-set zero_optimization.offload_optimizer.ratio=0.4 --global_batch_tokens 131072 --micro_batch_size 1 \
+      --ds-set zero_optimization.offload_optimizer.ratio=0.55 'zero_optimization.offload_param.device="none"' \
+      --global_batch_tokens 131072 --micro_batch_size 1 \
       --variants default ${PEER:+--compare-hf --hf-skip noliger} --steps 2 --warmup 1 --timeout 285 \
-      --title "Qwen3-8B, ZeRO-3 + partial optimizer offload (ratio 0.4), 1 H200, 131,072 tokens per step"
+      --title "Qwen3-8B, ZeRO-3 + partial optimizer offload (ratio 0.55), parameters on the GPU, 1 H200, 131,072 tokens per step"
     ;;
   scale)  # per-GPU scaling on 1/2/4 H200 (default path), Qwen3-8B ZeRO-3, the loss check, then the peers if time
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)

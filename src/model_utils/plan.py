@@ -236,10 +236,17 @@ def _plan_host_memory(plan: Plan) -> None:
     plan.host_available = host_memory_available() if plan.here else None
 
 
-def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float, float, float] | None:
-    """For offloaded states that do not fit the node: the largest `offload_optimizer.ratio` (steps of 0.05) of a ZeRO-3
-    run with its parameters and that share of the optimizer offloaded whose host memory fits `host_available` and whose
-    GPU part fits AUTO_MEMORY_SHARE of the GPU at micro-batch 1. Returns (ratio, host bytes, GPU bytes), or None."""
+# The share of a node's available memory a proposed offload may plan to fill: the model of the offloaded states came
+# within 2% of the measured peaks (docs/PERFORMANCE.md), and the node's other processes and page cache need the rest.
+HOST_MEMORY_SHARE = 0.9
+
+
+def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float, str, float, float] | None:
+    """For offloaded states that do not fit the node: a ZeRO-3 run with part of its optimizer offloaded, the largest
+    `offload_optimizer.ratio` (steps of 0.05) whose host memory fits HOST_MEMORY_SHARE of `host_available` and whose
+    GPU part fits AUTO_MEMORY_SHARE of the GPU at micro-batch 1. The parameters stay on the GPU where they fit there
+    (offload_param none: each micro-batch would otherwise fetch all of them from host memory twice), and are offloaded
+    otherwise. Returns (ratio, offload_param device, host bytes, GPU bytes), or None."""
     import copy
 
     from .memory import AUTO_MEMORY_SHARE
@@ -250,16 +257,19 @@ def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float,
     ds.pop("data_types", None)  # as configs/zero3-offload.json, which the fix names: gradients accumulate in bf16
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = 3
-    zero.setdefault("offload_param", {})["device"] = "cpu"
     offload = zero.setdefault("offload_optimizer", {})
     offload["device"] = "cpu"
-    for step in range(19, 0, -1):
-        offload["ratio"] = step / 20
-        host = _offloaded_host_bytes(plan, ds)
-        if host > host_available:
-            continue
-        gpu = _phase_memory(plan, ds, 1).peak[1]
-        return (offload["ratio"], host, gpu) if gpu <= AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB else None
+    for param_device in ("none", "cpu"):
+        zero.setdefault("offload_param", {})["device"] = param_device
+        for step in range(19, 0, -1):
+            offload["ratio"] = step / 20
+            host = _offloaded_host_bytes(plan, ds)
+            if host > HOST_MEMORY_SHARE * host_available:
+                continue
+            gpu = _phase_memory(plan, ds, 1).peak[1]
+            if gpu <= AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB:
+                return offload["ratio"], param_device, host, gpu
+            break  # a smaller ratio keeps more of the optimizer on the GPU
     return None
 
 

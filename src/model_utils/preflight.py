@@ -208,9 +208,11 @@ def _check_host_memory(plan: Plan, report: Report) -> None:
             "zero_optimization.offload_optimizer / offload_param", f"{plan.num_params / 1e9:.1f}B parameters",
             f"the offloaded states need ~{need:.0f} GiB of host memory on this node, {available / GIB:.0f} GiB are "
             "available",
-            (f"keep part of the optimizer on the GPU: configs/zero3-offload.json with \"offload_optimizer\": "
-             f"{{\"ratio\": {partial[0]:g}}} (~{partial[1] / GIB:.0f} GiB host, ~{partial[2] / GIB:.0f} GiB GPU at "
-             "micro-batch 1 by the estimate; not measured on GPUs), or " if partial else "")
+            (f"keep part of the optimizer on the GPU: configs/zero3-offload.json with "
+             + ("\"offload_param\": {\"device\": \"none\"} and " if partial[1] == "none" else "")
+             + f"\"offload_optimizer\": {{\"ratio\": {partial[0]:g}}} (~{partial[2] / GIB:.0f} GiB host, "
+             f"~{partial[3] / GIB:.0f} GiB GPU at micro-batch 1 by the estimate; not measured on GPUs), or "
+             if partial else "")
             + "use more GPUs or nodes (ZeRO divides the offloaded states among the ranks), a node with more memory, "
             "or ZeRO-3 without offload on enough GPUs to hold the model states"))
 
