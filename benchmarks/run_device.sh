@@ -65,6 +65,12 @@ case "${PLAN:-h100}" in
       --micro_batch_size 2 --compare-hf --hf-skip noliger --variants delayed_update --steps 3 --warmup 1 --timeout 300 \
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step, delayed update"
     ;;
+  peer-checkpointing)  # the HF peer's other setting under the offload preset: 4 x 8 with activation checkpointing
+    # (at 4 x 8 without it the preset's fp32 buffer does not fit beside its activations), 131,072 tokens per step
+    bench q4b_peer_ckpt 300 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 4 --hf-gradient-checkpointing on --variants --compare-hf --hf-skip noliger --steps 2 \
+      --warmup 1 --timeout 280 --title "Qwen3-4B, offload preset, HF Trainer + DeepSpeed + Liger at 4 x 8 with checkpointing"
+    ;;
   delayed-ab)  # Qwen3-4B, offload preset, 131,072 tokens/step: the synchronous update against the delayed one
     bench q4b_delayed_ab 540 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
       --micro_batch_size 2 --variants default delayed_update --steps 2 --warmup 1 --timeout 270 \
