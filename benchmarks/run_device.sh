@@ -87,9 +87,11 @@ case "${PLAN:-h100}" in
       --micro_batch_size 4 --steps 2 --warmup 1 --timeout 250 --variants default --compare-hf --hf-skip noliger \
       --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, 1 H100, 131,072 tokens per step"
     ;;
-  zero3-delayed)  # the same, the CPU update delayed by one step from the first, against HF Trainer + DeepSpeed + Liger
-    bench q4b_zero3_delayed 480 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
-      --micro_batch_size 4 --steps 2 --warmup 1 --timeout 250 --variants delayed_update --compare-hf --hf-skip noliger \
+  zero3-delayed)  # the same with the CPU update synchronous and delayed by one step from the first, against HF Trainer +
+    # DeepSpeed + Liger, one invocation (~9 min: BUDGET=560)
+    bench q4b_zero3_delayed 540 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 4 --steps 2 --warmup 1 --timeout 230 --variants default delayed_update --compare-hf \
+      --hf-skip noliger \
       --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, delayed update, 1 H100, 131,072 tokens per step"
     ;;
   journey-zero3)  # the ZeRO-3 + offload journeys (Qwen3-0.6B, 4 micro-batches a step), the update synchronous and
