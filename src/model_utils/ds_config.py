@@ -189,8 +189,7 @@ def zero12_optimizer_offload(ds: dict) -> bool:
 def cpu_optimizer_offload(ds: dict) -> bool:
     """ZeRO-1/2/3 with the optimizer offloaded to CPU memory (under ZeRO-3 fully or in part): DeepSpeed's CPU update,
     which the delayed update runs beside the next step."""
-    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
-    return zero_stage(ds) in (1, 2, 3) and (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+    return zero_stage(ds) in (1, 2, 3) and offload_devices(ds)[0] == "cpu"
 
 
 def check_delayed_update(ds: dict, from_step: int) -> list[Problem]:
@@ -203,8 +202,7 @@ def check_delayed_update(ds: dict, from_step: int) -> list[Problem]:
     zero = ds.get("zero_optimization", {}) if isinstance(ds.get("zero_optimization"), dict) else {}
     optimizer = ds.get("optimizer", {}) if isinstance(ds.get("optimizer"), dict) else {}
     params = optimizer.get("params", {}) if isinstance(optimizer.get("params"), dict) else {}
-    offload_device = (zero.get("offload_optimizer") or {}).get("device", "none")
-    param_device = (zero.get("offload_param") or {}).get("device", "none")
+    offload_device, param_device = offload_devices(ds)
     if not cpu_optimizer_offload(ds):
         problems.append(Problem(where, from_step, f"delays the CPU-offloaded optimizer step of ZeRO; this config "
                                 f"(ZeRO stage {zero_stage(ds)}, optimizer offload {offload_device}) has none",
@@ -497,11 +495,22 @@ def gpu_optimizer_share(ds: dict, param_groups: list[list[int]], world: int) -> 
     return sum(sub_groups[:int((1 - ratio) * len(sub_groups))]) / total if total else 0.0
 
 
+def offload_setting(ds: dict, part: str, key: str, default=None):
+    """`zero_optimization.<part>.<key>` (part: offload_optimizer or offload_param), `default` where it is not set."""
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    section = zero.get(part) if isinstance(zero.get(part), dict) else {}
+    return section.get(key, default)
+
+
+def offload_devices(ds: dict) -> tuple[str, str]:
+    """Where the optimizer states and the parameters are offloaded to: none, cpu or nvme."""
+    return (offload_setting(ds, "offload_optimizer", "device") or "none",
+            offload_setting(ds, "offload_param", "device") or "none")
+
+
 def offloads(ds: dict) -> tuple[bool, bool]:
-    zero = ds.get("zero_optimization", {})
-    opt = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-    par = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
-    return opt, par
+    optimizer, param = offload_devices(ds)
+    return optimizer != "none", param != "none"
 
 
 # The parts of a resolved config that set the optimisation, and the flag each derived value comes from: a resume that

@@ -223,8 +223,7 @@ def _offloaded_host_bytes(plan: Plan, ds: dict) -> float:
     return offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, dsc.zero_stage(ds), *dsc.offloads(ds),
                               dsc.fp32_grad_accumulation(ds), gpu=torch.cuda.is_available() or not plan.here,
                               gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world),
-                              pinned_optimizer=bool(ds.get("zero_optimization", {}).get("offload_optimizer", {})
-                                                    .get("pin_memory")))
+                              pinned_optimizer=bool(dsc.offload_setting(ds, "offload_optimizer", "pin_memory")))
 
 
 def _plan_host_memory(plan: Plan) -> None:

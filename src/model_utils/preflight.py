@@ -260,12 +260,13 @@ def _note_parameter_fetches(plan: Plan, report: Report) -> None:
         "13.1k tokens/s at 4 x 8 against 6.7k at 2 x 16 with SDPA, docs/PERFORMANCE.md)")
 
 
-# Host seconds of an offload update per 10^9 parameters of a rank's offloaded partition, measured on one H100's host
-# (16 cores; benchmarks/offload_step.py): the clip 0.058, DeepSpeedCPUAdam 0.205, the bf16 conversion 0.072 and the
-# copy to the GPU 0.036 (docs/PERFORMANCE.md, Where an offload step goes). Under ZeRO-3 the delayed update leaves the
-# conversion at the step's boundary, since the forward fetches the weights from the 16-bit partitions it writes.
-OFFLOAD_UPDATE_S_PER_BILLION = 0.37
-BIT16_CONVERSION_S_PER_BILLION = 0.072
+# Host seconds of each part of an offload update per 10^9 parameters of a rank's offloaded partition, measured on one
+# H100's host (16 cores; benchmarks/offload_step.py; docs/PERFORMANCE.md, Where an offload step goes). Under ZeRO-3 the
+# delayed update leaves the conversion at the step's boundary, since the forward fetches the weights from the 16-bit
+# partitions it writes.
+OFFLOAD_UPDATE_PARTS_S_PER_BILLION = {"clip": 0.058, "DeepSpeedCPUAdam": 0.205, "bf16 conversion": 0.072,
+                                      "copy to the GPU": 0.036}
+OFFLOAD_UPDATE_S_PER_BILLION = sum(OFFLOAD_UPDATE_PARTS_S_PER_BILLION.values())
 
 
 def _estimate_offload_update(plan: Plan, report: Report) -> None:
@@ -291,7 +292,8 @@ def _estimate_offload_update(plan: Plan, report: Report) -> None:
                    "step its backward waits for the update; gradient accumulation (a smaller micro-batch for the same "
                    "--global_batch_tokens) lets the update run beside the other micro-batches")
     if from_step and zero3:
-        overlap += (f", all but the conversion to 16 bits (~{BIT16_CONVERSION_S_PER_BILLION * offloaded / 1e9:.1f} s), "
+        overlap += (f", all but the conversion to 16 bits "
+                    f"(~{OFFLOAD_UPDATE_PARTS_S_PER_BILLION['bf16 conversion'] * offloaded / 1e9:.1f} s), "
                     "which ZeRO-3 keeps at the step's boundary")
     share = "" if ratio is None else f" (the offloaded {ratio:g} of them)"
     report.estimate(f"offload update: ~{seconds:.1f} s per step on the host for each rank's "
