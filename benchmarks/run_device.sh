@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the device machine (repo root): install the carried wheels, normalise the environment, then run the
 # benchmark invocations named by PLAN (the cases below, or shell commands calling bench()), each bounded, logs and
-# JSON under $OUT.
+# JSON under $OUT. PLANS runs several named plans in turn within one call's BUDGET.
 #   PLAN=h100 bash benchmarks/run_device.sh
+#   PLANS="peer-checkpointing journeys" JOURNEYS=zero3-delayed BUDGET=560 bash benchmarks/run_device.sh
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,7 +34,8 @@ bench() {  # bench NAME SECONDS_NEEDED ARGS...
   python3 benchmarks/bench.py --json "$OUT/results.jsonl" --log-dir "$OUT/logs/$name" --write-doc "$OUT/$name.md" "$@" 2>&1 \
     | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#|Best|Round|Over)' | cut -c1-400
 }
-case "${PLAN:-h100}" in
+run_plan() {
+case "$1" in
   h100)  # the one-H100 table: each side at micro-batch 8, 12, 14, 16, both HF peers, one invocation (~6-7 min)
     bench best 470 --model qwen3-0.6b --micro_batch_size 8 12 14 16 --steps 6 --warmup 3 --timeout 150 --variants default \
       --compare-hf --title "Qwen3-0.6B, 1 H100: default path vs HF Trainer + DeepSpeed (with and without Liger), micro-batch 8, 12, 14, 16"
@@ -94,9 +96,10 @@ case "${PLAN:-h100}" in
       --hf-skip noliger \
       --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, delayed update, 1 H100, 131,072 tokens per step"
     ;;
-  journey-zero3)  # the ZeRO-3 + offload journeys (Qwen3-0.6B, 4 micro-batches a step), the update synchronous and
-    # delayed: train to 6, resume to 12
-    JOURNEY_ONLY="zero3-offload zero3-delayed" JOURNEY_DIR=/tmp/journey bash benchmarks/journey.sh 2>&1 | tail -5
+  journeys)  # the journeys named by JOURNEYS (benchmarks/journey.sh), by default the ZeRO-3 + offload pairs (Qwen3-0.6B,
+    # 4 micro-batches a step) with the update synchronous and delayed: train to 6, resume to 12
+    echo "=== journeys ${JOURNEYS:=zero3-offload zero3-delayed} ($(($(date +%s) - START))s)"
+    JOURNEY_ONLY="$JOURNEYS" JOURNEY_DIR=/tmp/journey bash benchmarks/journey.sh 2>&1 | tail -8
     mkdir -p "$OUT/journey" && cp /tmp/journey/*.log /tmp/journey/journey.txt "$OUT/journey/"
     ;;
   q4b-losses)  # Qwen3-4B, offload preset: 50 steps of 8,192 tokens of the unoptimised path (~8 min alone: both paths
@@ -133,8 +136,14 @@ EOF
     bench h200_1gpu_hf 90 --nproc 1 --micro_batch_size 8 --steps 6 --warmup 3 --timeout 150 --variants --compare-hf --title "HF Trainer + DeepSpeed (with and without Liger), micro-batch 8, 1 H200"
     bench h200_4gpu_z1 55 --nproc 4 --micro_batch_size 8 "${C[@]}" --zero_stage 1 --title "Qwen3-0.6B, 4 H200, ZeRO-1"
     ;;
-  *) eval "$PLAN" ;;  # a custom plan: shell commands that may call bench()
+  *) eval "$1" ;;  # a custom plan: shell commands that may call bench()
 esac
+}
+if [ -n "${PLANS:-}" ]; then
+  for plan in $PLANS; do run_plan "$plan"; done
+else
+  run_plan "${PLAN:-h100}"
+fi
 echo "=== done $(($(date +%s) - START))s"
 # Only 8 files come back from $OUT: everything travels as one archive.
 (cd "$OUT" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz .)
