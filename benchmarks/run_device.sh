@@ -62,10 +62,12 @@ case "$1" in
       --micro_batch_size 2 --variants default --steps 2 --warmup 1 --profile --timeout 570 \
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, phase timing"
     ;;
-  delayed)  # Qwen3-4B, offload preset, 131,072 tokens/step: the delayed update against HF Trainer + DeepSpeed + Liger
+  delayed)  # Qwen3-4B, offload preset, 131,072 tokens/step: the delayed update against HF Trainer + DeepSpeed + Liger at
+    # the peer's best measured setting under the preset (4 x 8 with activation checkpointing: PLAN=peer-checkpointing)
     bench q4b_delayed 520 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
-      --micro_batch_size 2 --compare-hf --hf-skip noliger --variants delayed_update --steps 3 --warmup 1 --timeout 300 \
-      --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step, delayed update"
+      --micro_batch_size 2 --hf-micro-batch-size 4 --hf-gradient-checkpointing on --compare-hf --hf-skip noliger \
+      --variants delayed_update --steps 3 --warmup 1 --timeout 300 \
+      --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step, delayed update against the peer at its best"
     ;;
   peer-checkpointing)  # the HF peer's other setting under the offload preset: 4 x 8 with activation checkpointing
     # (at 4 x 8 without it the preset's fp32 buffer does not fit beside its activations), 131,072 tokens per step
@@ -95,6 +97,22 @@ case "$1" in
       --micro_batch_size 4 --steps 2 --warmup 1 --timeout 230 --variants default delayed_update --compare-hf \
       --hf-skip noliger \
       --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, delayed update, 1 H100, 131,072 tokens per step"
+    ;;
+  zero3-profile)  # where a ZeRO-3 + offload step goes (Qwen3-4B, 4 x 8, delayed update): the phase timing (host time
+    # against GPU time of each forward, backward and step) and the GPU's idle gaps by the host's phase at their start
+    bench q4b_zero3_profile 580 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 4 --variants delayed_update --steps 2 --warmup 1 --profile --timeout 570 \
+      --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, 1 H100, phase timing"
+    ;;
+  zero3-buckets)  # the same run with ZeRO-3's prefetch and gradient buckets at the resolved "auto" (0.9 and 1 x hidden^2:
+    # 5.9M and 6.6M elements for Qwen3-4B, below one projection's 10-25M) and raised to a few layers' worth
+    Z=(--model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 --micro_batch_size 4
+       --variants delayed_update --steps 2 --warmup 1 --timeout 240)
+    bench z3_buckets_auto 245 "${Z[@]}" --title "ZeRO-3 buckets: auto"
+    bench z3_prefetch_3e8 160 "${Z[@]}" --ds-set zero_optimization.stage3_prefetch_bucket_size=300000000 \
+      --title "ZeRO-3 buckets: prefetch 3e8"
+    bench z3_buckets_3e8 160 "${Z[@]}" --ds-set zero_optimization.stage3_prefetch_bucket_size=300000000 \
+      zero_optimization.reduce_bucket_size=300000000 --title "ZeRO-3 buckets: prefetch and reduce 3e8"
     ;;
   journeys)  # the journeys named by JOURNEYS (benchmarks/journey.sh), by default the ZeRO-3 + offload pairs (Qwen3-0.6B,
     # 4 micro-batches a step) with the update synchronous and delayed: train to 6, resume to 12
