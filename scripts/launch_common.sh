@@ -41,10 +41,11 @@ TRAINER_SCRIPT=src/train_deepspeed.py
 LAUNCHER=$(basename "$0")
 
 # Per-task wrapper run by srun: the same environment on every node, the rank
-# variables from SLURM, then the trainer as the task's own process (exec), so
-# that signals from SLURM reach the Python workers directly.
+# variables from SLURM (LOCAL_WORLD_SIZE: the ranks sharing the node's cores),
+# then the trainer as the task's own process (exec), so that signals from SLURM
+# reach the Python workers directly.
 # shellcheck disable=SC2016 # expanded by the task's shell, not here
-TASK_WRAPPER='[[ -z ${VENV:-} ]] || source "$VENV/bin/activate"; export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; echo "task: rank $RANK/$WORLD_SIZE on $SLURMD_NODENAME"; exec "$@"'
+TASK_WRAPPER='[[ -z ${VENV:-} ]] || source "$VENV/bin/activate"; export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS LOCAL_WORLD_SIZE=${SLURM_NTASKS_PER_NODE:-1}; echo "task: rank $RANK/$WORLD_SIZE on $SLURMD_NODENAME"; exec "$@"'
 
 # Exit status with which the trainer reports "checkpoint saved after a signal, run me again": the trainer's own
 # constant, read from its module, so the two cannot disagree.

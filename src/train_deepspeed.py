@@ -81,10 +81,11 @@ def setup(cfg: TrainConfig, dist) -> Run:
     from model_utils.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
     from model_utils.plan import make_plan
     from model_utils.preflight import check_plan, merge_rank_problems, raise_on_problems
-    from model_utils.train_utils import Logger, seed_everything
+    from model_utils.train_utils import Logger, seed_everything, share_host_cores
 
     log = Logger(dist, Path(cfg.checkpoint_dir) / "metrics.jsonl")
     start_run_log(log, cfg, dist)  # job, nodes, world size, versions, effective flags
+    log.info(share_host_cores())  # before DeepSpeedCPUAdam or any thread pool starts
     # One plan, checked before anything expensive and then built from. Rank 0 decides what all ranks share (the resume
     # point, the data source): a save or a retention delete in between must not split them. Every rank plans and checks
     # its own node, and all stop together on any rank's problem, which rank 0 reports. The data are checked while

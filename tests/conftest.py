@@ -25,14 +25,15 @@ from slurm_fixtures import LAUNCHER_SETTINGS  # noqa: E402
 from model_utils.train_utils import free_port  # noqa: E402
 
 # Hermetic: what a user's shell commonly exports must not change a test's outcome. Every launcher setting
-# (scripts/launch_common.sh), SLURM's job variables, a distributed rank environment, GPU selection and the overrides
+# (scripts/launch_common.sh), SLURM's job variables, a distributed rank environment and its OpenMP threads, GPU selection and the overrides
 # the trainer reads or refuses (GPU_MEMORY_GIB, GPU_PEAK_TFLOPS, W&B's, the retired DSLM_* switches) are dropped for
 # the whole session; tests that need one set it themselves. The interpreter running pytest comes first on PATH, so
 # `python3` in a launcher is the environment under test even when its virtualenv is not activated.
 USER_ENVIRONMENT = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "DSLM_", "WANDB_")
 for _name in list(os.environ):
     if (_name in LAUNCHER_SETTINGS or _name.startswith(USER_ENVIRONMENT)
-            or _name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+            or _name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "MASTER_ADDR",
+                         "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
                          "GPU_MEMORY_GIB", "GPU_PEAK_TFLOPS", "DEEPSPEED_LM_CACHE", "VIRTUAL_ENV")):
         del os.environ[_name]
 os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
@@ -101,8 +102,10 @@ class Trainer:
         self.procs = []
         for rank in range(nproc):
             rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                            PYTHONUNBUFFERED="1", **(env or {}))
+                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                            OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            rank_env.update(env or {})
+            rank_env = {name: value for name, value in rank_env.items() if value is not None}  # None: unset
             log = open(self.logs[rank], "w")
             self.procs.append(subprocess.Popen(
                 [sys.executable, str(TRAINER), "--checkpoint_dir", str(checkpoint_dir), *args],

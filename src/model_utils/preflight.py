@@ -298,6 +298,11 @@ def _estimate_offload_update(plan: Plan, report: Report) -> None:
     share = "" if ratio is None else f" (the offloaded {ratio:g} of them)"
     report.estimate(f"offload update: ~{seconds:.1f} s per step on the host for each rank's "
                     f"{offloaded / 1e9:.2f}B parameters{share} (as on one H100's 16-core host); {overlap}")
+    if os.environ.get("OMP_NUM_THREADS") == "1":
+        report.notes.append(
+            "OMP_NUM_THREADS=1 (torchrun's default with several processes per node) runs the CPU optimizer update on "
+            "one core per rank, not the estimate's 16: unset it (each rank then takes its share of "
+            "the node's cores) or set it to the node's cores divided by its ranks")
 
 
 def _check_memory(plan: Plan, report: Report) -> None:

@@ -79,6 +79,7 @@ def distributed_env_problems() -> list[Problem]:
                         "list architectures such as 8.0;9.0 (9.0a and +PTX are accepted), or unset it")]
     if "RANK" not in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_LOCALID"], env["SLURM_NTASKS"]
+        env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1"))  # the ranks sharing this node's cores
         if "MASTER_ADDR" not in env:
             return [Problem("MASTER_ADDR", None, "is unset in a multi-task srun step",
                             'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1) before srun '
@@ -112,6 +113,30 @@ def setup_distributed(timeout_minutes: int = 30) -> Dist:
         device, backend = torch.device("cpu"), "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
     return Dist(rank, local_rank, world, device, backend)
+
+
+def host_threads(environ, cpus_in_mask: int, cpus_on_node: int, torch_default: int) -> tuple[int | None, str]:
+    """This rank's share of the host's cores for torch's (and DeepSpeedCPUAdam's) OpenMP threads: the count to set,
+    or None to keep torch's own, and why. Torch sizes its threads to the cores of the process's CPU mask, so ranks
+    started side by side without a mask of their own (run_local_ranks, srun without CPU binding) each take every
+    core: eight ranks' CPU optimizer steps then run 8x oversubscribed (DeepSpeed binds cores per rank for that reason:
+    its PR 7474 measured 1.3x on a ZeRO-Offload step). OMP_NUM_THREADS, when set, is the user's."""
+    ranks = int(environ.get("LOCAL_WORLD_SIZE") or 1)
+    if environ.get("OMP_NUM_THREADS"):
+        return None, f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']}"
+    if ranks <= 1 or cpus_in_mask < cpus_on_node:
+        mask = "" if cpus_in_mask == cpus_on_node else f" of this rank's {cpus_in_mask} CPUs"
+        return None, f"torch's default{mask}; OMP_NUM_THREADS overrides"
+    return max(1, torch_default // ranks), (f"torch's {torch_default} for this node's cores, shared by its {ranks} "
+                                            "ranks; OMP_NUM_THREADS overrides")
+
+
+def share_host_cores() -> str:
+    """Set this rank's intra-op threads by host_threads; returns the line for the run's header."""
+    threads, why = host_threads(os.environ, len(os.sched_getaffinity(0)), os.cpu_count() or 1, torch.get_num_threads())
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return f"host threads: {torch.get_num_threads()} per rank ({why})"
 
 
 def bf16_supported() -> bool:

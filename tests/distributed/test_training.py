@@ -6,6 +6,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -58,9 +60,25 @@ def trained(session_cache, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("trained") / "ckpt"
     run = run_trainer(ckpt, ["--seq_len", "128", "--micro_batch_size", "4", "--max_steps", "40", "--log_interval", "5",
                              "--eval_interval", "20", "--eval_iters", "4", "--checkpoint_freq", "10",
-                             "--keep_last_checkpoints", "2", "--generate_prompt", "Return the"])
+                             "--keep_last_checkpoints", "2", "--generate_prompt", "Return the"],
+                      env={"OMP_NUM_THREADS": None})  # unset, as the launchers leave it: the ranks share the cores
     assert_ok(run)
     return run
+
+
+def test_ranks_on_one_node_share_its_cores(trained, baseline):
+    """Two ranks on this machine without CPU masks of their own, OMP_NUM_THREADS unset: each runs torch's threads for
+    the machine divided by two (a mask narrower than the machine keeps torch's count, sized to it); with
+    OMP_NUM_THREADS=1 (the baseline's) that is what they run."""
+    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                                 env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
+                                 capture_output=True, text=True, check=True).stdout)
+    if len(os.sched_getaffinity(0)) == os.cpu_count():
+        expected = f"host threads: {max(1, default // 2)} per rank (torch's {default} for this node's cores, shared"
+    else:
+        expected = f"host threads: {default} per rank (torch's default of this rank's"
+    assert expected in trained.output, trained.output[:3000]
+    assert "host threads: 1 per rank (OMP_NUM_THREADS=1)" in baseline.output
 
 
 def test_loss_falls_and_metrics_are_complete(trained):

@@ -621,3 +621,26 @@ def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, sessio
     [line] = update_lines(tmp_path / "partial.json")
     assert "~0.7 s per step" in line and "2.01B parameters (the offloaded 0.5 of them)" in line
     assert update_lines("ds_config.json") == [] and update_lines("configs/zero3.json") == []
+
+
+def test_a_single_openmp_thread_under_an_offloaded_optimizer_is_named(monkeypatch):
+    """OMP_NUM_THREADS=1, torchrun's default for several processes per node, leaves the CPU optimizer update one core
+    per rank: the preflight says so with the fix; unset, or with the optimizer on the GPU, it says nothing."""
+    from model_utils.arguments import parse_args
+    from model_utils.plan import make_plan
+    from model_utils.preflight import check_plan
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
+
+    def notes(config):
+        cfg = parse_args(["--model", "qwen3-0.6b", "--ds_config", str(REPO / config), "--dummy_data", "64",
+                          "--checkpoint_dir", "/nonexistent/ckpt", "--no-export"])
+        return [n for n in check_plan(make_plan(cfg, 2, decides=False), check_data=False).notes
+                if "OMP_NUM_THREADS" in n]
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    [note] = notes("configs/zero2-offload.json")
+    assert "one core per rank" in note and "unset it" in note
+    assert notes("ds_config.json") == []
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert notes("configs/zero2-offload.json") == []
