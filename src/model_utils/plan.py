@@ -272,6 +272,32 @@ def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float,
     return None
 
 
+def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
+    """For ZeRO-3 with the parameters offloaded: configs/zero2-offload.json's setup (ZeRO-2, the whole optimizer
+    offloaded, fp32 gradient accumulation on the GPU) at this world and per-rank batch, which keeps the parameters on
+    every GPU and so fetches none from host memory. Returns (its automatic micro-batch, its GPU bytes) where that fits
+    the GPU and its host part no more than this config's, else None."""
+    import copy
+
+    from . import ds_config as dsc
+    from .memory import AUTO_MEMORY_SHARE
+
+    if plan.gpu_memory_gib is None or plan.ds_config is None or not plan.num_params or not plan.resolved:
+        return None
+    ds = copy.deepcopy(plan.ds_config)
+    zero = ds.setdefault("zero_optimization", {})
+    zero["stage"] = 2
+    zero.pop("offload_param", None)
+    zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    per_rank = plan.batch.micro * plan.batch.accumulation
+    micro = _largest_fitting_micro(plan, ds, lambda m: per_rank % m == 0)[0]
+    gpu = _phase_memory(plan, ds, micro).peak[1]
+    if gpu > AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB or _offloaded_host_bytes(plan, ds) > (plan.host_bytes or 0):
+        return None
+    return micro, gpu
+
+
 def _plan_checkpoint_writes(plan: Plan) -> None:
     """--background_checkpoint copies each rank's share of a checkpoint to host memory: on when a node's copy, beside
     the optimizer states an offload keeps there, fits in 3/4 of the memory this node has available."""

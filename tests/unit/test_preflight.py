@@ -17,6 +17,8 @@ import pytest
 
 from conftest import REPO, TRAINER, preflight_command
 from inputs import SHIPPED, ds_with, set_key
+from model_utils.memory import GIB
+
 
 def _rename(section, old, new):
     def mutate(cfg):
@@ -621,6 +623,31 @@ def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, sessio
     [line] = update_lines(tmp_path / "partial.json")
     assert "~0.7 s per step" in line and "2.01B parameters (the offloaded 0.5 of them)" in line
     assert update_lines("ds_config.json") == [] and update_lines("configs/zero3.json") == []
+
+
+def test_parameters_offloaded_where_zero2_fits_name_the_zero2_preset(monkeypatch):
+    """ZeRO-3 with the parameters offloaded fetches them for every micro-batch: where configs/zero2-offload.json's
+    setup fits the GPU (Qwen3-4B on an 80 GB GPU), the preflight names it with the micro-batch its "auto" takes and its
+    estimate; where only ZeRO-3 fits (a 24 GiB GPU), it says nothing."""
+    from model_utils.arguments import parse_args
+    from model_utils.plan import make_plan
+    from model_utils.preflight import check_plan
+
+    def plan_for(config):
+        cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(REPO / config), "--global_batch_tokens", "131072",
+                          "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export"])
+        return make_plan(cfg, 1, decides=False)
+
+    def notes(config):
+        return [n for n in check_plan(plan_for(config), check_data=False).notes if "configs/zero2-offload.json (" in n]
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
+    zero2 = plan_for("configs/zero2-offload.json")
+    [note] = notes("configs/zero3-offload.json")
+    assert f"fits at micro-batch {zero2.batch.micro} by the estimate (~{zero2.memory.peak[1] / GIB:.1f} GiB)" in note
+    assert notes("configs/zero2-offload.json") == [] and notes("configs/zero3.json") == []
+    monkeypatch.setenv("GPU_MEMORY_GIB", "24")
+    assert notes("configs/zero3-offload.json") == []
 
 
 def test_a_single_openmp_thread_under_an_offloaded_optimizer_is_named(monkeypatch):
