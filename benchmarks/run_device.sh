@@ -98,6 +98,13 @@ case "$1" in
       --hf-skip noliger \
       --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, delayed update, 1 H100, 131,072 tokens per step"
     ;;
+  zero3-peer-checkpointing)  # the HF peer's other settings under ZeRO-3 + offload: 8 x 4 and 16 x 2 with activation
+    # checkpointing (fewer micro-batches, each fetching the parameters twice, for a third more compute)
+    bench q4b_zero3_peer_ckpt 500 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
+      --micro_batch_size 8 --hf-micro-batch-size 8 16 --hf-gradient-checkpointing on --variants --compare-hf \
+      --hf-skip noliger --steps 2 --warmup 1 --timeout 240 \
+      --title "Qwen3-4B, ZeRO-3 + offload, HF Trainer + DeepSpeed + Liger at 8 x 4 and 16 x 2 with checkpointing"
+    ;;
   zero3-profile)  # where a ZeRO-3 + offload step goes (Qwen3-4B, 4 x 8, delayed update): the phase timing (host time
     # against GPU time of each forward, backward and step) and the GPU's idle gaps by the host's phase at their start
     bench q4b_zero3_profile 580 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
