@@ -119,8 +119,9 @@ def host_threads(environ, cpus_in_mask: int, cpus_on_node: int, torch_default: i
     """This rank's share of the host's cores for torch's (and DeepSpeedCPUAdam's) OpenMP threads: the count to set,
     or None to keep torch's own, and why. Torch sizes its threads to the cores of the process's CPU mask, so ranks
     started side by side without a mask of their own (run_local_ranks, srun without CPU binding) each take every
-    core: eight ranks' CPU optimizer steps then run 8x oversubscribed (DeepSpeed binds cores per rank for that reason:
-    its PR 7474 measured 1.3x on a ZeRO-Offload step). OMP_NUM_THREADS, when set, is the user's."""
+    core: eight ranks' CPU optimizer steps then run 8x oversubscribed (DeepSpeed's launcher binds cores per rank for
+    that reason: its PR 7474 measured a 1.3x faster ZeRO-Offload step on two GPUs with it). OMP_NUM_THREADS, when set,
+    is the user's."""
     ranks = int(environ.get("LOCAL_WORLD_SIZE") or 1)
     if environ.get("OMP_NUM_THREADS"):
         return None, f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']}"
