@@ -119,14 +119,12 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     if job.get("gradient_checkpointing"):
         argv += ["--gradient_checkpointing"]
     cfg = parse_args(argv + job.get("args", []))
-    # A benchmark run never saves (train_step only): the preflight's disk check for checkpoints does not apply to it
-    # (Qwen3-8B's ~112 GiB checkpoint against a 64 GiB disk would stop the run it does not concern).
-    import model_utils.preflight
-    model_utils.preflight._check_checkpoint_dir = lambda cfg, ckpt_bytes, report: None
     assert not distributed_env_problems()
     dist = setup_distributed()
     t0 = time.perf_counter()
-    run = setup(cfg, dist)
+    # A benchmark run never saves (train_step only), so the preflight's disk check for checkpoints does not apply
+    # (Qwen3-8B's ~112 GiB checkpoint against a 64 GiB disk would stop the run it does not concern).
+    run = setup(cfg, dist, saves=False)
     setup_s = time.perf_counter() - t0
     if job.get("document_length"):
         end_documents(run.data.train.tokens, job["document_length"], run.tokenizer.eos_token_id, job.get("seed", 1234))

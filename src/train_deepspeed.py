@@ -66,7 +66,7 @@ class Run:
 # ----------------------------------------------------------------------------------------------------------------------
 # Setup: configuration -> plan (checked) -> data -> model -> engine -> resume
 # ----------------------------------------------------------------------------------------------------------------------
-def setup(cfg: TrainConfig, dist) -> Run:
+def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
     import deepspeed
     import torch
 
@@ -91,7 +91,7 @@ def setup(cfg: TrainConfig, dist) -> Run:
     # its own node, and all stop together on any rank's problem, which rank 0 reports. The data are checked while
     # prepare_data tokenizes them.
     plan = make_plan(cfg, dist.world_size, on_training_hardware=True, decides=dist.is_main)
-    report = check_plan(plan, check_data=False)
+    report = check_plan(plan, check_data=False, check_disk=saves)  # saves False: a caller that never saves (bench.py)
     report.problems = merge_rank_problems(dist.all_gather_object((socket.gethostname(), report.problems)))
     raise_on_problems(report)
     for note in report.notes:

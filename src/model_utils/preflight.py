@@ -141,9 +141,10 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     return check_plan(make_plan(cfg, world_size or planned_world_size()), check_data)
 
 
-def check_plan(plan: Plan, check_data: bool = True) -> Report:
+def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> Report:
     """Every check of a plan, and the lines that describe it. Nothing here is built or resolved: the run builds from the
-    same plan. `check_data` False leaves the data to the run (which checks it while tokenizing)."""
+    same plan. `check_data` False leaves the data to the run (which checks it while tokenizing); `check_disk` False is
+    for a caller that never saves (the benchmark), whose checkpoint directory needs no room."""
     import torch
 
     from .levers import fused_kernels_problem
@@ -187,7 +188,8 @@ def check_plan(plan: Plan, check_data: bool = True) -> Report:
         _note_parameters_fit_on_the_gpu(plan, report)
         _estimate_offload_update(plan, report)
         _check_host_memory(plan, report)
-        _check_checkpoint_dir(cfg, plan.checkpoint_bytes, report)
+        if check_disk:
+            _check_checkpoint_dir(cfg, plan.checkpoint_bytes, report)
         report.estimate(f"checkpoint writes: {plan.checkpoint_writes}")
     if ds is not None and check_data:
         _check_data(plan, report)

@@ -559,6 +559,24 @@ def test_disk_need_counts_every_checkpoint_that_can_exist_at_once(args, on_disk,
     assert f" each, {on_disk} on disk at most;" in proc.stdout
 
 
+def test_a_caller_that_never_saves_skips_the_disk_check(tmp_path, monkeypatch):
+    """The benchmark never saves: check_plan(check_disk=False), which train_deepspeed.setup(saves=False) passes, has
+    no checkpoint line and no disk problem where the run's checkpoints would not fit any disk (10,000 of Qwen3-0.6B's)."""
+    from model_utils.arguments import parse_args
+    from model_utils.plan import make_plan
+    from model_utils.preflight import check_plan
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
+    cfg = parse_args(["--model", "qwen3-0.6b", "--dummy_data", "64",
+                      "--max_steps", "10000", "--checkpoint_freq", "1", "--keep_last_checkpoints", "0",
+                      "--checkpoint_dir", str(tmp_path / "c"), "--no-export"])
+    plan = make_plan(cfg, 1, decides=False)
+    saving = check_plan(plan, check_data=False)
+    assert [p.setting for p in saving.problems] == ["--keep_last_checkpoints"], saving.problems
+    never = check_plan(plan, check_data=False, check_disk=False)
+    assert never.problems == [] and not any(line.startswith("checkpoints:") for line in never.estimates)
+
+
 def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, session_cache, monkeypatch, capsys):
     """--background_checkpoint (the default) holds a copy of the node's share of a checkpoint in host memory: a run's
     start (on the node that holds it) falls back to synchronous writes where the copy would not fit; the preflight on a
