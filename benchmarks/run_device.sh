@@ -34,6 +34,8 @@ bench() {  # bench NAME SECONDS_NEEDED ARGS...
   python3 benchmarks/bench.py --json "$OUT/results.jsonl" --log-dir "$OUT/logs/$name" --write-doc "$OUT/$name.md" "$@" 2>&1 \
     | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#|Best|Round|Over)' | cut -c1-400
 }
+# Qwen3-4B under ZeRO-3 with parameters and optimizer offloaded, 131,072 tokens per step: the setup of the zero3-* plans
+Q4B_ZERO3=(--model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072)
 run_plan() {
 case "$1" in
   h100)  # the issue's one-H100 table: each side at micro-batch 8, 12, 14, 16, both HF peers, one invocation (~6-7 min)
@@ -87,34 +89,33 @@ case "$1" in
     ;;
   zero3-offload)  # Qwen3-4B, ZeRO-3 with parameters and optimizer offloaded, 131,072 tokens/step, micro-batch 4 x 8 (the
     # automatic micro-batch's choice), against HF Trainer + DeepSpeed + Liger (~7 min)
-    bench q4b_zero3_offload 480 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
-      --micro_batch_size 4 --steps 2 --warmup 1 --timeout 250 --variants default --compare-hf --hf-skip noliger \
+    bench q4b_zero3_offload 480 "${Q4B_ZERO3[@]}" --micro_batch_size 4 \
+      --steps 2 --warmup 1 --timeout 250 --variants default --compare-hf --hf-skip noliger \
       --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, 1 H100, 131,072 tokens per step"
     ;;
   zero3-delayed)  # the same with the CPU update synchronous and delayed by one step from the first, against HF Trainer +
     # DeepSpeed + Liger, one invocation (~9 min: BUDGET=560)
-    bench q4b_zero3_delayed 540 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
-      --micro_batch_size 4 --steps 2 --warmup 1 --timeout 230 --variants default delayed_update --compare-hf \
+    bench q4b_zero3_delayed 540 "${Q4B_ZERO3[@]}" --micro_batch_size 4 \
+      --steps 2 --warmup 1 --timeout 230 --variants default delayed_update --compare-hf \
       --hf-skip noliger \
       --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, delayed update, 1 H100, 131,072 tokens per step"
     ;;
   zero3-peer-checkpointing)  # the HF peer's other settings under ZeRO-3 + offload: 8 x 4 and 16 x 2 with activation
     # checkpointing (fewer micro-batches, each fetching the parameters twice, for a third more compute)
-    bench q4b_zero3_peer_ckpt 500 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
-      --micro_batch_size 8 --hf-micro-batch-size 8 16 --hf-gradient-checkpointing on --variants --compare-hf \
+    bench q4b_zero3_peer_ckpt 500 "${Q4B_ZERO3[@]}" --micro_batch_size 8 \
+      --hf-micro-batch-size 8 16 --hf-gradient-checkpointing on --variants --compare-hf \
       --hf-skip noliger --steps 2 --warmup 1 --timeout 240 \
       --title "Qwen3-4B, ZeRO-3 + offload, HF Trainer + DeepSpeed + Liger at 8 x 4 and 16 x 2 with checkpointing"
     ;;
   zero3-profile)  # where a ZeRO-3 + offload step goes (Qwen3-4B, 4 x 8, delayed update): the phase timing (host time
     # against GPU time of each forward, backward and step) and the GPU's idle gaps by the host's phase at their start
-    bench q4b_zero3_profile 580 --model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 \
-      --micro_batch_size 4 --variants delayed_update --steps 2 --warmup 1 --profile --timeout 570 \
+    bench q4b_zero3_profile 580 "${Q4B_ZERO3[@]}" --micro_batch_size 4 \
+      --variants delayed_update --steps 2 --warmup 1 --profile --timeout 570 \
       --title "Qwen3-4B, ZeRO-3 + parameter and optimizer offload, 1 H100, phase timing"
     ;;
   zero3-buckets)  # the same run with ZeRO-3's prefetch and gradient buckets at the resolved "auto" (0.9 and 1 x hidden^2:
     # 5.9M and 6.6M elements for Qwen3-4B, below one projection's 10-25M) and raised to a few layers' worth
-    Z=(--model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 --micro_batch_size 4
-       --variants delayed_update --steps 2 --warmup 1 --timeout 240)
+    Z=("${Q4B_ZERO3[@]}" --micro_batch_size 4 --variants delayed_update --steps 2 --warmup 1 --timeout 240)
     bench z3_buckets_auto 245 "${Z[@]}" --title "ZeRO-3 buckets: auto"
     bench z3_prefetch_3e8 160 "${Z[@]}" --ds-set zero_optimization.stage3_prefetch_bucket_size=300000000 \
       --title "ZeRO-3 buckets: prefetch 3e8"
