@@ -73,9 +73,9 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     h, layers = config.hidden_size, config.num_hidden_layers
     per_layer = micro * seq_len * layer_activation_bytes_per_token(config)
     scale = 1 if bf16 else 2
-    acts = (layers * 2 * micro * seq_len * h + per_layer) if checkpointing else layers * per_layer
-    if not compiled:
-        acts *= EAGER_ACTIVATION_FACTOR
+    # Eager layers keep more of their working set than compiled ones; a checkpointed layer's input is one tensor either way.
+    working_set = per_layer if compiled else per_layer * EAGER_ACTIVATION_FACTOR
+    acts = (layers * 2 * micro * seq_len * h + working_set) if checkpointing else layers * working_set
     # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes).
     logits = (chunk_budget * micro * seq_len * h * 2 if fused_ce
               else micro * seq_len * config.vocab_size * (2 + 4 + 4))

@@ -272,6 +272,21 @@ def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float,
     return None
 
 
+def checkpointed_micro_that_fits(plan: Plan) -> tuple[int, float] | None:
+    """For a run without activation checkpointing: the automatic micro-batch of the same config and per-rank batch with
+    --gradient_checkpointing, and its GPU bytes, where that micro-batch is larger than this run's (under ZeRO-3 with
+    the parameters offloaded it fetches them fewer times per step); else None."""
+    import dataclasses
+
+    if plan.cfg.gradient_checkpointing or plan.gpu_memory_gib is None or not plan.num_params or not plan.resolved:
+        return None
+    checkpointed = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, gradient_checkpointing=True))
+    per_rank = plan.batch.micro * plan.batch.accumulation
+    micro = _largest_fitting_micro(checkpointed, plan.ds_config, lambda m: per_rank % m == 0)[0]
+    gpu = _phase_memory(checkpointed, plan.ds_config, micro).peak[1]
+    return (micro, gpu) if micro > plan.batch.micro else None  # none fits: micro 1
+
+
 def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
     """For ZeRO-3 with the parameters offloaded: configs/zero2-offload.json's setup (ZeRO-2, the whole optimizer
     offloaded, fp32 gradient accumulation on the GPU) at this world and per-rank batch, which keeps the parameters on

@@ -206,7 +206,7 @@ def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(t
     assert proc.returncode == 2 and "train_micro_batch_size_per_gpu 4" in proc.stdout
 
 
-@pytest.mark.parametrize("model, preset, micro, measured", [
+@pytest.mark.parametrize("model, setup, micro, measured", [
     ("qwen3-0.6b", "ds_config.json", 8, 39.6),  # docs/JOURNEY.md and PERFORMANCE.md: one H100, peak allocated GiB
     ("qwen3-0.6b", "ds_config.json", 16, 70.3),
     ("qwen3-0.6b", "configs/zero1.json", 8, 39.2),
@@ -216,11 +216,13 @@ def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(t
     ("qwen3-4b", "configs/zero2-offload.json without data_types", 2, 32.5),  # DeepSpeed's offload default
     ("qwen3-4b", "configs/zero3-offload.json", 2, 33.3),  # layers not compiled, parameters offloaded
     ("qwen3-4b", "configs/zero3-offload.json", 4, 63.9),  # the automatic micro-batch's choice at 131,072 tokens/step
+    ("qwen3-4b", "configs/zero3-offload.json --gradient_checkpointing", 16, 21.9),  # the choice with checkpointing
 ])
-def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, preset, micro, measured, monkeypatch,
+def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, setup, micro, measured, monkeypatch,
                                                                    session_cache, tmp_path):
     """The automatic micro-batch trusts the estimate: each measured peak (one H100, the GPU path planned from a login
-    node, as the run's own start plans it on the GPU) is within 10% of it."""
+    node, as the run's own start plans it on the GPU) is within 10% of it. `setup`: a config, "without" a top-level
+    section of it, then the trainer's flags."""
     from model_utils import levers
     from model_utils.arguments import parse_args
     from model_utils.memory import GIB
@@ -228,12 +230,14 @@ def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, prese
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
     monkeypatch.setattr(levers, "liger_available", lambda: True)
-    path, _, dropped = preset.partition(" without ")
+    config_part, *flags = setup.split(" --")
+    path, _, dropped = config_part.partition(" without ")
     config = json.loads((REPO / path).read_text())
     config.pop(dropped, None)
     (tmp_path / "ds.json").write_text(json.dumps(config))
     cfg = parse_args(["--model", model, "--ds_config", str(tmp_path / "ds.json"), "--micro_batch_size", str(micro),
-                      "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export"])
+                      "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export",
+                      *(f"--{flag}" for flag in flags)])
     estimate = make_plan(cfg, 1, decides=False).memory.peak[1] / GIB
     assert abs(estimate - measured) <= 0.1 * measured, (estimate, measured)
 
@@ -422,6 +426,42 @@ def test_a_small_micro_batch_under_parameter_offload_gets_the_larger_one_named(m
     assert "16 times per step at micro-batch 2: micro-batch 4 (x 8) fits" in note and "~15 GiB per rank" in note, note
     assert not notes("zero3-offload.json", "4") and not notes("zero3-offload.json", "auto")
     assert not notes("zero2-offload.json", "1")
+
+
+def test_parameter_offload_without_checkpointing_gets_the_checkpointed_micro_batch_named(monkeypatch, session_cache):
+    """ZeRO-3 with the parameters offloaded fetches them for every micro-batch: Qwen3-4B at 131,072 tokens per step on
+    one H100 (79.2 GiB) takes micro-batch 4 (x 8) without checkpointing, and the note names what "auto" takes with
+    --gradient_checkpointing, 16 (x 2), with that plan's own estimate; with checkpointing, or without parameter offload
+    (ZeRO-3 with everything on the GPU), there is none."""
+    import dataclasses
+
+    from model_utils import levers
+    from model_utils import plan as plan_module
+    from model_utils.arguments import parse_args
+    from model_utils.preflight import check_plan
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
+    monkeypatch.setattr(levers, "liger_available", lambda: True)
+
+    def plan_for(preset, *flags):
+        cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(REPO / "configs" / preset), "--global_batch_tokens",
+                          "131072", "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export", *flags])
+        return plan_module.make_plan(cfg, 1, decides=False)
+
+    def notes(plan):
+        return [n for n in check_plan(plan, check_data=False).notes if n.startswith("with --gradient_checkpointing")]
+
+    plan = plan_for("zero3-offload.json")
+    checkpointed = plan_for("zero3-offload.json", "--gradient_checkpointing")
+    assert (plan.batch.micro, checkpointed.batch.micro) == (4, 16)
+    [note] = notes(plan)
+    assert (f"micro-batch 16 (x 2) fits by the estimate (~{checkpointed.memory.peak[1] / GIB:.1f} GiB) and fetches the "
+            "offloaded parameters 2 times per step instead of 8") in note, note
+    assert not notes(checkpointed)
+    on_gpu = plan_for("zero3-offload.json")
+    on_gpu.ds_config["zero_optimization"]["offload_param"]["device"] = "none"
+    assert not notes(on_gpu)
+    assert plan_module.checkpointed_micro_that_fits(dataclasses.replace(plan, gpu_memory_gib=None)) is None
 
 
 def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys):
