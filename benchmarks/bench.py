@@ -201,6 +201,18 @@ def gpu_count() -> int:
         return 0
 
 
+def worker_env(environ, nproc: int, cores: int) -> dict:
+    """The environment of a measurement's processes: no rank variables of an enclosing launcher, and with several
+    processes the host's cores divided among them as OpenMP threads (torchrun would set OMP_NUM_THREADS=1, which
+    leaves an offloaded optimizer's CPU Adam one core per rank on both sides) unless the caller set a count."""
+    env = dict(environ, PYTHONUNBUFFERED="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    return env
+
+
 def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None) -> dict:
     """Run one measurement in fresh processes; return its result or {'error': ...}."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -212,9 +224,7 @@ def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None) -> dict:
     else:
         cmd = [sys.executable, me]
     cmd += ["--worker", json.dumps(job), "--result", result_path]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = worker_env(os.environ, nproc, len(os.sched_getaffinity(0)))
     t0 = time.perf_counter()
     log_path = (log_dir / f"{job['name']}.log") if log_dir else None
     try:

@@ -150,6 +150,22 @@ print("Loss check, Qwen3-4B, unoptimised against default:",
       json.dumps(loss_check(run(sys.argv[1], "losscheck-nofused-mb2"), run(sys.argv[2], "losscheck-default-mb2"))))
 EOF
     ;;
+  q8b-2gpu)  # Qwen3-8B on one host of two GPUs (nvidia-h100-x2 or -h200-x2: 256 GiB host, where the ~150 GiB of offloaded
+    # states fit; one GPU's 128 GiB node does not hold them): the seeds' config shape (ZeRO-2, optimizer offloaded),
+    # 262,144 tokens per step, our delayed update at the automatic micro-batch against HF Trainer + DeepSpeed + Liger
+    # at 4 x 8 per GPU with checkpointing (its best setting at 4B), one invocation (~9 min: BUDGET=590)
+    bench q8b_2gpu 580 --nproc 2 --model qwen3-8b --ds_config configs/zero2-offload.json --global_batch_tokens 262144 \
+      --micro_batch_size 2 --hf-micro-batch-size 4 --hf-gradient-checkpointing on --compare-hf --hf-skip noliger \
+      --variants delayed_update --steps 2 --warmup 1 --timeout 285 \
+      --title "Qwen3-8B, ZeRO-2 + CPU optimizer offload, 2 GPUs, 262,144 tokens per step, delayed update against the peer"
+    ;;
+  q8b-2gpu-zero3)  # the same host: ZeRO-3 with parameters and optimizer offloaded (~184 GiB host), both sides at the
+    # automatic micro-batch with checkpointing (16 x 2 per GPU), our update delayed (~9 min: BUDGET=590)
+    bench q8b_2gpu_zero3 580 --nproc 2 --model qwen3-8b --ds_config configs/zero3-offload.json \
+      --global_batch_tokens 262144 --micro_batch_size 16 --gradient_checkpointing --compare-hf --hf-skip noliger \
+      --variants delayed_update --steps 2 --warmup 1 --timeout 285 \
+      --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2 with checkpointing on both sides"
+    ;;
   partial-offload)  # one H200: Qwen3-8B, ZeRO-3 with 40% of the optimizer offloaded and the parameters on the GPU (the
     # preflight's fix for 120 GiB free, ~97 GiB host by the estimate; 0.55, its fix for 124 GiB, was killed by the
     # node's memory limit), micro-batch 1 x 32; PEER=1: against HF Trainer + DeepSpeed + Liger (~9 min)

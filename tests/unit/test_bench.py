@@ -154,6 +154,21 @@ def test_global_batch_and_the_peers_checkpointing_settings():
     assert "not a multiple of micro-batch 3 x 2 GPU(s) x seq_len 32 = 192 tokens" in bench.global_batch_problem(odd)
 
 
+def test_several_processes_share_the_hosts_cores_on_both_sides():
+    """torchrun sets OMP_NUM_THREADS=1 for several processes, which would leave each rank's CPU Adam one core on both
+    sides: the measurement's processes get the cores divided among them, unless the caller chose a count; one process
+    keeps torch's own count; an enclosing launcher's rank variables do not leak in."""
+    import bench
+
+    outer = {"RANK": "3", "LOCAL_WORLD_SIZE": "8", "PATH": "/bin"}
+    assert bench.worker_env(outer, 2, 16)["OMP_NUM_THREADS"] == "8"
+    assert bench.worker_env(outer, 4, 2)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in bench.worker_env(outer, 1, 16)
+    assert bench.worker_env({**outer, "OMP_NUM_THREADS": "3"}, 2, 16)["OMP_NUM_THREADS"] == "3"
+    env = bench.worker_env(outer, 2, 16)
+    assert "RANK" not in env and "LOCAL_WORLD_SIZE" not in env and env["PATH"] == "/bin"
+
+
 def test_sweep_skips_larger_micro_batches_after_out_of_memory():
     import bench
 
