@@ -159,7 +159,7 @@ EOF
       --variants delayed_update --steps 2 --warmup 1 --timeout 285 \
       --title "Qwen3-8B, ZeRO-2 + CPU optimizer offload, 2 GPUs, 262,144 tokens per step, delayed update against the peer"
     ;;
-  q8b-2gpu-zero3)  # the same host: ZeRO-3 with parameters and optimizer offloaded (~184 GiB host), both sides at the
+  q8b-2gpu-zero3)  # the same host: ZeRO-3 with parameters and optimizer offloaded (~184 GiB host for both ranks), both sides at the
     # automatic micro-batch with checkpointing (16 x 2 per GPU), our update delayed (~9 min: BUDGET=590)
     bench q8b_2gpu_zero3 580 --nproc 2 --model qwen3-8b --ds_config configs/zero3-offload.json \
       --global_batch_tokens 262144 --micro_batch_size 16 --gradient_checkpointing --compare-hf --hf-skip noliger \
