@@ -73,7 +73,7 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     h, layers = config.hidden_size, config.num_hidden_layers
     per_layer = micro * seq_len * layer_activation_bytes_per_token(config)
     scale = 1 if bf16 else 2
-    # Eager layers keep more of their working set than compiled ones; a checkpointed layer's input is one tensor either way.
+    # Eager layers keep more of their working set than compiled ones; a checkpointed layer's kept input is the same.
     working_set = per_layer if compiled else per_layer * EAGER_ACTIVATION_FACTOR
     acts = (layers * 2 * micro * seq_len * h + working_set) if checkpointing else layers * working_set
     # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes).
