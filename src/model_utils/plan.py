@@ -278,13 +278,13 @@ def checkpointed_micro_that_fits(plan: Plan) -> tuple[int, float] | None:
     the parameters offloaded it fetches them fewer times per step); else None."""
     import dataclasses
 
-    if plan.cfg.gradient_checkpointing or plan.gpu_memory_gib is None or not plan.num_params or not plan.resolved:
+    if plan.cfg.gradient_checkpointing:
         return None
     checkpointed = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, gradient_checkpointing=True))
-    per_rank = plan.batch.micro * plan.batch.accumulation
-    micro = _largest_fitting_micro(checkpointed, plan.ds_config, lambda m: per_rank % m == 0)[0]
-    gpu = _phase_memory(checkpointed, plan.ds_config, micro).peak[1]
-    return (micro, gpu) if micro > plan.batch.micro else None  # none fits: micro 1
+    micro = automatic_micro_batch(checkpointed)
+    if micro is None or micro <= plan.batch.micro:  # None: no GPU size known; a micro-batch of 1 where none fits
+        return None
+    return micro, _phase_memory(checkpointed, plan.ds_config, micro).peak[1]
 
 
 def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
