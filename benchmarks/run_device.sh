@@ -166,14 +166,14 @@ EOF
       --variants delayed_update --steps 2 --warmup 1 --timeout 285 \
       --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2 with checkpointing on both sides"
     ;;
-  partial-offload)  # one H200: Qwen3-8B, ZeRO-3 with 40% of the optimizer offloaded and the parameters on the GPU (the
-    # preflight's fix for 120 GiB free, ~97 GiB host by the estimate; 0.55, its fix for 124 GiB, was killed by the
-    # node's memory limit), micro-batch 1 x 32; PEER=1: against HF Trainer + DeepSpeed + Liger (~9 min)
+  partial-offload)  # one H200 (124 GiB free): Qwen3-8B, ZeRO-3 with 55% of the optimizer offloaded and the parameters on
+    # the GPU (the preflight's fix there: ~109 GiB host, ~101 GiB GPU by the estimate; the runs killed at 0.55 had the
+    # parameters offloaded too, ~126 GiB), micro-batch 1 x 32; PEER=1: against HF Trainer + DeepSpeed + Liger (~9 min)
     bench q8b_partial 560 --model qwen3-8b --ds_config configs/zero3-offload.json \
-      --ds-set zero_optimization.offload_optimizer.ratio=0.4 'zero_optimization.offload_param.device="none"' \
+      --ds-set zero_optimization.offload_optimizer.ratio=0.55 'zero_optimization.offload_param.device="none"' \
       --global_batch_tokens 131072 --micro_batch_size 1 \
       --variants default ${PEER:+--compare-hf --hf-skip noliger} --steps 2 --warmup 1 --timeout 285 \
-      --title "Qwen3-8B, ZeRO-3 + partial optimizer offload (ratio 0.4), parameters on the GPU, 1 H200, 131,072 tokens per step"
+      --title "Qwen3-8B, ZeRO-3 + partial optimizer offload (ratio 0.55), parameters on the GPU, 1 H200, 131,072 tokens per step"
     ;;
   scale)  # per-GPU scaling on 1/2/4 H200 (default path), Qwen3-8B ZeRO-3, the loss check, then the peers if time
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)
