@@ -201,15 +201,20 @@ def gpu_count() -> int:
         return 0
 
 
-def worker_env(environ, nproc: int, cores: int) -> dict:
+def worker_env(environ, nproc: int, torch_threads: int) -> dict:
     """The environment of a measurement's processes: no rank variables of an enclosing launcher, and with several
-    processes the host's cores divided among them as OpenMP threads (torchrun would set OMP_NUM_THREADS=1, which
-    leaves an offloaded optimizer's CPU Adam one core per rank on both sides) unless the caller set a count."""
+    processes each one's share of this host's threads (`torch_threads`, torch's count here) as OMP_NUM_THREADS, by
+    train_utils.host_threads, the count the trainer takes for itself beside other ranks. Both sides get it: torchrun
+    would set 1, leaving an offloaded optimizer's CPU Adam one core per rank. A count the caller set is kept."""
+    from model_utils.train_utils import host_threads
+
     env = dict(environ, PYTHONUNBUFFERED="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     if nproc > 1:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+        threads, _ = host_threads({**env, "LOCAL_WORLD_SIZE": str(nproc)}, 1, 1, torch_threads)  # no narrower mask
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
@@ -224,7 +229,9 @@ def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None) -> dict:
     else:
         cmd = [sys.executable, me]
     cmd += ["--worker", json.dumps(job), "--result", result_path]
-    env = worker_env(os.environ, nproc, len(os.sched_getaffinity(0)))
+    import torch
+
+    env = worker_env(os.environ, nproc, torch.get_num_threads())
     t0 = time.perf_counter()
     log_path = (log_dir / f"{job['name']}.log") if log_dir else None
     try:

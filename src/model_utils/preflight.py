@@ -185,7 +185,6 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         _check_memory(plan, report)
         _note_offload_accumulation(plan, report)
         _note_parameter_fetches(plan, report)
-        _note_checkpointing_under_parameter_fetches(plan, report)
         _note_parameters_fit_on_the_gpu(plan, report)
         _estimate_offload_update(plan, report)
         _check_host_memory(plan, report)
@@ -244,46 +243,33 @@ def _note_offload_accumulation(plan: Plan, report: Report) -> None:
 
 def _note_parameter_fetches(plan: Plan, report: Report) -> None:
     """ZeRO-3 with the parameters offloaded fetches all of them from host memory for every micro-batch's forward and
-    again for its backward: a given micro-batch smaller than the largest that fits multiplies that traffic."""
+    again for its backward, so a step's micro-batches multiply that traffic: a given micro-batch smaller than the
+    largest that fits, or a run without activation checkpointing, under which a larger one would fit."""
     from . import ds_config as dsc
-    from .plan import automatic_micro_batch
-
-    ds, batch = plan.ds_config, plan.batch
-    if not (dsc.zero_stage(ds) == 3 and dsc.offloads(ds)[1] and batch.accumulation > 1 and not plan.micro_batch_choice):
-        return
-    best = automatic_micro_batch(plan)
-    if best is None or best <= batch.micro:
-        return
-    per_rank = batch.micro * batch.accumulation
-    fetched = 2 * 2 * plan.num_params / plan.world  # 16-bit parameters, forward and backward
-    report.notes.append(
-        f"ZeRO-3 with the parameters offloaded fetches all of them from host memory for each micro-batch's forward and "
-        f"backward (~{fetched / GIB:.0f} GiB per rank), {batch.accumulation} times per step at micro-batch "
-        f"{batch.micro}: micro-batch {best} (x {per_rank // best}) fits by the estimate and fetches them "
-        f"{per_rank // best} times (--micro_batch_size auto; Qwen3-4B on one H100 with configs/zero3-offload.json: "
-        "13.1k tokens/s at 4 x 8 against 6.7k at 2 x 16 with SDPA, docs/PERFORMANCE.md)")
-
-
-def _note_checkpointing_under_parameter_fetches(plan: Plan, report: Report) -> None:
-    """ZeRO-3 with the parameters offloaded and no activation checkpointing: recomputing the forward lets a larger
-    micro-batch fit, so a step has fewer micro-batches and fetches the parameters fewer times."""
-    from . import ds_config as dsc
-    from .plan import checkpointed_micro_that_fits
+    from .plan import automatic_micro_batch, checkpointed_micro_that_fits
 
     ds, batch = plan.ds_config, plan.batch
     if not (dsc.zero_stage(ds) == 3 and dsc.offloads(ds)[1] and batch.accumulation > 1):
         return
-    fits = checkpointed_micro_that_fits(plan)
-    if fits is None:
-        return
-    micro, gpu = fits
     per_rank = batch.micro * batch.accumulation
-    report.notes.append(
-        f"with --gradient_checkpointing, micro-batch {micro} (x {per_rank // micro}) fits by the estimate "
-        f"(~{gpu / GIB:.1f} GiB) and fetches the offloaded parameters {per_rank // micro} times per step instead of "
-        f"{batch.accumulation}, for a third more forward compute (Qwen3-4B on one H100 with configs/zero3-offload.json "
-        "and --delayed_update_from_step 1: 14.8k tokens/s at 16 x 2 with checkpointing against 14.2k at 4 x 8 "
-        "without, 21.9 against 63.9 GiB; docs/PERFORMANCE.md)")
+    best = None if plan.micro_batch_choice else automatic_micro_batch(plan)  # "auto" already took the largest
+    if best is not None and best > batch.micro:
+        fetched = 2 * 2 * plan.num_params / plan.world  # 16-bit parameters, forward and backward
+        report.notes.append(
+            f"ZeRO-3 with the parameters offloaded fetches all of them from host memory for each micro-batch's forward "
+            f"and backward (~{fetched / GIB:.0f} GiB per rank), {batch.accumulation} times per step at micro-batch "
+            f"{batch.micro}: micro-batch {best} (x {per_rank // best}) fits by the estimate and fetches them "
+            f"{per_rank // best} times (--micro_batch_size auto; Qwen3-4B on one H100 with configs/zero3-offload.json: "
+            "13.1k tokens/s at 4 x 8 against 6.7k at 2 x 16 with SDPA, docs/PERFORMANCE.md)")
+    checkpointed = checkpointed_micro_that_fits(plan)
+    if checkpointed is not None:
+        micro, gpu = checkpointed
+        report.notes.append(
+            f"with --gradient_checkpointing, micro-batch {micro} (x {per_rank // micro}) fits by the estimate "
+            f"(~{gpu / GIB:.1f} GiB) and fetches the offloaded parameters {per_rank // micro} times per step instead of "
+            f"{batch.accumulation}, for a third more forward compute (Qwen3-4B on one H100 with "
+            "configs/zero3-offload.json and --delayed_update_from_step 1: 14.8k tokens/s at 16 x 2 with checkpointing "
+            "against 14.2k at 4 x 8 without, 21.9 against 63.9 GiB; docs/PERFORMANCE.md)")
 
 
 def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
