@@ -181,8 +181,8 @@ EOF
     fi
     ;;
   partial-offload)  # one H200 (124 GiB free): Qwen3-8B, ZeRO-3 with 55% of the optimizer offloaded and the parameters on
-    # the GPU (the preflight's fix there: ~109 GiB host, ~101 GiB GPU by the estimate; the runs killed at 0.55 had the
-    # parameters offloaded too, ~126 GiB), micro-batch 1 x 32; PEER=1: against HF Trainer + DeepSpeed + Liger (~9 min)
+    # the GPU (the preflight's fix there: ~109 GiB host, ~101 GiB GPU by the estimate; 86.7 and 99.2 measured), micro-batch
+    # 1 x 32; PEER=1: against HF Trainer + DeepSpeed + Liger (~7.5 min)
     bench q8b_partial 560 --model qwen3-8b --ds_config configs/zero3-offload.json \
       --ds-set zero_optimization.offload_optimizer.ratio=0.55 'zero_optimization.offload_param.device="none"' \
       --global_batch_tokens 131072 --micro_batch_size 1 \
