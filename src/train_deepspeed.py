@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import math
 import os
@@ -653,6 +654,9 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.train_utils import distributed_env_problems
 
     exit_on_problems(validate_args(cfg) + distributed_env_problems())
+    # A rank that dies in native code (SIGSEGV, SIGABRT from a C++ library) prints every thread's Python stack to its
+    # log first, instead of leaving only its exit status.
+    faulthandler.enable()
 
     from model_utils.background_save import SaveFailed
     from model_utils.checkpoint import ResumeError
