@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -715,5 +715,27 @@ def main(argv: list[str] | None = None) -> int:
             torch.distributed.destroy_process_group()
 
 
+def end_process(status: int | str | None) -> NoReturn:
+    """Exit with `status` once main() has returned, skipping the interpreter's finalization and the C++ static
+    destructors. A rank whose run had ended and saved everything was seen to abort there (SIGABRT, "terminate called
+    without an active exception", faulthandler's report holding no Python frame): a native library's object torn down
+    after Python, turning the trainer's 0, 2 or 75 into 134. Everything the run writes is closed or flushed by then
+    (metrics are appended line by line, the sinks closed with the summary); logging and the standard streams are
+    flushed here."""
+    import logging
+
+    if status is not None and not isinstance(status, int):  # SystemExit("message"): Python prints it, status 1
+        print(status, file=sys.stderr)
+        status = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        exit_status_of_main = main()
+    except SystemExit as stop:  # exit_on_problems: bad input, reported before anything started
+        exit_status_of_main = stop.code
+    end_process(exit_status_of_main)
