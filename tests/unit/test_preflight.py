@@ -182,7 +182,7 @@ def test_several_problems_are_reported_together(tmp_path, session_cache):
 
 
 def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(tmp_path, session_cache, monkeypatch,
-                                                                                capsys):
+                                                                                capsys, ample_disk):
     """On a login node without Liger (simulated), planning the default path for an 80 GiB GPU: the estimate assumes the
     GPU nodes' fused cross-entropy and lands near what one H100 measured (docs/PERFORMANCE.md: 39.6 GiB at micro-batch
     8, 70.3 at 16), so a configuration that runs is not refused; the unfused loss's logits still are."""
@@ -495,7 +495,8 @@ def test_parameter_offload_without_checkpointing_gets_the_checkpointed_micro_bat
     assert plan_module.checkpointed_micro_that_fits(dataclasses.replace(plan, gpu_memory_gib=None)) is None
 
 
-def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys):
+def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys,
+                                                             ample_disk):
     """The presets' micro-batch is "auto": the plan picks the largest whose whole run fits 90% of the GPU (stand-in
     sizes: no GPU here), within the global batch, and the preflight prints the choice and its estimate."""
     import re
@@ -559,21 +560,29 @@ def test_only_the_deciding_rank_reads_checkpoints_and_resolves_the_data(tmp_path
     assert other.ds_config == deciding.ds_config and other.batch == deciding.batch
 
 
-def test_memory_estimate_covers_evaluation_export_and_generation(tmp_path, session_cache, monkeypatch, capsys):
-    """Qwen3-8B under ZeRO-3 on 8 GPUs of 24 GiB (a stand-in size: no GPU here) trains, evaluates and exports within
-    them, but the end-of-run sample loads the whole exported model beside the engine on rank 0: refused, naming
-    --generate_prompt and the fix. At Qwen3-0.6B and micro-batch 16 the training step is the peak; evaluation, whose
-    loss never holds the batch's logits, needs a fraction of it."""
-    import re
+@pytest.fixture
+def ample_disk(monkeypatch):
+    """The checkpoints' disk check reports a petabyte free, for tests of other checks that plan full-size models'
+    checkpoints (4 x 8 GiB for Qwen3-0.6B) in a temporary directory: their outcome does not depend on this disk."""
     import shutil
     from collections import namedtuple
 
     from model_utils import preflight as preflight_module
 
-    monkeypatch.chdir(tmp_path)
-    usage = namedtuple("usage", "total used free")  # the checkpoints' disk check is not this test's subject
+    usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(preflight_module.shutil, "disk_usage", lambda path: usage(2**50, 0, 2**50))
     assert shutil.disk_usage is preflight_module.shutil.disk_usage
+
+
+def test_memory_estimate_covers_evaluation_export_and_generation(tmp_path, session_cache, monkeypatch, capsys,
+                                                            ample_disk):
+    """Qwen3-8B under ZeRO-3 on 8 GPUs of 24 GiB (a stand-in size: no GPU here) trains, evaluates and exports within
+    them, but the end-of-run sample loads the whole exported model beside the engine on rank 0: refused, naming
+    --generate_prompt and the fix. At Qwen3-0.6B and micro-batch 16 the training step is the peak; evaluation, whose
+    loss never holds the batch's logits, needs a fraction of it."""
+    import re
+
+    monkeypatch.chdir(tmp_path)
     base = ["--model", "qwen3-8b", "--ds_config", str(REPO / "configs" / "zero3.json"), "--micro_batch_size", "1",
             "--gradient_checkpointing", "--dummy_data", "64", "--checkpoint_dir", str(tmp_path / "ckpt")]
     env = {"GPU_MEMORY_GIB": "24"}
