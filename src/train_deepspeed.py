@@ -709,8 +709,8 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()
         if torch.distributed.is_initialized():
             if together:
-                # Tear the process group down together: a rank that exited while rank 0 still wrote the summary was
-                # seen to abort in the backend's teardown (SIGABRT, status 134 instead of 75).
+                # Tear the process group down together: no rank destroys it while another still uses it (rank 0
+                # writes the summary after the loop). The process then ends in end_process.
                 dist.barrier()
             torch.distributed.destroy_process_group()
 
@@ -724,7 +724,7 @@ def end_process(status: int | str | None) -> NoReturn:
     flushed here."""
     import logging
 
-    if status is not None and not isinstance(status, int):  # SystemExit("message"): Python prints it, status 1
+    if status is not None and not isinstance(status, int):  # SystemExit("message"): printed, status 1, as Python does
         print(status, file=sys.stderr)
         status = 1
     logging.shutdown()
