@@ -68,6 +68,8 @@ VARIANTS = {
     # The default path with ZeRO offload's update delayed by one step from the first (the trainer's
     # --delayed_update_from_step); pair with an offload config.
     "delayed_update": {"args": ["--delayed_update_from_step", "1"]},
+    # ...and with --gradient_checkpointing, only as many layers recomputed as the GPU needs (--checkpointed_layers auto).
+    "delayed_update_auto_layers": {"args": ["--delayed_update_from_step", "1", "--checkpointed_layers", "auto"]},
     # The default path with attention within documents (the trainer's --document_mask); pair with --document_length.
     "document_mask": {"args": ["--document_mask"]},
     "nofused_document_mask": {"args": _variant(fused_kernels="off")["args"] + ["--document_mask"]},  # its reference

@@ -106,6 +106,12 @@ case "$1" in
       --variants delayed_update --compare-hf --hf-skip noliger --steps 2 --warmup 1 --timeout 230 \
       --title "Qwen3-4B, ZeRO-3 + offload, 1 H100, 16 x 2 with checkpointing on both sides, delayed update"
     ;;
+  zero3-layers)  # ZeRO-3 + offload at 16 x 2 with checkpointing: our delayed update with every layer recomputed and with
+    # --checkpointed_layers auto (the memory left over keeps the last layers' activations), beside the peer (~6.5 min)
+    bench q4b_zero3_layers 560 "${Q4B_ZERO3[@]}" --micro_batch_size 16 --gradient_checkpointing \
+      --variants delayed_update delayed_update_auto_layers --compare-hf --hf-skip noliger --steps 2 --warmup 1 \
+      --timeout 200 --title "Qwen3-4B, ZeRO-3 + offload, 1 H100, 16 x 2 with checkpointing: all layers or auto, delayed update"
+    ;;
   zero3-peer-checkpointing)  # the HF peer's other settings under ZeRO-3 + offload: 8 x 4 and 16 x 2 with activation
     # checkpointing (fewer micro-batches, each fetching the parameters twice, for a third more compute)
     bench q4b_zero3_peer_ckpt 500 "${Q4B_ZERO3[@]}" --micro_batch_size 8 \

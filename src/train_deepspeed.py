@@ -119,7 +119,8 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
     if dsc.zero_stage(ds) == 3:
         from transformers.integrations import HfDeepSpeedConfig
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
-    model = build_model(cfg.model, plan.model_config, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing)
+    model = build_model(cfg.model, plan.model_config, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing,
+                        plan.checkpointed_layers)
     levers = apply_speed_levers(model, cfg.perf, dist.device.type == "cuda", log.info,
                                 warn=lambda message: log.warn(message, all_ranks=True), documents=cfg.document_mask,
                                 fused=plan.fused_loss)
@@ -154,6 +155,10 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
              f"ZeRO stage {dsc.zero_stage(ds)}")
     log.info(f"batch: {batch.describe()}; {batch.plan(cfg.max_steps, max(data.train_tokens, 1))}"
              + (f"; micro-batch {plan.micro_batch_choice}" if plan.micro_batch_choice else ""))
+    if plan.checkpointed_layers is not None:
+        log.info(f"activation checkpointing: {plan.checkpointed_layers} of {plan.model_config.num_hidden_layers} "
+                 f"decoder layers recompute" + (f" ({plan.checkpointed_layers_choice})"
+                                                if plan.checkpointed_layers_choice else ""))
 
     if plan.resume:
         load_checkpoint(run, plan.resume, resume_tag)

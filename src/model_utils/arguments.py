@@ -88,6 +88,11 @@ class TrainConfig:
     seq_len: int | None = _f(None, "Tokens per packed training block. Default: the preset's context length "
                                    "(256 for tiny, 4096 for Qwen3), or 2048 for a pretrained model.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% more compute).")
+    checkpointed_layers: int | str = _f("all", "With --gradient_checkpointing: how many decoder layers recompute their "
+                                               "activations, the first ones; the rest keep them. all; auto (the fewest "
+                                               "with which the run still fits the GPU by the preflight's memory "
+                                               "estimate, at the micro-batch all of them allow: the memory left over "
+                                               "buys back recomputation); or a count.", parse="layer_count")
     attn_implementation: str = _f("sdpa", "Attention backend passed to transformers: sdpa, eager, flash_attention_2.")
     # ----- data -----
     dataset: str | None = _f(None, "A save_to_disk directory, a text/JSONL/Parquet file or directory, or a hub dataset "
@@ -195,7 +200,17 @@ def micro_batch(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of blocks nor auto") from None
 
 
-PARSERS = {"micro_batch": micro_batch}
+def layer_count(text: str) -> int | str:
+    """--checkpointed_layers: all, auto, or a count of decoder layers."""
+    if text in ("all", "auto"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of layers nor all or auto") from None
+
+
+PARSERS = {"micro_batch": micro_batch, "layer_count": layer_count}
 
 
 def _base_type(annotation):
@@ -295,6 +310,12 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     positive("max_steps")
     if cfg.micro_batch_size != "auto":
         positive("micro_batch_size", optional=True)
+    if cfg.checkpointed_layers != "all" and not cfg.gradient_checkpointing:
+        problems.append(Problem("--checkpointed_layers", cfg.checkpointed_layers,
+                                "chooses the layers --gradient_checkpointing recomputes, which is off",
+                                "add --gradient_checkpointing, or leave --checkpointed_layers at all"))
+    elif isinstance(cfg.checkpointed_layers, int):
+        positive("checkpointed_layers", allow_zero=True)
     positive("global_batch_tokens", optional=True)
     positive("gradient_accumulation_steps", optional=True)
     positive("warmup_steps", allow_zero=True, optional=True)

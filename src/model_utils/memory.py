@@ -66,16 +66,20 @@ def layer_activation_bytes_per_token(config) -> float:
 
 
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
-                     chunk_budget: int, compiled: bool = True) -> float:
-    """Activations kept for the backward pass (`layer_activation_bytes_per_token` per layer and token); full
-    recomputation keeps only each layer's input (2·s·b·h) plus one layer's working set. Logits: 16-bit logits, their
-    fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
+                     chunk_budget: int, compiled: bool = True, checkpointed_layers: int | None = None) -> float:
+    """Activations kept for the backward pass (`layer_activation_bytes_per_token` per layer and token); a recomputed
+    layer keeps only its input (2·s·b·h), and recomputing needs one layer's working set at a time. With
+    `checkpointing`, `checkpointed_layers` of the layers recompute (None: all) and the rest keep their working sets.
+    Logits: 16-bit logits, their fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
     h, layers = config.hidden_size, config.num_hidden_layers
     per_layer = micro * seq_len * layer_activation_bytes_per_token(config)
     scale = 1 if bf16 else 2
     # Eager layers keep more of their working set than compiled ones; a checkpointed layer's kept input is the same.
     working_set = per_layer if compiled else per_layer * EAGER_ACTIVATION_FACTOR
-    acts = (layers * 2 * micro * seq_len * h + working_set) if checkpointing else layers * working_set
+    recomputed = min(layers, layers if checkpointed_layers is None else checkpointed_layers) if checkpointing else 0
+    acts = recomputed * 2 * micro * seq_len * h + (layers - recomputed) * working_set
+    if recomputed:
+        acts += working_set
     # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes).
     logits = (chunk_budget * micro * seq_len * h * 2 if fused_ce
               else micro * seq_len * config.vocab_size * (2 + 4 + 4))
@@ -115,12 +119,12 @@ class PhaseMemory:
 def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, stage: int, off_opt: bool,
                  off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
                  generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True,
-                 gpu_optimizer_share: float = 0.0) -> PhaseMemory:
+                 gpu_optimizer_share: float = 0.0, checkpointed_layers: int | None = None) -> PhaseMemory:
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
                                gpu_optimizer_share)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16)
-        + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled),
+        + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers),
         evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
         export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
         # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states

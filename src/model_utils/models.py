@@ -79,9 +79,11 @@ def check_vocab_covers_tokenizer(config, tokenizer, model_name: str, tokenizer_n
     return None
 
 
-def build_model(name: str, config, dtype, attn_implementation: str, gradient_checkpointing: bool):
+def build_model(name: str, config, dtype, attn_implementation: str, gradient_checkpointing: bool,
+                checkpointed_layers: int | None = None):
     """Random-init preset (pretraining) or `from_pretrained` (continued training). Under ZeRO-3 the caller enters
-    `deepspeed.zero.Init` (through HfDeepSpeedConfig) so parameters are partitioned as they are created."""
+    `deepspeed.zero.Init` (through HfDeepSpeedConfig) so parameters are partitioned as they are created. With
+    `gradient_checkpointing`, the first `checkpointed_layers` decoder layers recompute (None: all)."""
     from transformers import AutoModelForCausalLM
 
     if is_preset(name):
@@ -91,8 +93,18 @@ def build_model(name: str, config, dtype, attn_implementation: str, gradient_che
                                                      attn_implementation=attn_implementation)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointed_layers is not None:
+            for layer in decoder_layers(model)[checkpointed_layers:]:
+                layer.gradient_checkpointing = False  # transformers reads the flag at each call
     model.config.use_cache = False
     return model
+
+
+def decoder_layers(model) -> list:
+    """The model's repeated blocks that transformers can checkpoint, in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
 def masks_documents_by_position(config) -> bool:

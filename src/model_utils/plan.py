@@ -34,6 +34,8 @@ class Plan:
     flops: object = None  # models.FlopsModel
     fused_loss: bool = False  # Liger's fused linear cross-entropy (the logits' memory depends on it)
     compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); not under ZeRO-3
+    checkpointed_layers: int | None = None  # decoder layers --gradient_checkpointing recomputes (None: it is off)
+    checkpointed_layers_choice: str | None = None  # how --checkpointed_layers auto chose; None where it was given
     memory: PhaseMemory | None = None
     gpu_memory_gib: float | None = None
     gpu_memory_source: str = ""  # the GPU's name, GPU_MEMORY_GIB, or why no size is known
@@ -134,7 +136,8 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
             plan.notes.append("bf16 is on: the GPU nodes must support it (A100/H100 or newer); not checkable here")
     if plan.resolved and plan.num_params:
         plan.compiled_layers = _compiles(plan, plan.ds_config)
-        plan.memory = _phase_memory(plan, plan.ds_config, plan.batch.micro)
+        _choose_checkpointed_layers(plan)
+        plan.memory = _phase_memory(plan, plan.ds_config, plan.batch.micro, plan.checkpointed_layers)
         bf16 = dsc.precision(plan.ds_config) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
         plan.checkpoint_bytes = plan.num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
         _plan_host_memory(plan)
@@ -171,8 +174,9 @@ def _compiles(plan: Plan, ds: dict) -> bool:
     return use_compile(cuda, dsc.zero_stage(ds) == 3, plan.cfg.perf)
 
 
-def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
-    """Each phase's estimated peak per GPU with this (possibly partly resolved) DeepSpeed config and micro-batch."""
+def _phase_memory(plan: Plan, ds: dict, micro: int, checkpointed_layers: int | None = None) -> PhaseMemory:
+    """Each phase's estimated peak per GPU with this (possibly partly resolved) DeepSpeed config and micro-batch;
+    with --gradient_checkpointing, `checkpointed_layers` of the layers recompute (None: all of them)."""
     from . import ds_config as dsc
 
     off_opt, off_par = dsc.offloads(ds)
@@ -182,7 +186,43 @@ def _phase_memory(plan: Plan, ds: dict, micro: int) -> PhaseMemory:
                         bool(plan.cfg.generate_prompt and plan.cfg.export),
                         fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds),
                         compiled=_compiles(plan, ds),
-                        gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world))
+                        gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world),
+                        checkpointed_layers=checkpointed_layers)
+
+
+def _choose_checkpointed_layers(plan: Plan) -> None:
+    """--checkpointed_layers resolved to a count. auto: the fewest recomputed layers with which the run's estimated
+    peak fits AUTO_MEMORY_SHARE of the GPU at the micro-batch chosen with all of them recomputed (so "auto" micro-batch
+    and layers together never pick a smaller micro-batch than all layers would); all where no GPU size is known."""
+    from .memory import AUTO_MEMORY_SHARE
+
+    cfg, layers = plan.cfg, plan.model_config.num_hidden_layers
+    if not cfg.gradient_checkpointing:
+        return
+    wanted = cfg.checkpointed_layers
+    if isinstance(wanted, int):
+        if wanted > layers:
+            plan.problems.append(Problem("--checkpointed_layers", wanted,
+                                         f"exceeds the {layers} decoder layers of {cfg.model}",
+                                         f"pass at most {layers}, or all"))
+        plan.checkpointed_layers = min(wanted, layers)
+        return
+    plan.checkpointed_layers = layers
+    if wanted == "all":
+        return
+    if plan.gpu_memory_gib is None:
+        plan.checkpointed_layers_choice = f"auto: all {layers} ({plan.gpu_memory_source}: no GPU size to fill)"
+        return
+    budget = AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB
+    for count in range(layers + 1):
+        peak = _phase_memory(plan, plan.ds_config, plan.batch.micro, count).peak[1]
+        if peak <= budget:
+            plan.checkpointed_layers = count
+            plan.checkpointed_layers_choice = (
+                f"auto: {count} of {layers}, the fewest with which the run fits {AUTO_MEMORY_SHARE:.0%} of the GPU "
+                f"by the estimate (~{peak / GIB:.1f} GiB of {plan.gpu_memory_gib:.1f})")
+            return
+    plan.checkpointed_layers_choice = f"auto: all {layers} (fewer do not fit {AUTO_MEMORY_SHARE:.0%} of the GPU)"
 
 
 def _largest_fitting_micro(plan: Plan, ds: dict, allowed) -> tuple[int, str]:

@@ -31,8 +31,11 @@ def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cach
     # A longer run stretches the cosine decay: the resume names it, with the flag it comes from.
     assert ("the optimisation differs from the checkpoint's run (scheduler.params.total_num_steps: 2 -> 3 "
             "(--max_steps))") in same.output
-    changed = run_trainer(ckpt, [*args, "--max_steps", "4", "--flce_chunk_budget", "4", "--overflow_check", "norm"])
+    # Recomputing the first of the tiny model's 4 layers changes memory, not the numbers: resumed without a word.
+    changed = run_trainer(ckpt, [*args, "--max_steps", "4", "--flce_chunk_budget", "4", "--overflow_check", "norm",
+                                 "--gradient_checkpointing", "--checkpointed_layers", "1"])
     assert_ok(changed)
+    assert "activation checkpointing: 1 of 4 decoder layers recompute" in changed.output
     assert ("speed levers that change the numerics differ from the checkpoint's (flce_chunk_budget: 8 -> 4)"
             in changed.output)  # the overflow check skips the same steps in every mode: not named
     assert json.loads((ckpt / "step-00000004" / "manifest.json").read_text())["perf"]["flce_chunk_budget"] == 4

@@ -1,0 +1,119 @@
+"""--checkpointed_layers: how many decoder layers --gradient_checkpointing recomputes. Its validation, the memory it
+leaves kept in the estimate, the automatic count against the GPU's size, and the layers that do recompute in a real
+forward and backward pass of the tiny model on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from model_utils.arguments import TrainConfig, parse_args, validate_args
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_setting_needs_checkpointing_and_a_count_or_all_or_auto():
+    assert parse_args([]).checkpointed_layers == "all"
+    assert parse_args(["--gradient_checkpointing", "--checkpointed_layers", "auto"]).checkpointed_layers == "auto"
+    assert parse_args(["--gradient_checkpointing", "--checkpointed_layers", "7"]).checkpointed_layers == 7
+    with pytest.raises(SystemExit):
+        parse_args(["--checkpointed_layers", "most"])
+    problems = validate_args(TrainConfig(checkpointed_layers=3))
+    assert [(p.setting, p.value) for p in problems] == [("--checkpointed_layers", 3)]
+    assert "add --gradient_checkpointing" in problems[0].fix
+    problems = validate_args(TrainConfig(gradient_checkpointing=True, checkpointed_layers=-1))
+    assert [p.setting for p in problems] == ["--checkpointed_layers"]
+    assert not validate_args(TrainConfig(gradient_checkpointing=True, checkpointed_layers=0))
+
+
+def test_each_layer_left_out_keeps_its_working_set_instead_of_its_input():
+    from model_utils.memory import EAGER_ACTIVATION_FACTOR, activation_bytes, layer_activation_bytes_per_token
+    from model_utils.models import model_config
+    from model_utils.tokenizer import load_tokenizer
+
+    config = model_config("qwen3-4b", load_tokenizer(None))
+    layers = config.num_hidden_layers
+
+    def acts(checkpointing, count=None):
+        return activation_bytes(config, 4096, 16, checkpointing, True, True, 8, compiled=False,
+                                checkpointed_layers=count)
+
+    assert acts(True) == acts(True, layers) == acts(True, layers + 5)
+    assert acts(True, 0) == acts(False)
+    steps = [acts(True, count - 1) - acts(True, count) for count in range(2, layers + 1)]
+    assert max(steps) - min(steps) < 1e-3 * steps[0]  # every layer left out costs the same
+    kept_input = 2 * 16 * 4096 * config.hidden_size
+    working_set = 16 * 4096 * layer_activation_bytes_per_token(config) * EAGER_ACTIVATION_FACTOR  # ZeRO-3's eager layers
+    assert steps[0] == pytest.approx(working_set - kept_input)
+
+
+def _plan(monkeypatch, *flags, gpu_gib="79.2"):
+    from model_utils import levers
+    from model_utils import plan as plan_module
+
+    if gpu_gib is None:
+        monkeypatch.delenv("GPU_MEMORY_GIB", raising=False)
+    else:
+        monkeypatch.setenv("GPU_MEMORY_GIB", gpu_gib)
+    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(REPO / "configs" / "zero3-offload.json"),
+                      "--global_batch_tokens", "131072", "--micro_batch_size", "auto", "--dummy_data", "64",
+                      "--checkpoint_dir", "/nonexistent/ckpt", "--no-export", *flags])
+    return plan_module.make_plan(cfg, 1, decides=False)
+
+
+def test_auto_recomputes_the_fewest_layers_that_fit_at_the_micro_batch_all_of_them_allow(monkeypatch, session_cache):
+    """Qwen3-4B with configs/zero3-offload.json on one H100 at 131,072 tokens per step: with every layer recomputed the
+    automatic micro-batch is 16 (x 2) at ~21 GiB; auto then lets the last layers keep their activations while the
+    estimate stays within 90% of the GPU, and one layer fewer would not."""
+    from model_utils.memory import AUTO_MEMORY_SHARE, GIB
+    from model_utils.plan import _phase_memory
+
+    every = _plan(monkeypatch, "--gradient_checkpointing")
+    auto = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", "auto")
+    layers = auto.model_config.num_hidden_layers
+    assert every.batch.micro == auto.batch.micro == 16
+    assert every.checkpointed_layers == layers and every.checkpointed_layers_choice is None
+    count = auto.checkpointed_layers
+    assert 0 < count < layers
+    budget = AUTO_MEMORY_SHARE * 79.2 * GIB
+    assert every.memory.peak[1] < auto.memory.peak[1] <= budget
+    assert _phase_memory(auto, auto.ds_config, 16, count - 1).peak[1] > budget
+    assert auto.checkpointed_layers_choice.startswith(f"auto: {count} of {layers}")
+    assert f"~{auto.memory.peak[1] / GIB:.1f} GiB" in auto.checkpointed_layers_choice
+
+    bigger = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", "auto", gpu_gib="139.8")
+    assert bigger.checkpointed_layers < count  # an H200 keeps more layers' activations
+    unknown = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", "auto", gpu_gib=None)
+    assert unknown.checkpointed_layers == layers and "no GPU size" in unknown.checkpointed_layers_choice
+
+    given = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", str(count))
+    assert given.checkpointed_layers == count and given.memory.peak[1] == auto.memory.peak[1]
+    too_many = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", str(layers + 1))
+    assert [(p.setting, p.value) for p in too_many.problems if p.setting == "--checkpointed_layers"] == [
+        ("--checkpointed_layers", layers + 1)]
+    assert _plan(monkeypatch).checkpointed_layers is None
+
+
+@pytest.mark.parametrize("count", [None, 1, 0])
+def test_only_the_first_layers_recompute_in_the_backward_pass(count):
+    """The tiny model trained one step on the CPU: a recomputing layer enters its MLP twice per step (forward and the
+    backward's recomputation, which torch stops early once it has what the backward needs: hence a pre-hook), one
+    that keeps its activations once."""
+    import torch
+
+    from model_utils.models import build_model, decoder_layers, model_config
+    from model_utils.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    model = build_model("tiny", model_config("tiny", tokenizer), torch.float32, "sdpa", True, count).train()
+    layers = decoder_layers(model)
+    assert len(layers) >= 2
+    calls = [0] * len(layers)
+    for index, layer in enumerate(layers):
+        layer.mlp.register_forward_pre_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    ids = torch.randint(0, len(tokenizer), (2, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    recomputing = len(layers) if count is None else count
+    assert calls == [2] * recomputing + [1] * (len(layers) - recomputing)
