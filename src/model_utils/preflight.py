@@ -269,9 +269,10 @@ def _note_parameter_fetches(plan: Plan, report: Report) -> None:
         report.notes.append(
             f"with --gradient_checkpointing, micro-batch {micro} (x {per_rank // micro}) fits by the estimate "
             f"(~{gpu / GIB:.1f} GiB) and fetches the offloaded parameters {per_rank // micro} times per step instead of "
-            f"{batch.accumulation}, for a third more forward compute (Qwen3-4B on one H100 with "
-            "configs/zero3-offload.json and --delayed_update_from_step 1: 14.8k tokens/s at 16 x 2 with checkpointing "
-            "against 14.2k at 4 x 8 without, 21.9 against 63.9 GiB; docs/PERFORMANCE.md)")
+            f"{batch.accumulation}, for a third more forward compute, less with --checkpointed_layers auto, which "
+            "recomputes only the layers the GPU needs (Qwen3-4B on one H100 with configs/zero3-offload.json and "
+            "--delayed_update_from_step 1: 14.8k tokens/s at 16 x 2 with checkpointing against 14.2k at 4 x 8 "
+            "without, 21.9 against 63.9 GiB; 15.6k with 28 of 36 layers recomputed, 68.4 GiB; docs/PERFORMANCE.md)")
 
 
 def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
@@ -292,7 +293,8 @@ def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
         f"configs/zero2-offload.json (ZeRO-2, the optimizer offloaded, gradients accumulated in fp32 on the "
         f"GPU) fits at micro-batch {micro} by the estimate (~{gpu / GIB:.1f} GiB) and fetches nothing (Qwen3-4B on "
         "one H100 with --delayed_update_from_step 1, calls in turn on one machine: 16.3k tokens/s at 2 x 16 against "
-        "14.8k with configs/zero3-offload.json at its fastest, 16 x 2 with checkpointing; docs/PERFORMANCE.md)")
+        "15.6k with configs/zero3-offload.json at its fastest, 16 x 2 with --checkpointed_layers auto, in another "
+        "call; docs/PERFORMANCE.md)")
 
 
 # Host seconds of each part of an offload update per 10^9 parameters of a rank's offloaded partition, measured on one

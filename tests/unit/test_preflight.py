@@ -247,8 +247,9 @@ def _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch
     ("qwen3-4b", "configs/zero3-offload.json", 2, H100, 1, {}, 33.3),  # layers not compiled, parameters offloaded
     ("qwen3-4b", "configs/zero3-offload.json", 4, H100, 1, {}, 63.9),  # auto's choice at 131,072 tokens/step
     ("qwen3-4b", "configs/zero3-offload.json --gradient_checkpointing", 16, H100, 1, {}, 21.9),  # auto's, checkpointed
-    # h100-2026-11-26.jsonl: the last 7 layers keep their activations
+    # h100-2026-11-26.jsonl: the last 7 and 8 layers keep their activations (8: --checkpointed_layers auto's)
     ("qwen3-4b", "configs/zero3-offload.json --gradient_checkpointing --checkpointed_layers=29", 16, H100, 1, {}, 62.0),
+    ("qwen3-4b", "configs/zero3-offload.json --gradient_checkpointing --checkpointed_layers=28", 16, H100, 1, {}, 68.4),
     # h200-2026-11-26.jsonl: one H200, the partial offload at micro-batch 1 and at auto's choice with checkpointing
     ("qwen3-8b", "configs/zero3-offload.json", 1, H200, 1, PARTIAL_8B, 99.2),
     ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing", 16, H200, 1, PARTIAL_8B, 103.6),
