@@ -99,6 +99,20 @@ def test_auto_recomputes_the_fewest_layers_that_fit_at_the_micro_batch_all_of_th
     assert _plan(monkeypatch).checkpointed_layers is None
 
 
+def test_a_model_whose_layers_cannot_be_checkpointed_one_by_one_is_refused(monkeypatch, session_cache):
+    """A count or auto applies to transformers' per-layer checkpointing; a model without it (no layer subclasses
+    GradientCheckpointingLayer) would recompute every layer while the plan counted fewer: refused, naming the fix."""
+    from model_utils import models
+
+    monkeypatch.setattr(models, "decoder_layers", lambda model: [])
+    plan = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", "auto")
+    [problem] = [p for p in plan.problems if p.setting == "--checkpointed_layers"]
+    assert problem.value == "auto" and "has 0 of its 36" in problem.message and "at all" in problem.fix
+    assert plan.checkpointed_layers == 36
+    assert not [p for p in _plan(monkeypatch, "--gradient_checkpointing").problems
+                if p.setting == "--checkpointed_layers"]
+
+
 @pytest.mark.parametrize("count", [None, 1, 0])
 def test_only_the_first_layers_recompute_in_the_backward_pass(count):
     """The tiny model trained one step on the CPU: a recomputing layer enters its MLP twice per step (forward and the
