@@ -119,8 +119,8 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
     if dsc.zero_stage(ds) == 3:
         from transformers.integrations import HfDeepSpeedConfig
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
-    model = build_model(cfg.model, plan.model_config, torch.float32, cfg.attn_implementation, cfg.gradient_checkpointing,
-                        plan.checkpointed_layers)
+    model = build_model(cfg.model, plan.model_config, torch.float32, cfg.attn_implementation,
+                        cfg.gradient_checkpointing, plan.checkpointed_layers)
     levers = apply_speed_levers(model, cfg.perf, dist.device.type == "cuda", log.info,
                                 warn=lambda message: log.warn(message, all_ranks=True), documents=cfg.document_mask,
                                 fused=plan.fused_loss)

@@ -219,7 +219,7 @@ def _choose_checkpointed_layers(plan: Plan) -> None:
     if wanted == "all":
         return
     if plan.gpu_memory_gib is None:
-        plan.checkpointed_layers_choice = f"auto: all {layers} ({plan.gpu_memory_source}: no GPU size to fill)"
+        plan.checkpointed_layers_choice = f"auto: all ({plan.gpu_memory_source}: no GPU size to fill)"
         return
     budget = AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB
     for count in range(layers + 1):
@@ -227,10 +227,10 @@ def _choose_checkpointed_layers(plan: Plan) -> None:
         if peak <= budget:
             plan.checkpointed_layers = count
             plan.checkpointed_layers_choice = (
-                f"auto: {count} of {layers}, the fewest with which the run fits {AUTO_MEMORY_SHARE:.0%} of the GPU "
-                f"by the estimate (~{peak / GIB:.1f} GiB of {plan.gpu_memory_gib:.1f})")
+                f"auto: the fewest with which the run fits {AUTO_MEMORY_SHARE:.0%} of the GPU by the estimate "
+                f"(~{peak / GIB:.1f} GiB of {plan.gpu_memory_gib:.1f})")
             return
-    plan.checkpointed_layers_choice = f"auto: all {layers} (fewer do not fit {AUTO_MEMORY_SHARE:.0%} of the GPU)"
+    plan.checkpointed_layers_choice = f"auto: all (fewer do not fit {AUTO_MEMORY_SHARE:.0%} of the GPU)"
 
 
 def _largest_fitting_micro(plan: Plan, ds: dict, allowed) -> tuple[int, str]:
