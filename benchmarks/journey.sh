@@ -7,9 +7,9 @@
 #   zero3-offload  ZeRO-3 + parameter and optimizer offload, accumulating 4 micro-batches: train to 6, resume to 12
 #   zero3-delayed  the same with --delayed_update_from_step 3
 #   zero3-large JOURNEY_LARGE_MODEL (Qwen3-4B) at the recommended ZeRO-3 + offload settings: --gradient_checkpointing,
-#               the automatic micro-batch (16 x 2 at 131,072 tokens per step on one H100) and checkpointed layers
-#               (the fewest that fit), the delayed update from
-#               step 2; train 4 steps, evaluate, save (one 55 GiB checkpoint fits a 64 GiB disk: no export, no resume)
+#               the automatic micro-batch (16 x 2 at 131,072 tokens per step on one H100) and checkpointed layers (the
+#               fewest that fit), the delayed update from step 2; train 4 steps, evaluate, save (one 55 GiB checkpoint
+#               fits a 64 GiB disk: no export, no resume)
 #   presets     every configs/*.json (ZeRO-1, ZeRO-2 + optimizer offload, ZeRO-3, ZeRO-3 + offload, fp16)
 #   documents   --document_mask
 #   checkpointing  --gradient_checkpointing

@@ -174,15 +174,10 @@ EOF
         --title "Qwen3-8B, ZeRO-2 + CPU optimizer offload, 2 GPUs, 262,144 tokens per step, HF + Liger at 4 x 8"
     fi
     ;;
-  q8b-2gpu-zero3-layers)  # the same host and config, ours alone with --checkpointed_layers auto (~4 min)
-    bench q8b_2gpu_zero3_layers 300 --nproc 2 --model qwen3-8b --ds_config configs/zero3-offload.json \
-      --global_batch_tokens 262144 --micro_batch_size 16 --gradient_checkpointing --steps 2 --warmup 1 --timeout 290 \
-      --variants delayed_update_auto_layers \
-      --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2, --checkpointed_layers auto, delayed update"
-    ;;
-  q8b-2gpu-zero3|q8b-2gpu-zero3-peer)  # the same host under ZeRO-3 with parameters and optimizer offloaded (~184 GiB
-    # host for both ranks), each side at 16 x 2 per GPU with checkpointing (auto's choice with it), ours delayed;
-    # q8b-2gpu-zero3: both sides within 290 s each; q8b-2gpu-zero3-peer: the peer alone, where the pair ran out of time
+  q8b-2gpu-zero3|q8b-2gpu-zero3-peer|q8b-2gpu-zero3-layers)  # the same host under ZeRO-3 with parameters and optimizer
+    # offloaded (~184 GiB host for both ranks), each side at 16 x 2 per GPU with checkpointing (auto's choice with it),
+    # ours delayed; q8b-2gpu-zero3: both sides within 290 s each; q8b-2gpu-zero3-peer: the peer alone, where the pair
+    # ran out of time; q8b-2gpu-zero3-layers: ours alone with --checkpointed_layers auto (~4 min)
     Q8B_ZERO3=(--nproc 2 --model qwen3-8b --ds_config configs/zero3-offload.json --global_batch_tokens 262144
                --micro_batch_size 16 --gradient_checkpointing --steps 2 --warmup 1)
     PEER_ARGS=(--variants --compare-hf --hf-skip noliger
@@ -191,6 +186,9 @@ EOF
       bench q8b_2gpu_zero3 580 "${Q8B_ZERO3[@]}" --timeout 290 --variants delayed_update \
         --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2 with checkpointing, delayed update"
       bench q8b_2gpu_zero3_peer 280 "${Q8B_ZERO3[@]}" --timeout 275 "${PEER_ARGS[@]}"
+    elif [ "$1" = q8b-2gpu-zero3-layers ]; then
+      bench q8b_2gpu_zero3_layers 300 "${Q8B_ZERO3[@]}" --timeout 290 --variants delayed_update_auto_layers \
+        --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2, --checkpointed_layers auto, delayed update"
     else
       bench q8b_2gpu_zero3_peer 570 "${Q8B_ZERO3[@]}" --timeout 560 "${PEER_ARGS[@]}"
     fi

@@ -92,6 +92,16 @@ class TrainerRun:
         return [r for r in self.metrics() if "loss" in r]
 
 
+def rank_environment(rank: int, nproc: int, port: int, env: dict | None = None) -> dict:
+    """The environment of one of `nproc` trainer ranks on this machine, as srun or torchrun give it (RANK, WORLD_SIZE,
+    MASTER_*), one OpenMP thread each; `env` adds to it, a None value unsets."""
+    rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    rank_env.update(env or {})
+    return {name: value for name, value in rank_env.items() if value is not None}
+
+
 class Trainer:
     """Start the trainer as N separate rank processes (as srun does: RANK/WORLD_SIZE/MASTER_* in the environment)."""
 
@@ -101,11 +111,7 @@ class Trainer:
         self.logs = [checkpoint_dir.parent / f"{checkpoint_dir.name}-rank{r}-{time.monotonic_ns()}.log" for r in range(nproc)]
         self.procs = []
         for rank in range(nproc):
-            rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                            OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            rank_env.update(env or {})
-            rank_env = {name: value for name, value in rank_env.items() if value is not None}  # None: unset
+            rank_env = rank_environment(rank, nproc, port, env)
             log = open(self.logs[rank], "w")
             self.procs.append(subprocess.Popen(
                 [sys.executable, str(TRAINER), "--checkpoint_dir", str(checkpoint_dir), *args],

@@ -3,7 +3,6 @@ each run resumes from a complete checkpoint and continues with losses bitwise eq
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TrainerRun, assert_ok, run_trainer
+from conftest import REPO, TrainerRun, assert_ok, rank_environment, run_trainer
 from model_utils.checkpoint import inspect_checkpoint
 from model_utils.train_utils import free_port
 from test_training import RESUME_ARGS, _assert_continues_exactly, baseline  # noqa: F401 (the fixture)
@@ -24,8 +23,7 @@ def run_with_fault(ckpt: Path, args: list[str], fault: str, timeout: float = 300
     """Both ranks run the trainer through the injector; when one dies, the other is killed too (as srun does)."""
     port, procs, logs = free_port(), [], []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FAULT=fault)
+        env = rank_environment(rank, 2, port, {"FAULT": fault})
         logs.append(ckpt.parent / f"{ckpt.name}-fault-rank{rank}.log")
         procs.append(subprocess.Popen([sys.executable, str(INJECT), "--checkpoint_dir", str(ckpt), *args], cwd=REPO,
                                       env=env, stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
