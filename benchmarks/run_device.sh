@@ -71,11 +71,15 @@ case "$1" in
       --variants delayed_update --steps 3 --warmup 1 --timeout 300 \
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step, delayed update against the peer at its best"
     ;;
-  peer-checkpointing)  # the HF peer's other setting under the offload preset: 4 x 8 with activation checkpointing
-    # (at 4 x 8 without it the preset's fp32 buffer does not fit beside its activations), 131,072 tokens per step
-    bench q4b_peer_ckpt 300 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
-      --micro_batch_size 4 --hf-gradient-checkpointing on --variants --compare-hf --hf-skip noliger --steps 2 \
-      --warmup 1 --timeout 280 --title "Qwen3-4B, offload preset, HF Trainer + DeepSpeed + Liger at 4 x 8 with checkpointing"
+  peer-checkpointing)  # the HF peer's settings with activation checkpointing under the offload preset, 131,072 tokens
+    # per step: 8 x 4 and 16 x 2 (fewer micro-batches for a third more compute; at 4 x 8 without checkpointing the
+    # preset's fp32 buffer does not fit beside its activations), then our delayed update at 2 x 16 beside them (~8.5 min)
+    Q4B_ZERO2=(--model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 --steps 2 --warmup 1)
+    bench q4b_peer_ckpt 330 "${Q4B_ZERO2[@]}" --micro_batch_size 8 --hf-micro-batch-size 8 16 \
+      --hf-gradient-checkpointing on --variants --compare-hf --hf-skip noliger --timeout 200 \
+      --title "Qwen3-4B, offload preset, HF Trainer + DeepSpeed + Liger at 8 x 4 and 16 x 2 with checkpointing"
+    bench q4b_delayed_beside 200 "${Q4B_ZERO2[@]}" --micro_batch_size 2 --variants delayed_update --timeout 195 \
+      --title "Qwen3-4B, offload preset, 131,072 tokens per step, our delayed update at 2 x 16 (auto)"
     ;;
   delayed-ab)  # Qwen3-4B, offload preset, 131,072 tokens/step: the synchronous update against the delayed one
     bench q4b_delayed_ab 540 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
@@ -174,21 +178,21 @@ EOF
         --title "Qwen3-8B, ZeRO-2 + CPU optimizer offload, 2 GPUs, 262,144 tokens per step, HF + Liger at 4 x 8"
     fi
     ;;
-  q8b-2gpu-zero3|q8b-2gpu-zero3-peer|q8b-2gpu-zero3-layers)  # the same host under ZeRO-3 with parameters and optimizer
-    # offloaded (~184 GiB host for both ranks), each side at 16 x 2 per GPU with checkpointing (auto's choice with it),
-    # ours delayed; q8b-2gpu-zero3: both sides within 290 s each; q8b-2gpu-zero3-peer: the peer alone, where the pair
-    # ran out of time; q8b-2gpu-zero3-layers: ours alone with --checkpointed_layers auto (~4 min)
+  q8b-2gpu-zero3|q8b-2gpu-zero3-peer|q8b-2gpu-zero3-all-layers)  # the same host under ZeRO-3 with parameters and
+    # optimizer offloaded (~184 GiB host for both ranks), each side at 16 x 2 per GPU with checkpointing (auto's choice
+    # with it); q8b-2gpu-zero3: ours with --checkpointed_layers auto and the delayed update, then the peer, within 290 s
+    # each; q8b-2gpu-zero3-peer: the peer alone; q8b-2gpu-zero3-all-layers: ours with every layer recomputed (~4 min)
     Q8B_ZERO3=(--nproc 2 --model qwen3-8b --ds_config configs/zero3-offload.json --global_batch_tokens 262144
                --micro_batch_size 16 --gradient_checkpointing --steps 2 --warmup 1)
     PEER_ARGS=(--variants --compare-hf --hf-skip noliger
                --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, HF + Liger at 16 x 2 with checkpointing")
     if [ "$1" = q8b-2gpu-zero3 ]; then
-      bench q8b_2gpu_zero3 580 "${Q8B_ZERO3[@]}" --timeout 290 --variants delayed_update \
-        --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2 with checkpointing, delayed update"
-      bench q8b_2gpu_zero3_peer 280 "${Q8B_ZERO3[@]}" --timeout 275 "${PEER_ARGS[@]}"
-    elif [ "$1" = q8b-2gpu-zero3-layers ]; then
-      bench q8b_2gpu_zero3_layers 300 "${Q8B_ZERO3[@]}" --timeout 290 --variants delayed_update_auto_layers \
+      bench q8b_2gpu_zero3_layers 580 "${Q8B_ZERO3[@]}" --timeout 290 --variants delayed_update_auto_layers \
         --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2, --checkpointed_layers auto, delayed update"
+      bench q8b_2gpu_zero3_peer 280 "${Q8B_ZERO3[@]}" --timeout 275 "${PEER_ARGS[@]}"
+    elif [ "$1" = q8b-2gpu-zero3-all-layers ]; then
+      bench q8b_2gpu_zero3 300 "${Q8B_ZERO3[@]}" --timeout 290 --variants delayed_update \
+        --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2 with checkpointing, delayed update"
     else
       bench q8b_2gpu_zero3_peer 570 "${Q8B_ZERO3[@]}" --timeout 560 "${PEER_ARGS[@]}"
     fi
@@ -201,6 +205,17 @@ EOF
       --global_batch_tokens 131072 --micro_batch_size 1 \
       --variants default ${PEER:+--compare-hf --hf-skip noliger} --steps 2 --warmup 1 --timeout 285 \
       --title "Qwen3-8B, ZeRO-3 + partial optimizer offload (ratio 0.55), parameters on the GPU, 1 H200, 131,072 tokens per step"
+    ;;
+  partial-offload-auto)  # the same node, Qwen3-8B and offload at the automatic micro-batch's choices: with
+    # checkpointing 16 x 2 and --checkpointed_layers auto (33 of 36 recomputed, ~123 GiB by the estimate) beside the
+    # peer at its best (16 x 2 with checkpointing), then 2 x 16 without checkpointing (~116 GiB) (~9 min)
+    PARTIAL_8B=(--model qwen3-8b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 --steps 2 --warmup 1
+                --ds-set zero_optimization.offload_optimizer.ratio=0.55 'zero_optimization.offload_param.device="none"')
+    bench q8b_partial_layers 330 "${PARTIAL_8B[@]}" --micro_batch_size 16 --gradient_checkpointing \
+      --variants delayed_update_auto_layers --compare-hf --hf-skip noliger --timeout 200 \
+      --title "Qwen3-8B, partial offload (0.55), 1 H200, 16 x 2, --checkpointed_layers auto, delayed update, against the peer"
+    bench q8b_partial_mb2 220 "${PARTIAL_8B[@]}" --micro_batch_size 2 --variants delayed_update --timeout 215 \
+      --title "Qwen3-8B, partial offload (0.55), 1 H200, 2 x 16 without checkpointing (auto's choice), delayed update"
     ;;
   scale)  # per-GPU scaling on 1/2/4 H200 (default path), Qwen3-8B ZeRO-3, the loss check, then the peers if time
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)

@@ -14,10 +14,11 @@ AUTO_MEMORY_SHARE = 0.90
 # ...and holds at most this many tokens per micro-batch: on one H100, Qwen3-0.6B at seq 4096 ran fastest at 16, the
 # largest that fits (docs/PERFORMANCE.md); larger ones were not measured to gain, and lengthen evaluation and compilation.
 AUTO_MAX_MICRO_TOKENS = 65_536
-# Eager decoder layers (ZeRO-3, where they are not compiled, or --compile off) keep the intermediates that compiled ones
-# recompute under --activation_budget: on one H100, Qwen3-0.6B at micro-batch 8 peaked at 48.7 GiB under ZeRO-3 and 40.9
-# under ZeRO-3 with offload against estimates of 39.1 and 31.4 without this factor (docs/JOURNEY.md's presets).
-EAGER_ACTIVATION_FACTOR = 1.32
+# Eager decoder layers (ZeRO-3, where they are not compiled, or --compile off) keep every intermediate of their forward
+# for the backward: `eager_layer_activation_bytes_per_token` counts the tensors, with this margin for what the count
+# leaves out (the attention's log-sum-exp, the norms' statistics, the allocator's rounding), fitted to the eager peaks
+# measured (docs/PERFORMANCE.md): each lies within 5% of its estimate.
+EAGER_ACTIVATION_MARGIN = 1.06
 # Where no GPU memory is known (CPU runs; a login node without GPU_MEMORY_GIB): the micro-batch ds_config.json held.
 AUTO_MICRO_WITHOUT_GPU = 8
 
@@ -65,6 +66,23 @@ def layer_activation_bytes_per_token(config) -> float:
     return 30.25 * config.hidden_size + 1.25 * config.intermediate_size
 
 
+def eager_layer_activation_bytes_per_token(config) -> float:
+    """16-bit bytes one eager decoder layer keeps per token for its backward pass, tensor by tensor (h the hidden size,
+    q the query's width, kv the key's and the value's, I the MLP's): four of width h (the layer input and its norm, the
+    residual after attention and its norm), three of q (the query's projection, its normed and rotated form, the
+    attention's output), three of kv (the key's projection, its normed and rotated form, the value), three of I (gate,
+    up and their product). Counted, not scaled from the compiled layers' fit in h: Qwen3-8B's query is no wider than
+    its hidden size, unlike Qwen3-0.6B's and 4B's, and the scaled fit put its eager layers 25% too high (9.5 GiB per
+    kept layer at 16 x 4096 against 7.6 measured)."""
+    from .models import head_dim
+
+    h, dim = config.hidden_size, head_dim(config)
+    q = config.num_attention_heads * dim
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv *= dim
+    return EAGER_ACTIVATION_MARGIN * 2 * (4 * h + 3 * q + 3 * kv + 3 * config.intermediate_size)
+
+
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
                      chunk_budget: int, compiled: bool = True, checkpointed_layers: int | None = None) -> float:
     """Activations kept for the backward pass (`layer_activation_bytes_per_token` per layer and token); a recomputed
@@ -78,7 +96,7 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     per_layer = micro * seq_len * layer_activation_bytes_per_token(config)
     scale = 1 if bf16 else 2
     # Eager layers keep more of their working set than compiled ones; a checkpointed layer's kept input is the same.
-    working_set = per_layer if compiled else per_layer * EAGER_ACTIVATION_FACTOR
+    working_set = per_layer if compiled else micro * seq_len * eager_layer_activation_bytes_per_token(config)
     recomputed = min(layers, layers if checkpointed_layers is None else checkpointed_layers) if checkpointing else 0
     kept = layers - recomputed
     acts = recomputed * 2 * micro * seq_len * h + max(kept, 1 if recomputed else 0) * working_set

@@ -31,7 +31,7 @@ def test_each_layer_left_out_keeps_its_working_set_instead_of_its_input():
     """The layers left out are the last ones: the backward pass frees their working sets before it recomputes a layer,
     so the last layer is kept for free (its working set is the one a recomputation would need) and each further one
     costs its working set less the input a recomputed layer keeps."""
-    from model_utils.memory import EAGER_ACTIVATION_FACTOR, activation_bytes, layer_activation_bytes_per_token
+    from model_utils.memory import activation_bytes, eager_layer_activation_bytes_per_token
     from model_utils.models import model_config
     from model_utils.tokenizer import load_tokenizer
 
@@ -45,7 +45,7 @@ def test_each_layer_left_out_keeps_its_working_set_instead_of_its_input():
     assert acts(True) == acts(True, layers) == acts(True, layers + 5)
     assert acts(True, 0) == acts(False)
     kept_input = 2 * 16 * 4096 * config.hidden_size
-    working_set = 16 * 4096 * layer_activation_bytes_per_token(config) * EAGER_ACTIVATION_FACTOR  # ZeRO-3's eager layers
+    working_set = 16 * 4096 * eager_layer_activation_bytes_per_token(config)  # ZeRO-3's eager layers
     assert acts(True, layers - 1) == pytest.approx(acts(True) - kept_input)
     for count in range(layers - 1):
         assert acts(True, count) - acts(True, count + 1) == pytest.approx(working_set - kept_input)

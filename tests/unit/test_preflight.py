@@ -255,30 +255,27 @@ def _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch
     ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing", 16, H200, 1, PARTIAL_8B, 103.6),
     # h200x2-2026-11-26.jsonl: two H200 of one host, the seeds' config shape, auto's choice on an H100
     ("qwen3-8b", "configs/zero2-offload.json", 2, H200, 2, {}, 65.0),
+    ("qwen3-8b", "configs/zero3.json", 2, H200, 4, {}, 72.2),  # h200x4-2026-11-21.jsonl (SDPA)
+    # h200x2-2026-11-26.jsonl: parameters and optimizer offloaded, auto's choice with checkpointing, and 9 layers kept
+    ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing", 16, H200, 2, {}, 30.0),
+    ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing --checkpointed_layers=27", 16, H200, 2, {}, 98.3),
 ])
 def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, setup, micro, gpu_gib, world, zero_changes,
                                                                    measured, monkeypatch, session_cache, tmp_path):
-    """The automatic micro-batch trusts the estimate: each measured peak is within 10% of it."""
+    """The automatic micro-batch trusts the estimate: each measured peak is within 10% of it, those of eager layers
+    (ZeRO-3), whose activations are counted tensor by tensor, within 5%."""
     estimate = _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_path)
-    assert abs(estimate - measured) <= 0.1 * measured, (estimate, measured)
+    tolerance = 0.05 if "zero3" in setup else 0.10
+    assert abs(estimate - measured) <= tolerance * measured, (estimate, measured)
 
 
-@pytest.mark.parametrize("model, setup, micro, gpu_gib, world, measured", [
-    ("qwen3-8b", "configs/zero2-offload.json", 4, H200, 2, 91.7),  # h200x2-2026-11-26.jsonl: auto's choice on H200
-    ("qwen3-8b", "configs/zero3.json", 2, H200, 4, 72.2),  # h200x4-2026-11-21.jsonl (SDPA)
-    # h200x2-2026-11-26.jsonl: parameters and optimizer offloaded, auto's choice with checkpointing
-    ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing", 16, H200, 2, 30.0),
-    ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing --checkpointed_layers=27", 16, H200, 2, 98.3),
-])
-def test_the_estimate_errs_high_where_it_misses_by_more(model, setup, micro, gpu_gib, world, measured, monkeypatch,
-                                                        session_cache, tmp_path):
-    """Qwen3-8B on several GPUs peaked 10-21% below the estimate (docs/PERFORMANCE.md): its layers keep less per token
-    than the fit to Qwen3-0.6B and 4B says. Too high costs a smaller micro-batch where a larger one would fit (not at
-    auto's 4 here: 8 would need ~145 GiB by the slope measured from 2 to 4, more than the H200 has) or more recomputed
-    layers than needed (auto recomputed 27 of 36 at a measured 98.3 of 139.8 GiB), too low would run out of memory:
-    all stay above their peak, within 21% of it."""
-    estimate = _estimate_gib(model, setup, micro, gpu_gib, world, {}, monkeypatch, tmp_path)
-    assert measured <= estimate <= 1.21 * measured, (estimate, measured)
+def test_the_estimate_errs_high_for_qwen3_8b_compiled_layers(monkeypatch, session_cache, tmp_path):
+    """Qwen3-8B's compiled layers (ZeRO-2 on two H200s) peaked 18% below the estimate at micro-batch 4 (91.7 GiB,
+    h200x2-2026-11-26.jsonl; 7% at 2): they keep less per token than the fit to Qwen3-0.6B and 4B says. Too high costs
+    a smaller micro-batch where a larger one would fit (not here: 8 would need ~145 GiB by the slope measured from 2 to
+    4, more than the H200 has), too low would run out of memory: it stays above the peak, within 20% of it."""
+    estimate = _estimate_gib("qwen3-8b", "configs/zero2-offload.json", 4, H200, 2, {}, monkeypatch, tmp_path)
+    assert 91.7 <= estimate <= 1.2 * 91.7, estimate
 
 
 def test_offloaded_states_that_do_not_fit_the_node_are_refused(tmp_path, monkeypatch, session_cache):
