@@ -178,24 +178,27 @@ EOF
         --title "Qwen3-8B, ZeRO-2 + CPU optimizer offload, 2 GPUs, 262,144 tokens per step, HF + Liger at 4 x 8"
     fi
     ;;
-  q8b-2gpu-zero3|q8b-2gpu-zero3-peer|q8b-2gpu-zero3-all-layers)  # the same host under ZeRO-3 with parameters and
-    # optimizer offloaded (~184 GiB host for both ranks), each side at 16 x 2 per GPU with checkpointing (auto's choice
-    # with it); q8b-2gpu-zero3: ours with --checkpointed_layers auto and the delayed update, then the peer, within 290 s
-    # each; q8b-2gpu-zero3-peer: the peer alone; q8b-2gpu-zero3-all-layers: ours with every layer recomputed (~4 min)
+  q8b-2gpu-zero3|q8b-2gpu-zero3-peer|q8b-2gpu-zero3-layers|q8b-2gpu-zero3-all-layers)  # the same host under ZeRO-3
+    # with parameters and optimizer offloaded (~184 GiB host for both ranks), each side at 16 x 2 per GPU with
+    # checkpointing (auto's choice with it); q8b-2gpu-zero3: ours with --checkpointed_layers auto and the delayed
+    # update, then the peer, within 290 s each; -layers: ours alone (~4 min); -peer: the peer alone; -all-layers: ours
+    # with every layer recomputed
     Q8B_ZERO3=(--nproc 2 --model qwen3-8b --ds_config configs/zero3-offload.json --global_batch_tokens 262144
                --micro_batch_size 16 --gradient_checkpointing --steps 2 --warmup 1)
     PEER_ARGS=(--variants --compare-hf --hf-skip noliger
                --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, HF + Liger at 16 x 2 with checkpointing")
-    if [ "$1" = q8b-2gpu-zero3 ]; then
-      bench q8b_2gpu_zero3_layers 580 "${Q8B_ZERO3[@]}" --timeout 290 --variants delayed_update_auto_layers \
-        --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2, --checkpointed_layers auto, delayed update"
-      bench q8b_2gpu_zero3_peer 280 "${Q8B_ZERO3[@]}" --timeout 275 "${PEER_ARGS[@]}"
-    elif [ "$1" = q8b-2gpu-zero3-all-layers ]; then
-      bench q8b_2gpu_zero3 300 "${Q8B_ZERO3[@]}" --timeout 290 --variants delayed_update \
-        --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2 with checkpointing, delayed update"
-    else
-      bench q8b_2gpu_zero3_peer 570 "${Q8B_ZERO3[@]}" --timeout 560 "${PEER_ARGS[@]}"
-    fi
+    OURS_LAYERS=(--variants delayed_update_auto_layers
+                 --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2, --checkpointed_layers auto, delayed update")
+    case "$1" in
+      q8b-2gpu-zero3)
+        bench q8b_2gpu_zero3_layers 580 "${Q8B_ZERO3[@]}" --timeout 290 "${OURS_LAYERS[@]}"
+        bench q8b_2gpu_zero3_peer 280 "${Q8B_ZERO3[@]}" --timeout 275 "${PEER_ARGS[@]}" ;;
+      q8b-2gpu-zero3-layers) bench q8b_2gpu_zero3_layers 300 "${Q8B_ZERO3[@]}" --timeout 290 "${OURS_LAYERS[@]}" ;;
+      q8b-2gpu-zero3-all-layers)
+        bench q8b_2gpu_zero3 300 "${Q8B_ZERO3[@]}" --timeout 290 --variants delayed_update \
+          --title "Qwen3-8B, ZeRO-3 + offload, 2 GPUs, 262,144 tokens per step, 16 x 2 with checkpointing, delayed update" ;;
+      *) bench q8b_2gpu_zero3_peer 570 "${Q8B_ZERO3[@]}" --timeout 560 "${PEER_ARGS[@]}" ;;
+    esac
     ;;
   partial-offload)  # one H200 (124 GiB free): Qwen3-8B, ZeRO-3 with 55% of the optimizer offloaded and the parameters on
     # the GPU (the preflight's fix there: ~109 GiB host, ~101 GiB GPU by the estimate; 86.7 and 99.2 measured), micro-batch
@@ -206,16 +209,21 @@ EOF
       --variants default ${PEER:+--compare-hf --hf-skip noliger} --steps 2 --warmup 1 --timeout 285 \
       --title "Qwen3-8B, ZeRO-3 + partial optimizer offload (ratio 0.55), parameters on the GPU, 1 H200, 131,072 tokens per step"
     ;;
-  partial-offload-auto)  # the same node, Qwen3-8B and offload at the automatic micro-batch's choices: with
-    # checkpointing 16 x 2 and --checkpointed_layers auto (33 of 36 recomputed, ~123 GiB by the estimate) beside the
-    # peer at its best (16 x 2 with checkpointing), then 2 x 16 without checkpointing (~116 GiB) (~9 min)
-    PARTIAL_8B=(--model qwen3-8b --ds_config configs/zero3-offload.json --global_batch_tokens 131072 --steps 2 --warmup 1
+  partial-offload-layers|partial-offload-mb2)  # Qwen3-8B and the partial offload above at the automatic
+    # micro-batch's choices, on one GPU (--nproc 1 also on a host of two): partial-offload-layers, with checkpointing,
+    # 16 x 2 and --checkpointed_layers auto (33 of 36 recomputed, ~123 GiB by the estimate; PEER=1: beside HF Trainer
+    # + DeepSpeed + Liger at 16 x 2 with checkpointing); partial-offload-mb2, without, 2 x 16 (~116 GiB); ~3.5 min each
+    PARTIAL_8B=(--nproc 1 --model qwen3-8b --ds_config configs/zero3-offload.json --global_batch_tokens 131072
+                --steps 2 --warmup 1
                 --ds-set zero_optimization.offload_optimizer.ratio=0.55 'zero_optimization.offload_param.device="none"')
-    bench q8b_partial_layers 330 "${PARTIAL_8B[@]}" --micro_batch_size 16 --gradient_checkpointing \
-      --variants delayed_update_auto_layers --compare-hf --hf-skip noliger --timeout 200 \
-      --title "Qwen3-8B, partial offload (0.55), 1 H200, 16 x 2, --checkpointed_layers auto, delayed update, against the peer"
-    bench q8b_partial_mb2 220 "${PARTIAL_8B[@]}" --micro_batch_size 2 --variants delayed_update --timeout 215 \
-      --title "Qwen3-8B, partial offload (0.55), 1 H200, 2 x 16 without checkpointing (auto's choice), delayed update"
+    if [ "$1" = partial-offload-layers ]; then
+      bench q8b_partial_layers 200 "${PARTIAL_8B[@]}" --micro_batch_size 16 --gradient_checkpointing \
+        --variants delayed_update_auto_layers ${PEER:+--compare-hf --hf-skip noliger} --timeout 200 \
+        --title "Qwen3-8B, partial offload (0.55), 1 H200, 16 x 2, --checkpointed_layers auto, delayed update"
+    else
+      bench q8b_partial_mb2 200 "${PARTIAL_8B[@]}" --micro_batch_size 2 --variants delayed_update --timeout 215 \
+        --title "Qwen3-8B, partial offload (0.55), 1 H200, 2 x 16 without checkpointing (auto's choice), delayed update"
+    fi
     ;;
   scale)  # per-GPU scaling on 1/2/4 H200 (default path), Qwen3-8B ZeRO-3, the loss check, then the peers if time
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)
