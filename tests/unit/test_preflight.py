@@ -253,12 +253,17 @@ def _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch
     # h200-2026-11-26.jsonl: one H200, the partial offload at micro-batch 1 and at auto's choice with checkpointing
     ("qwen3-8b", "configs/zero3-offload.json", 1, H200, 1, PARTIAL_8B, 99.2),
     ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing", 16, H200, 1, PARTIAL_8B, 103.6),
+    # h200x2-2026-11-26.jsonl, one GPU of two: auto's choices with the estimate's tensor count, 2 x 16 and 33 of 36
+    ("qwen3-8b", "configs/zero3-offload.json", 2, H200, 1, PARTIAL_8B, 118.1),
+    ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing --checkpointed_layers=33", 16, H200, 1,
+     PARTIAL_8B, 124.6),
     # h200x2-2026-11-26.jsonl: two H200 of one host, the seeds' config shape, auto's choice on an H100
     ("qwen3-8b", "configs/zero2-offload.json", 2, H200, 2, {}, 65.0),
     ("qwen3-8b", "configs/zero3.json", 2, H200, 4, {}, 72.2),  # h200x4-2026-11-21.jsonl (SDPA)
     # h200x2-2026-11-26.jsonl: parameters and optimizer offloaded, auto's choice with checkpointing, and 9 layers kept
     ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing", 16, H200, 2, {}, 30.0),
     ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing --checkpointed_layers=27", 16, H200, 2, {}, 98.3),
+    ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing --checkpointed_layers=24", 16, H200, 2, {}, 122.0),
 ])
 def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, setup, micro, gpu_gib, world, zero_changes,
                                                                    measured, monkeypatch, session_cache, tmp_path):
