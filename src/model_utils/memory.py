@@ -86,13 +86,12 @@ def eager_layer_activation_bytes_per_token(config) -> float:
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
                      chunk_budget: int, compiled: bool = True, checkpointed_layers: int | None = None) -> float:
     """Activations kept for the backward pass (per layer and token: `layer_activation_bytes_per_token` compiled,
-    `eager_layer_activation_bytes_per_token` eager); a recomputed
-    layer keeps only its input (2·s·b·h), and recomputing needs one layer's working set at a time. With
-    `checkpointing`, the first `checkpointed_layers` layers recompute (None: all) and the rest keep their working sets;
-    the backward pass frees those before it reaches a recomputed layer, so the peak holds the kept working sets or the
-    one being recomputed, not both (Qwen3-4B, ZeRO-3 with offload, 16 x 2 on one H100, 7 of 36 layers kept: 62.0 GiB
-    measured, 61.2 by this, 68.3 with both). Logits: 16-bit logits, their fp32 upcast and its gradient, unless the
-    fused linear cross-entropy avoids them."""
+    `eager_layer_activation_bytes_per_token` eager); a recomputed layer keeps only its input (2·s·b·h), and
+    recomputing needs one layer's working set at a time. With `checkpointing`, the first `checkpointed_layers` layers
+    recompute (None: all) and the rest keep their working sets; the backward pass frees those before it reaches a
+    recomputed layer, so the peak holds the kept working sets or the one being recomputed, not both (Qwen3-4B, ZeRO-3
+    with offload, 16 x 2 on one H100, 7 of 36 layers kept: 62.0 GiB measured, 61.2 by this, 68.3 with both). Logits:
+    16-bit logits, their fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
     h, layers = config.hidden_size, config.num_hidden_layers
     per_layer = micro * seq_len * layer_activation_bytes_per_token(config)
     scale = 1 if bf16 else 2
