@@ -65,11 +65,11 @@ case "$1" in
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, phase timing"
     ;;
   delayed)  # Qwen3-4B, offload preset, 131,072 tokens/step: the delayed update against HF Trainer + DeepSpeed + Liger at
-    # the peer's best measured setting under the preset (4 x 8 with activation checkpointing: PLAN=peer-checkpointing)
+    # 4 x 8 with activation checkpointing (its best, 16 x 2 with checkpointing, beside ours: PLAN=peer-checkpointing)
     bench q4b_delayed 520 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
       --micro_batch_size 2 --hf-micro-batch-size 4 --hf-gradient-checkpointing on --compare-hf --hf-skip noliger \
       --variants delayed_update --steps 3 --warmup 1 --timeout 300 \
-      --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step, delayed update against the peer at its best"
+      --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step, delayed update against the peer at 4 x 8"
     ;;
   peer-checkpointing)  # the HF peer's settings with activation checkpointing under the offload preset, 131,072 tokens
     # per step: 8 x 4 and 16 x 2 (fewer micro-batches for a third more compute; at 4 x 8 without checkpointing the
@@ -201,7 +201,7 @@ EOF
     esac
     ;;
   partial-offload)  # one H200 (124 GiB free): Qwen3-8B, ZeRO-3 with 55% of the optimizer offloaded and the parameters on
-    # the GPU (the preflight's fix there: ~109 GiB host, ~101 GiB GPU by the estimate; 86.7 and 99.2 measured), micro-batch
+    # the GPU (the preflight's fix there: ~109 GiB host, ~96 GiB GPU by the estimate; 86.7 and 99.2 measured), micro-batch
     # 1 x 32; PEER=1: against HF Trainer + DeepSpeed + Liger (~7.5 min)
     bench q8b_partial 560 --model qwen3-8b --ds_config configs/zero3-offload.json \
       --ds-set zero_optimization.offload_optimizer.ratio=0.55 'zero_optimization.offload_param.device="none"' \
@@ -221,7 +221,7 @@ EOF
         --variants delayed_update_auto_layers ${PEER:+--compare-hf --hf-skip noliger} --timeout 200 \
         --title "Qwen3-8B, partial offload (0.55), 1 H200, 16 x 2, --checkpointed_layers auto, delayed update"
     else
-      bench q8b_partial_mb2 200 "${PARTIAL_8B[@]}" --micro_batch_size 2 --variants delayed_update --timeout 215 \
+      bench q8b_partial_mb2 220 "${PARTIAL_8B[@]}" --micro_batch_size 2 --variants delayed_update --timeout 215 \
         --title "Qwen3-8B, partial offload (0.55), 1 H200, 2 x 16 without checkpointing (auto's choice), delayed update"
     fi
     ;;

@@ -78,8 +78,7 @@ def eager_layer_activation_bytes_per_token(config) -> float:
 
     h, dim = config.hidden_size, head_dim(config)
     q = config.num_attention_heads * dim
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    kv *= dim
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * dim
     return EAGER_ACTIVATION_MARGIN * 2 * (4 * h + 3 * q + 3 * kv + 3 * config.intermediate_size)
 
 
