@@ -61,7 +61,8 @@ class Run:
     tokens_seen: int = 0
     position: DataPosition | None = None
     saves: BackgroundSaves | None = None  # --background_checkpoint, else None: saves block
-    levers: dict | None = None  # the speed levers in force (apply_speed_levers, streamline_zero_step, the delayed update)
+    # the speed levers in force (apply_speed_levers, streamline_zero_step, the delayed update)
+    levers: dict | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -150,7 +151,8 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
         log.info("attention: within documents (--document_mask; positions restart after each EOS, "
                  + ("FlashAttention-4 takes the documents' boundaries)" if run.document_boundaries
                     else "transformers masks attention to each document)"))
-    log.info(f"model: {cfg.model}, {plan.num_params / 1e6:.1f}M parameters, {plan.flops.per_token() / 1e9:.3f} GFLOP/token; "
+    log.info(f"model: {cfg.model}, {plan.num_params / 1e6:.1f}M parameters, "
+             f"{plan.flops.per_token() / 1e9:.3f} GFLOP/token; "
              f"precision {dsc.precision(ds)}{' (dynamic loss scaling)' if dsc.precision(ds) == 'fp16' else ''}, "
              f"ZeRO stage {dsc.zero_stage(ds)}")
     log.info(f"batch: {batch.describe()}; {batch.plan(cfg.max_steps, max(data.train_tokens, 1))}"
