@@ -34,7 +34,9 @@ bench() {  # bench NAME SECONDS_NEEDED ARGS...
   python3 benchmarks/bench.py --json "$OUT/results.jsonl" --log-dir "$OUT/logs/$name" --write-doc "$OUT/$name.md" "$@" 2>&1 \
     | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#|Best|Round|Over)' | cut -c1-400
 }
-# Qwen3-4B under ZeRO-3 with parameters and optimizer offloaded, 131,072 tokens per step: the setup of the zero3-* plans
+# Qwen3-4B at 131,072 tokens per step with the offload preset (ZeRO-2, the optimizer offloaded) and under ZeRO-3 with
+# parameters and optimizer offloaded: the setups of the offload and zero3-* plans
+Q4B_ZERO2=(--model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072)
 Q4B_ZERO3=(--model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072)
 run_plan() {
 case "$1" in
@@ -60,13 +62,13 @@ case "$1" in
     ;;
   offload-profile)  # where a Qwen3-4B offload step goes: the micro-batches on the GPU against the CPU optimizer step
     # the phase timing and the GPU's idle gaps print first; the profiler's tables of a 4B step take minutes more
-    bench q4b_profile 580 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
+    bench q4b_profile 580 "${Q4B_ZERO2[@]}" \
       --micro_batch_size 2 --variants default --steps 2 --warmup 1 --profile --timeout 570 \
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, phase timing"
     ;;
   delayed)  # Qwen3-4B, offload preset, 131,072 tokens/step: the delayed update against HF Trainer + DeepSpeed + Liger at
     # 4 x 8 with activation checkpointing (its best, 16 x 2 with checkpointing, beside ours: PLAN=peer-checkpointing)
-    bench q4b_delayed 520 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
+    bench q4b_delayed 520 "${Q4B_ZERO2[@]}" \
       --micro_batch_size 2 --hf-micro-batch-size 4 --hf-gradient-checkpointing on --compare-hf --hf-skip noliger \
       --variants delayed_update --steps 3 --warmup 1 --timeout 300 \
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step, delayed update against the peer at 4 x 8"
@@ -74,15 +76,15 @@ case "$1" in
   peer-checkpointing)  # the HF peer's settings with activation checkpointing under the offload preset, 131,072 tokens
     # per step: 8 x 4 and 16 x 2 (fewer micro-batches for a third more compute; at 4 x 8 without checkpointing the
     # preset's fp32 buffer does not fit beside its activations), then our delayed update at 2 x 16 beside them (~8.5 min)
-    Q4B_ZERO2=(--model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 --steps 2 --warmup 1)
-    bench q4b_peer_ckpt 330 "${Q4B_ZERO2[@]}" --micro_batch_size 8 --hf-micro-batch-size 8 16 \
+    bench q4b_peer_ckpt 330 "${Q4B_ZERO2[@]}" --steps 2 --warmup 1 --micro_batch_size 8 --hf-micro-batch-size 8 16 \
       --hf-gradient-checkpointing on --variants --compare-hf --hf-skip noliger --timeout 200 \
       --title "Qwen3-4B, offload preset, HF Trainer + DeepSpeed + Liger at 8 x 4 and 16 x 2 with checkpointing"
-    bench q4b_delayed_beside 200 "${Q4B_ZERO2[@]}" --micro_batch_size 2 --variants delayed_update --timeout 195 \
+    bench q4b_delayed_beside 200 "${Q4B_ZERO2[@]}" --steps 2 --warmup 1 --micro_batch_size 2 --variants delayed_update \
+      --timeout 195 \
       --title "Qwen3-4B, offload preset, 131,072 tokens per step, our delayed update at 2 x 16 (auto)"
     ;;
   delayed-ab)  # Qwen3-4B, offload preset, 131,072 tokens/step: the synchronous update against the delayed one
-    bench q4b_delayed_ab 540 --model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072 \
+    bench q4b_delayed_ab 540 "${Q4B_ZERO2[@]}" \
       --micro_batch_size 2 --variants default delayed_update --steps 2 --warmup 1 --timeout 270 \
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step: synchronous and delayed update"
     ;;

@@ -94,14 +94,15 @@ def build_model(name: str, config, dtype, attn_implementation: str, gradient_che
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if checkpointed_layers is not None:
-            for layer in decoder_layers(model)[checkpointed_layers:]:
+            for layer in checkpointable_layers(model)[checkpointed_layers:]:
                 layer.gradient_checkpointing = False  # transformers reads the flag at each call
     model.config.use_cache = False
     return model
 
 
-def decoder_layers(model) -> list:
-    """The model's repeated blocks that transformers can checkpoint, in order."""
+def checkpointable_layers(model) -> list:
+    """The model's decoder layers that transformers checkpoints one by one (GradientCheckpointingLayer), in order:
+    --checkpointed_layers counts these. (The compiled layers are the base model's `layers`: levers._decoder_layers.)"""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]

@@ -34,7 +34,7 @@ class Plan:
     flops: object = None  # models.FlopsModel
     fused_loss: bool = False  # Liger's fused linear cross-entropy (the logits' memory depends on it)
     compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); not under ZeRO-3
-    checkpointable_layers: int = 0  # the model's layers transformers checkpoints one by one (models.decoder_layers)
+    checkpointable_layers: int = 0  # the model's layers transformers checkpoints one by one (models.checkpointable_layers)
     checkpointed_layers: int | None = None  # decoder layers --gradient_checkpointing recomputes (None: it is off)
     checkpointed_layers_choice: str | None = None  # how --checkpointed_layers auto chose; None where it was given
     memory: PhaseMemory | None = None
@@ -153,12 +153,12 @@ def _size_model(plan: Plan) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import FlopsModel, decay_groups, decoder_layers
+    from .models import FlopsModel, checkpointable_layers, decay_groups
 
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(plan.model_config)
     plan.num_params = sum(p.numel() for p in meta_model.parameters())
-    plan.checkpointable_layers = len(decoder_layers(meta_model))
+    plan.checkpointable_layers = len(checkpointable_layers(meta_model))
     plan.param_groups = [[p.numel() for p in group] for group in decay_groups(meta_model.parameters())]
     del meta_model
     plan.flops = FlopsModel.from_config(plan.model_config, plan.num_params, plan.seq_len)

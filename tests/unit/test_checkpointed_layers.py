@@ -107,7 +107,7 @@ def test_a_model_whose_layers_cannot_be_checkpointed_one_by_one_is_refused(monke
     GradientCheckpointingLayer) would recompute every layer while the plan counted fewer: refused, naming the fix."""
     from model_utils import models
 
-    monkeypatch.setattr(models, "decoder_layers", lambda model: [])
+    monkeypatch.setattr(models, "checkpointable_layers", lambda model: [])
     plan = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", "auto")
     [problem] = [p for p in plan.problems if p.setting == "--checkpointed_layers"]
     assert problem.value == "auto" and "has 0 of its 36" in problem.message and "at all" in problem.fix
@@ -123,12 +123,12 @@ def test_only_the_first_layers_recompute_in_the_backward_pass(count):
     that keeps its activations once."""
     import torch
 
-    from model_utils.models import build_model, decoder_layers, model_config
+    from model_utils.models import build_model, checkpointable_layers, model_config
     from model_utils.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     model = build_model("tiny", model_config("tiny", tokenizer), torch.float32, "sdpa", True, count).train()
-    layers = decoder_layers(model)
+    layers = checkpointable_layers(model)
     assert len(layers) >= 2
     calls = [0] * len(layers)
     for index, layer in enumerate(layers):
