@@ -72,8 +72,8 @@ def eager_layer_activation_bytes_per_token(config) -> float:
     residual after attention and its norm), three of q (the query's projection, its normed and rotated form, the
     attention's output), three of kv (the key's projection, its normed and rotated form, the value), three of I (gate,
     up and their product). Counted, not scaled from the compiled layers' fit in h: Qwen3-8B's query is no wider than
-    its hidden size, unlike Qwen3-0.6B's and 4B's, and the scaled fit put its eager layers 25% too high (9.5 GiB per
-    kept layer at 16 x 4096 against 7.6 measured)."""
+    its hidden size, unlike Qwen3-0.6B's and 4B's, and the scaled fit put its ZeRO-3 peak with 9 of 36 layers keeping
+    their activations at 118.5 GiB against 98.3 measured (this count: 97.4; docs/PERFORMANCE.md)."""
     from .models import head_dim
 
     h, dim = config.hidden_size, head_dim(config)
