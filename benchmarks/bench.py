@@ -44,7 +44,8 @@ from model_utils.arguments import PerfConfig  # noqa: E402  (src/ is on the path
 
 # Each speed lever's value that leaves it off (the libraries' own behaviour), for every lever a variant does not name.
 LEVERS_OFF = {"fused_kernels": "auto", "liger_kernels": "all", "flce_chunk_budget": 1, "compile": "off",
-              "activation_budget": 1.0, "attention_kernel": "sdpa", "sdpa_backend": "auto", "overflow_check": "scan"}
+              "activation_budget": 1.0, "attention_kernel": "sdpa", "sdpa_backend": "auto", "overflow_check": "scan",
+              "delayed_update_prefetch": "off"}
 assert set(LEVERS_OFF) == set(PerfConfig().as_dict()), "every speed lever needs its 'off' value here"
 
 
@@ -68,6 +69,8 @@ VARIANTS = {
     # The default path with ZeRO offload's update delayed by one step from the first (the trainer's
     # --delayed_update_from_step); pair with an offload config.
     "delayed_update": {"args": ["--delayed_update_from_step", "1"]},
+    # ...without the prefetch of each update's weights to a second GPU buffer (ZeRO-1/2: --delayed_update_prefetch)
+    "delayed_update_no_prefetch": {"args": ["--delayed_update_from_step", "1", "--delayed_update_prefetch", "off"]},
     # ...and with --gradient_checkpointing, only as many layers recomputed as the GPU needs (--checkpointed_layers auto).
     "delayed_update_auto_layers": {"args": ["--delayed_update_from_step", "1", "--checkpointed_layers", "auto"]},
     # The default path with attention within documents (the trainer's --document_mask); pair with --document_length.

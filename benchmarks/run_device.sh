@@ -88,6 +88,18 @@ case "$1" in
       --micro_batch_size 2 --variants default delayed_update --steps 2 --warmup 1 --timeout 270 \
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step: synchronous and delayed update"
     ;;
+  prefetch-ab)  # Qwen3-4B, offload preset, 131,072 tokens/step, one invocation: the delayed update without and with the
+    # prefetch of its weights to a second GPU buffer, then the peer at its best (16 x 2 with checkpointing) (~9.5 min)
+    bench q4b_prefetch_ab 560 "${Q4B_ZERO2[@]}" --steps 2 --warmup 1 --micro_batch_size 2 \
+      --variants delayed_update_no_prefetch delayed_update --compare-hf --hf-skip noliger --hf-micro-batch-size 16 \
+      --hf-gradient-checkpointing on --timeout 190 \
+      --title "Qwen3-4B, offload preset, 1 H100, 131,072 tokens per step: the delayed update without and with the prefetch, and the peer at 16 x 2"
+    ;;
+  gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch
+    echo "=== gpu-tests ($(($(date +%s) - START))s)"
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_delayed_update.py -k gpu 2>&1 \
+      | tail -15 | tee "$OUT/gpu-tests.txt"
+    ;;
   delayed-losses)  # Qwen3-0.6B, offload preset: 50 steps of the delayed update against the synchronous one
     bench q06_delayed_losses 300 --model qwen3-0.6b --ds_config configs/zero2-offload.json --global_batch_tokens 65536 \
       --steps 1 --warmup 1 --variants --loss-check 50 --loss-check-mb 2 --loss-check-reference default \

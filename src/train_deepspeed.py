@@ -131,7 +131,8 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
     groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     levers.update(streamline_zero_step(engine, cfg.perf, log.info))
-    delayed = delay_offload_updates(engine, cfg.delayed_update_from_step, log.info)  # ZeRO, optimizer offloaded
+    delayed = delay_offload_updates(engine, cfg.delayed_update_from_step, log.info,  # ZeRO, optimizer offloaded
+                                    prefetch=cfg.perf.delayed_update_prefetch == "on")
     levers["delayed_update_from_step"] = cfg.delayed_update_from_step if delayed else 0
     keep_partial_offload_state(engine.optimizer, log.info)  # ZeRO-3 with offload_optimizer.ratio < 1
     writer = None

@@ -34,13 +34,16 @@ class MemoryPlan:
 
 
 def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool,
-                      fp32_grad_accumulation: bool = False, gpu_optimizer_share: float = 0.0) -> float:
+                      fp32_grad_accumulation: bool = False, gpu_optimizer_share: float = 0.0,
+                      delayed_prefetch: bool = False) -> float:
     """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param).
     `fp32_grad_accumulation` (ZeRO-1/2 with "data_types": {"grad_accum_dtype": "fp32"}): DeepSpeed accumulates each
     rank's gradient partition in an fp32 buffer on the GPU, also when the optimizer is offloaded (which then copies
     gradients to the CPU once per step instead of once per micro-batch). `gpu_optimizer_share`: the part of an
     offloaded optimizer a partial offload (ZeRO-3, `offload_optimizer.ratio`) keeps on the GPU, 16 bytes per
-    parameter of it (fp32 master weights, Adam moments, fp32 gradients; ds_config.gpu_optimizer_share)."""
+    parameter of it (fp32 master weights, Adam moments, fp32 gradients; ds_config.gpu_optimizer_share).
+    `delayed_prefetch` (ZeRO-1/2, optimizer offloaded, --delayed_update_from_step, --delayed_update_prefetch on): the
+    GPU copy of the rank's 16-bit partition that the next update is prefetched into."""
     p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
     params_b = p_bytes * params / (world if stage >= 3 else 1)
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
@@ -53,6 +56,8 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
         params_b = 0
     if offload_opt and gpu_optimizer_share:
         opt_b += 16 * gpu_optimizer_share * params / (world if stage >= 1 else 1)
+    if delayed_prefetch and offload_opt and stage in (1, 2):
+        opt_b += p_bytes * params / world
     return params_b + grads_b + opt_b
 
 
@@ -138,9 +143,10 @@ class PhaseMemory:
 def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, stage: int, off_opt: bool,
                  off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
                  generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True,
-                 gpu_optimizer_share: float = 0.0, checkpointed_layers: int | None = None) -> PhaseMemory:
+                 gpu_optimizer_share: float = 0.0, checkpointed_layers: int | None = None,
+                 delayed_prefetch: bool = False) -> PhaseMemory:
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
-                               gpu_optimizer_share)
+                               gpu_optimizer_share, delayed_prefetch)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16)
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers),

@@ -189,7 +189,18 @@ def _phase_memory(plan: Plan, ds: dict, micro: int, checkpointed_layers: int | N
                         fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds),
                         compiled=_compiles(plan, ds),
                         gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world),
-                        checkpointed_layers=checkpointed_layers)
+                        checkpointed_layers=checkpointed_layers, delayed_prefetch=_prefetches(plan, ds))
+
+
+def _prefetches(plan: Plan, ds: dict) -> bool:
+    """Whether the delayed update keeps a second GPU copy of the 16-bit partition (--delayed_update_prefetch; the
+    engine's GPUs: this machine's, or those a login node plans for)."""
+    import torch
+
+    from . import ds_config as dsc
+
+    return bool(plan.cfg.delayed_update_from_step and plan.cfg.perf.delayed_update_prefetch == "on"
+                and dsc.cpu_optimizer_offload(ds) and (torch.cuda.is_available() or not plan.here))
 
 
 def _choose_checkpointed_layers(plan: Plan) -> None:

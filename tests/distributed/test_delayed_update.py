@@ -160,6 +160,60 @@ def test_a_partial_zero3_offload_delays_its_gpu_part_alike():
         assert len(set(mine["losses"])) == 6
 
 
+# One GPU, one rank: the delayed update with and without the prefetch of its 16-bit weights to a second GPU buffer
+# (--delayed_update_prefetch, a CUDA stream's copy: a GPU, which CI does not have, runs it; benchmarks/run_device.sh's
+# gpu-tests plan runs it on the device). ~100M parameters, so that the copies take a while.
+PREFETCH_ON_GPU = r"""
+import json, os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+import deepspeed
+from model_utils.patches import deepspeed_offload
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(24)]).cuda()
+ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+      "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+assert deepspeed_offload.delay_offload_updates(engine, 1, print, prefetch=sys.argv[3] == "on")
+initial = [float(p.detach().float().pow(2).sum()) for p in engine.module.parameters()]
+torch.manual_seed(1)
+batches = [torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
+losses = []
+for step in range(8):
+    for x in batches[2 * step:2 * step + 2]:
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    losses.append(loss.item())
+deepspeed_offload.settle(engine)
+print("RESULT " + json.dumps({
+    "prefetched": engine.optimizer.dslm_delayed_update.staged is not None, "losses": losses, "initial": initial,
+    "weights": [float(p.detach().float().pow(2).sum()) for p in engine.module.parameters()],
+    "first": engine.module[0].weight.detach().float().flatten()[:4096].tolist()}))
+"""
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+                    reason="needs a GPU: the prefetch is a CUDA stream's copy (PLAN=gpu-tests on the device runs it)")
+def test_the_prefetch_to_the_gpu_changes_no_weight():
+    """The boundary takes each update's weights from the GPU buffer the thread filled on its own stream, not over
+    PCIe: every loss and weight bitwise as without it (a fill that overtook the boundary's read, or a read before
+    the fill ended, would give the next step other weights)."""
+    runs = {}
+    for prefetch in ("on", "off"):
+        done = subprocess.run([sys.executable, "-c", PREFETCH_ON_GPU, str(free_port()), str(SRC), prefetch],
+                              capture_output=True, text=True, timeout=600)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+        assert line, done.stdout[-2000:] + done.stderr[-4000:]
+        runs[prefetch] = json.loads(line[len("RESULT "):])
+    assert runs["on"]["prefetched"] and not runs["off"]["prefetched"]
+    assert all(a != b for a, b in zip(runs["on"]["weights"], runs["on"]["initial"]))  # the updates landed
+    for key in ("losses", "weights", "first"):
+        assert runs["on"][key] == runs["off"][key], key
+
+
 # One rank whose last step leaves its update (about a second for these 100M parameters on a CPU) in flight when the
 # script ends, as a benchmark's last step or an error raised mid-run does.
 EXIT_IN_FLIGHT = r"""

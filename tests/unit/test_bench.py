@@ -21,7 +21,7 @@ def test_variants_set_every_lever_by_flag():
 
     cfg = parse_args(bench.VARIANTS["compile"]["args"])
     assert cfg.perf == PerfConfig(liger_kernels="flce", flce_chunk_budget=1, compile="layers", activation_budget=1.0,
-                                  attention_kernel="sdpa", overflow_check="scan")
+                                  attention_kernel="sdpa", overflow_check="scan", delayed_update_prefetch="off")
     assert parse_args(bench.VARIANTS["nofused"]["args"]).perf.fused_kernels == "off"
     assert parse_args(bench.VARIANTS["default"].get("args", [])).perf == PerfConfig()
     for name, spec in bench.VARIANTS.items():

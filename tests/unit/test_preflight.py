@@ -274,6 +274,24 @@ def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, setup
     assert abs(estimate - measured) <= tolerance * measured, (estimate, measured)
 
 
+def test_the_delayed_updates_prefetch_buffer_is_in_the_estimate(monkeypatch, session_cache, tmp_path):
+    """--delayed_update_prefetch on keeps a GPU copy of each rank's 16-bit partition under ZeRO-1/2 (2 bytes per
+    parameter over the data-parallel ranks); ZeRO-3 rewrites its partitions in place and has none."""
+    params = 4.02e9  # Qwen3-4B
+    delayed = "configs/zero2-offload.json --delayed_update_from_step=1"
+    for world in (2, 1):
+        on = _estimate_gib("qwen3-4b", delayed, 2, H100, world, {}, monkeypatch, tmp_path)
+        off = _estimate_gib("qwen3-4b", f"{delayed} --delayed_update_prefetch=off", 2, H100, world, {}, monkeypatch,
+                            tmp_path)
+        assert on - off == pytest.approx(2 * params / world / GIB, rel=0.01), (world, on, off)
+    # without the delayed update there is nothing to prefetch
+    assert _estimate_gib("qwen3-4b", "configs/zero2-offload.json", 2, H100, 1, {}, monkeypatch, tmp_path) == off
+    zero3 = "configs/zero3-offload.json --delayed_update_from_step=1"
+    assert (_estimate_gib("qwen3-4b", zero3, 2, H100, 1, {}, monkeypatch, tmp_path)
+            == _estimate_gib("qwen3-4b", f"{zero3} --delayed_update_prefetch=off", 2, H100, 1, {}, monkeypatch,
+                             tmp_path))
+
+
 def test_the_estimate_errs_high_for_qwen3_8b_compiled_layers(monkeypatch, session_cache, tmp_path):
     """Qwen3-8B's compiled layers (ZeRO-2 on two H200s) peaked 18% below the estimate at micro-batch 4 (91.7 GiB,
     h200x2-2026-11-26.jsonl; 7% at 2): they keep less per token than the fit to Qwen3-0.6B and 4B says. Too high costs
