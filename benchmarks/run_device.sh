@@ -97,7 +97,7 @@ case "$1" in
     ;;
   gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch
     echo "=== gpu-tests ($(($(date +%s) - START))s)"
-    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_delayed_update.py -k gpu 2>&1 \
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_delayed_update.py -k prefetch 2>&1 \
       | tail -15 | tee "$OUT/gpu-tests.txt"
     ;;
   delayed-losses)  # Qwen3-0.6B, offload preset: 50 steps of the delayed update against the synchronous one
