@@ -132,8 +132,10 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     levers.update(streamline_zero_step(engine, cfg.perf, log.info))
     delayed = delay_offload_updates(engine, cfg.delayed_update_from_step, log.info,  # ZeRO, optimizer offloaded
-                                    prefetch=cfg.perf.delayed_update_prefetch == "on")
+                                    prefetch=plan.delayed_prefetch)
     levers["delayed_update_from_step"] = cfg.delayed_update_from_step if delayed else 0
+    prefetched = delayed and getattr(engine.optimizer.dslm_delayed_update, "staged", None)
+    levers["delayed_update_prefetch"] = "on" if prefetched else "off"
     keep_partial_offload_state(engine.optimizer, log.info)  # ZeRO-3 with offload_optimizer.ratio < 1
     writer = None
     if plan.background_checkpoint:

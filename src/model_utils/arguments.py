@@ -62,12 +62,14 @@ class PerfConfig:
                                      "by the fused AdamW on the GPU and booked by the loop). auto = device where it "
                                      "applies (torch's fused AdamW, no offload, a DeepSpeed LR scheduler), else norm.",
                              choices=("auto", "device", "norm", "scan"), numerics=False)
-    delayed_update_prefetch: str = _f("on", "With --delayed_update_from_step under ZeRO-1/2 on GPUs: on, the host "
-                                            "copies each update's 16-bit weights to a second GPU buffer as soon as "
-                                            "they are ready (2 bytes per parameter of the rank's partition, in the "
-                                            "memory estimate), so that the step's boundary copies them within the GPU "
-                                            "instead of over PCIe while the next forward waits; off, no second buffer.",
-                                      choices=("on", "off"), numerics=False)
+    delayed_update_prefetch: str = _f("auto", "With --delayed_update_from_step under ZeRO-1/2 on GPUs: the host "
+                                              "copies each update's 16-bit weights to a second GPU buffer as soon as "
+                                              "they are ready (2 bytes per parameter of the rank's partition), so that "
+                                              "the step's boundary copies them within the GPU instead of over PCIe "
+                                              "while the next forward waits. on, off, or auto: on where the run's "
+                                              "memory estimate with the buffer fits the GPU at the micro-batch and "
+                                              "checkpointed layers chosen without it.",
+                                      choices=("auto", "on", "off"), numerics=False)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

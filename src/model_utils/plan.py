@@ -37,6 +37,8 @@ class Plan:
     checkpointable_layers: int = 0  # the model's layers transformers checkpoints one by one (models.checkpointable_layers)
     checkpointed_layers: int | None = None  # decoder layers --gradient_checkpointing recomputes (None: it is off)
     checkpointed_layers_choice: str | None = None  # how --checkpointed_layers auto chose; None where it was given
+    delayed_prefetch: bool = False  # the delayed update's second GPU buffer (--delayed_update_prefetch, resolved)
+    delayed_prefetch_choice: str | None = None  # how --delayed_update_prefetch auto chose; None where it was not asked
     memory: PhaseMemory | None = None
     gpu_memory_gib: float | None = None
     gpu_memory_source: str = ""  # the GPU's name, GPU_MEMORY_GIB, or why no size is known
@@ -138,7 +140,9 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
     if plan.resolved and plan.num_params:
         plan.compiled_layers = _compiles(plan, plan.ds_config)
         _choose_checkpointed_layers(plan)
-        plan.memory = _phase_memory(plan, plan.ds_config, plan.batch.micro, plan.checkpointed_layers)
+        _choose_prefetch(plan)
+        plan.memory = _phase_memory(plan, plan.ds_config, plan.batch.micro, plan.checkpointed_layers,
+                                    plan.delayed_prefetch)
         bf16 = dsc.precision(plan.ds_config) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
         plan.checkpoint_bytes = plan.num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
         _plan_host_memory(plan)
@@ -176,11 +180,16 @@ def _compiles(plan: Plan, ds: dict) -> bool:
     return use_compile(cuda, dsc.zero_stage(ds) == 3, plan.cfg.perf)
 
 
-def _phase_memory(plan: Plan, ds: dict, micro: int, checkpointed_layers: int | None = None) -> PhaseMemory:
+def _phase_memory(plan: Plan, ds: dict, micro: int, checkpointed_layers: int | None = None,
+                  prefetch: bool | None = None) -> PhaseMemory:
     """Each phase's estimated peak per GPU with this (possibly partly resolved) DeepSpeed config and micro-batch;
-    with --gradient_checkpointing, `checkpointed_layers` of the layers recompute (None: all of them)."""
+    with --gradient_checkpointing, `checkpointed_layers` of the layers recompute (None: all of them); `prefetch`: the
+    delayed update's second GPU buffer (None: where --delayed_update_prefetch is on, not auto: the micro-batch and the
+    layers are chosen without what auto would add only if it still fits)."""
     from . import ds_config as dsc
 
+    if prefetch is None:
+        prefetch = plan.cfg.perf.delayed_update_prefetch == "on" and _prefetch_applies(plan, ds)
     off_opt, off_par = dsc.offloads(ds)
     return phase_memory(plan.num_params, plan.model_config, plan.world, plan.seq_len, micro, dsc.zero_stage(ds),
                         off_opt, off_par, dsc.precision(ds) != "fp32", ds.get("zero_optimization", {}),
@@ -189,18 +198,39 @@ def _phase_memory(plan: Plan, ds: dict, micro: int, checkpointed_layers: int | N
                         fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds),
                         compiled=_compiles(plan, ds),
                         gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world),
-                        checkpointed_layers=checkpointed_layers, delayed_prefetch=_prefetches(plan, ds))
+                        checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch)
 
 
-def _prefetches(plan: Plan, ds: dict) -> bool:
-    """Whether the delayed update keeps a second GPU copy of the 16-bit partition (--delayed_update_prefetch; the
-    engine's GPUs: this machine's, or those a login node plans for)."""
+def _prefetch_applies(plan: Plan, ds: dict) -> bool:
+    """Whether the delayed update can keep a second GPU copy of the 16-bit partition: ZeRO-1/2 with the optimizer
+    offloaded to the CPU, --delayed_update_from_step, GPUs (this machine's, or those a login node plans for)."""
     import torch
 
     from . import ds_config as dsc
 
-    return bool(plan.cfg.delayed_update_from_step and plan.cfg.perf.delayed_update_prefetch == "on"
-                and dsc.cpu_optimizer_offload(ds) and (torch.cuda.is_available() or not plan.here))
+    return bool(plan.cfg.delayed_update_from_step and dsc.cpu_optimizer_offload(ds) and dsc.zero_stage(ds) in (1, 2)
+                and (torch.cuda.is_available() or not plan.here))
+
+
+def _choose_prefetch(plan: Plan) -> None:
+    """--delayed_update_prefetch resolved, after the micro-batch and the recomputed layers. auto: on where the run's
+    estimated peak with the second buffer still fits AUTO_MEMORY_SHARE of the GPU (or no GPU size is known), so that
+    it never takes a larger micro-batch's or a kept layer's place (Qwen3-8B's 4 x 8 under configs/zero2-offload.json
+    leaves room for it on each of two H200s, not on one)."""
+    from .memory import AUTO_MEMORY_SHARE
+
+    setting = plan.cfg.perf.delayed_update_prefetch
+    plan.delayed_prefetch = setting != "off" and _prefetch_applies(plan, plan.ds_config)
+    if not plan.delayed_prefetch or setting == "on":
+        return
+    if plan.gpu_memory_gib is None:
+        plan.delayed_prefetch_choice = f"auto: on ({plan.gpu_memory_source}: no GPU size to fill)"
+        return
+    need = _phase_memory(plan, plan.ds_config, plan.batch.micro, plan.checkpointed_layers, prefetch=True).peak[1]
+    budget = AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB
+    plan.delayed_prefetch = need <= budget
+    plan.delayed_prefetch_choice = (f"auto: {'on' if plan.delayed_prefetch else 'off'}, ~{need / GIB:.1f} GiB with "
+                                    f"it, {AUTO_MEMORY_SHARE:.0%} of the GPU is {budget / GIB:.1f}")
 
 
 def _choose_checkpointed_layers(plan: Plan) -> None:

@@ -183,6 +183,8 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         if plan.checkpointed_layers_choice:
             report.lines.append(f"checkpointed layers: {plan.checkpointed_layers} of "
                                 f"{plan.model_config.num_hidden_layers} recompute ({plan.checkpointed_layers_choice})")
+        if plan.delayed_prefetch_choice:
+            report.lines.append(f"delayed update prefetch: {plan.delayed_prefetch_choice}")
         report.lines.append(f"plan: {batch.plan(cfg.max_steps)}")
     if plan.memory is not None:
         _check_memory(plan, report)

@@ -20,7 +20,8 @@ def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cach
     assert manifest["perf"] == PerfConfig().as_dict()
     # No GPU: every lever takes the libraries' own path, and the record says so.
     in_force = {"fused_kernels": "off", "flce_chunk_budget": None, "compile": "off", "attention_kernel": "sdpa",
-                "sdpa_backend": "auto", "overflow_check": "scan", "delayed_update_from_step": 0}
+                "sdpa_backend": "auto", "overflow_check": "scan", "delayed_update_from_step": 0,
+                "delayed_update_prefetch": "off"}
     assert manifest["levers_in_force"] == in_force
     summary = json.loads((ckpt / "summary.json").read_text())
     assert summary["speed_levers"] == {"settings": PerfConfig().as_dict(), "in_force": in_force}

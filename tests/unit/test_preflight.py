@@ -216,9 +216,15 @@ def _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch
     """The preflight's peak estimate for one GPU of `world` (the GPU path planned from a login node, as the run's own
     start plans it on the GPU). `setup`: a config, "without" a top-level section of it, then the trainer's flags;
     `zero_changes` replace sections of its zero_optimization."""
+    from model_utils.memory import GIB
+
+    return _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_path).memory.peak[1] / GIB
+
+
+def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_path):
+    """The plan behind _estimate_gib."""
     from model_utils import levers
     from model_utils.arguments import parse_args
-    from model_utils.memory import GIB
     from model_utils.plan import make_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", str(gpu_gib))
@@ -232,7 +238,7 @@ def _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch
     cfg = parse_args(["--model", model, "--ds_config", str(tmp_path / "ds.json"), "--micro_batch_size", str(micro),
                       "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export",
                       *(f"--{flag}" for flag in flags)])
-    return make_plan(cfg, world, decides=False).memory.peak[1] / GIB
+    return make_plan(cfg, world, decides=False)
 
 
 @pytest.mark.parametrize("model, setup, micro, gpu_gib, world, zero_changes, measured", [
@@ -243,6 +249,8 @@ def _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch
     ("qwen3-0.6b", "configs/zero3.json", 8, H100, 1, {}, 48.7),  # layers not compiled under ZeRO-3
     ("qwen3-0.6b", "configs/zero3-offload.json", 8, H100, 1, {}, 40.9),
     ("qwen3-4b", "configs/zero2-offload.json", 2, H100, 1, {}, 47.4),  # the fp32 accumulation buffer on the GPU
+    # h100-2026-11-26.jsonl: the delayed update with its prefetch buffer (auto's choice here)
+    ("qwen3-4b", "configs/zero2-offload.json --delayed_update_from_step=1", 2, H100, 1, {}, 54.9),
     ("qwen3-4b", "configs/zero2-offload.json without data_types", 2, H100, 1, {}, 32.5),  # DeepSpeed's offload default
     ("qwen3-4b", "configs/zero3-offload.json", 2, H100, 1, {}, 33.3),  # layers not compiled, parameters offloaded
     ("qwen3-4b", "configs/zero3-offload.json", 4, H100, 1, {}, 63.9),  # auto's choice at 131,072 tokens/step
@@ -280,16 +288,37 @@ def test_the_delayed_updates_prefetch_buffer_is_in_the_estimate(monkeypatch, ses
     params = 4.02e9  # Qwen3-4B
     delayed = "configs/zero2-offload.json --delayed_update_from_step=1"
     for world in (2, 1):
-        on = _estimate_gib("qwen3-4b", delayed, 2, H100, world, {}, monkeypatch, tmp_path)
+        on = _estimate_gib("qwen3-4b", f"{delayed} --delayed_update_prefetch=on", 2, H100, world, {}, monkeypatch,
+                           tmp_path)
         off = _estimate_gib("qwen3-4b", f"{delayed} --delayed_update_prefetch=off", 2, H100, world, {}, monkeypatch,
                             tmp_path)
         assert on - off == pytest.approx(2 * params / world / GIB, rel=0.01), (world, on, off)
     # without the delayed update there is nothing to prefetch
     assert _estimate_gib("qwen3-4b", "configs/zero2-offload.json", 2, H100, 1, {}, monkeypatch, tmp_path) == off
     zero3 = "configs/zero3-offload.json --delayed_update_from_step=1"
-    assert (_estimate_gib("qwen3-4b", zero3, 2, H100, 1, {}, monkeypatch, tmp_path)
+    assert (_estimate_gib("qwen3-4b", f"{zero3} --delayed_update_prefetch=on", 2, H100, 1, {}, monkeypatch, tmp_path)
             == _estimate_gib("qwen3-4b", f"{zero3} --delayed_update_prefetch=off", 2, H100, 1, {}, monkeypatch,
                              tmp_path))
+
+
+def test_the_automatic_prefetch_takes_only_memory_the_micro_batch_leaves(monkeypatch, session_cache, tmp_path):
+    """--delayed_update_prefetch auto (the default) is decided after the automatic micro-batch, which it never
+    shrinks: Qwen3-4B's 2 x 16 on one H100 leaves room for the buffer (54.9 GiB measured with it), and so does
+    Qwen3-8B's 4 x 8 on each of two H200s (the buffer holds half the model there); on one H200, 4 x 8 does not by
+    the estimate, so it runs without. On, the micro-batch is chosen with the buffer: 2 there."""
+    delayed = "configs/zero2-offload.json --delayed_update_from_step=1"
+    q4b = _plan("qwen3-4b", f"{delayed} --global_batch_tokens=131072", "auto", H100, 1, {},
+                monkeypatch, tmp_path)
+    assert (q4b.batch.micro, q4b.delayed_prefetch) == (2, True), q4b.delayed_prefetch_choice
+    assert q4b.delayed_prefetch_choice.startswith("auto: on")
+    two = _plan("qwen3-8b", f"{delayed} --global_batch_tokens=262144", "auto", H200, 2, {}, monkeypatch, tmp_path)
+    assert (two.batch.micro, two.delayed_prefetch) == (4, True), two.delayed_prefetch_choice
+    one = _plan("qwen3-8b", f"{delayed} --global_batch_tokens=131072", "auto", H200, 1, {}, monkeypatch, tmp_path)
+    assert (one.batch.micro, one.delayed_prefetch) == (4, False), one.delayed_prefetch_choice
+    assert one.delayed_prefetch_choice.startswith("auto: off")
+    forced = _plan("qwen3-8b", f"{delayed} --delayed_update_prefetch=on --global_batch_tokens=131072", "auto", H200,
+                   1, {}, monkeypatch, tmp_path)
+    assert (forced.batch.micro, forced.delayed_prefetch, forced.delayed_prefetch_choice) == (2, True, None)
 
 
 def test_the_estimate_errs_high_for_qwen3_8b_compiled_layers(monkeypatch, session_cache, tmp_path):
