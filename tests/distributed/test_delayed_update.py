@@ -160,13 +160,16 @@ def test_a_partial_zero3_offload_delays_its_gpu_part_alike():
         assert len(set(mine["losses"])) == 6
 
 
-# One GPU, one rank: the delayed update with and without the prefetch of its 16-bit weights to a second GPU buffer
-# (--delayed_update_prefetch, a CUDA stream's copy: a GPU, which CI does not have, runs it; benchmarks/run_device.sh's
-# gpu-tests plan runs it on the device). ~100M parameters, so that the copies take a while.
+# One rank per GPU: the delayed update with and without the prefetch of its 16-bit weights to a second GPU buffer
+# (--delayed_update_prefetch, a CUDA stream's copy: GPUs, which CI does not have, run it; benchmarks/run_device.sh's
+# gpu-tests plan runs it on the device). ~100M parameters, so that the copies take a while; with two ranks each
+# prefetches its half and the boundary all-gathers the halves.
 PREFETCH_ON_GPU = r"""
 import json, os, sys, torch
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+rank, world = sys.argv[4], sys.argv[5]
+os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 sys.path.insert(0, sys.argv[2])
+torch.cuda.set_device(int(rank))
 import deepspeed
 from model_utils.patches import deepspeed_offload
 torch.manual_seed(0)
@@ -178,7 +181,7 @@ ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gr
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 assert deepspeed_offload.delay_offload_updates(engine, 1, print, prefetch=sys.argv[3] == "on")
 initial = [float(p.detach().float().pow(2).sum()) for p in engine.module.parameters()]
-torch.manual_seed(1)
+torch.manual_seed(1 + int(rank))  # each rank its own data
 batches = [torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
 losses = []
 for step in range(8):
@@ -195,23 +198,33 @@ print("RESULT " + json.dumps({
 """
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(),
-                    reason="needs a GPU: the prefetch is a CUDA stream's copy (PLAN=gpu-tests on the device runs it)")
-def test_the_prefetch_to_the_gpu_changes_no_weight():
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_prefetch_to_the_gpu_changes_no_weight(world):
     """The boundary takes each update's weights from the GPU buffer the thread filled on its own stream, not over
     PCIe: every loss and weight bitwise as without it (a fill that overtook the boundary's read, or a read before
-    the fill ended, would give the next step other weights)."""
+    the fill ended, would give the next step other weights); with two ranks, both hold the same model."""
+    import torch
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPU(s): the prefetch is a CUDA stream's copy (PLAN=gpu-tests on the device)")
     runs = {}
     for prefetch in ("on", "off"):
-        done = subprocess.run([sys.executable, "-c", PREFETCH_ON_GPU, str(free_port()), str(SRC), prefetch],
-                              capture_output=True, text=True, timeout=600)
-        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-        assert line, done.stdout[-2000:] + done.stderr[-4000:]
-        runs[prefetch] = json.loads(line[len("RESULT "):])
-    assert runs["on"]["prefetched"] and not runs["off"]["prefetched"]
-    assert all(a != b for a, b in zip(runs["on"]["weights"], runs["on"]["initial"]))  # the updates landed
-    for key in ("losses", "weights", "first"):
-        assert runs["on"][key] == runs["off"][key], key
+        port = str(free_port())
+        ranks = [subprocess.Popen([sys.executable, "-c", PREFETCH_ON_GPU, port, str(SRC), prefetch, str(rank),
+                                   str(world)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(world)]
+        runs[prefetch] = []
+        for process in ranks:
+            stdout, stderr = process.communicate(timeout=600)
+            line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+            assert line, stdout[-2000:] + stderr[-4000:]
+            runs[prefetch].append(json.loads(line[len("RESULT "):]))
+    for on, off in zip(runs["on"], runs["off"]):
+        assert on["prefetched"] and not off["prefetched"]
+        assert all(a != b for a, b in zip(on["weights"], on["initial"]))  # the updates landed
+        for key in ("losses", "weights", "first"):
+            assert on[key] == off[key], key
+    assert all(run["weights"] == runs["on"][0]["weights"] for run in runs["on"])  # one model on every rank
 
 
 # One rank whose last step leaves its update (about a second for these 100M parameters on a CPU) in flight when the
