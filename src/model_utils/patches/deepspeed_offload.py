@@ -6,7 +6,9 @@ master weights, their conversion to bf16 and the copy back (about 1.4 s per step
 step's forward and backward: the update of step t runs in a background thread while step t+1 computes its gradients on
 the weights before that update, and lands in the model at step t+1's boundary. What changes: from the given step on,
 each step's gradients are taken at the weights of one step earlier (the update applied is AdamW's, unchanged).
-ZeRO-1/2 (DelayedUpdate) and ZeRO-3 (DelayedUpdateZero3) each have their own step to replace.
+ZeRO-1/2 (DelayedUpdate) and ZeRO-3 (DelayedUpdateZero3) each have their own step to replace. Under ZeRO-1/2 the
+thread also copies the new 16-bit weights to a GPU buffer of its own once its update is done (the prefetch), so that
+the boundary's copy of them stays within the GPU (Qwen3-4B on one H100: 7.84 against 8.02 s a step).
 
 The thread steps DeepSpeedCPUAdam's own state (step count, moments) with torch's fused CPU AdamW, whose kernel releases
 Python's GIL (DeepSpeed's op holds it for the whole update, which starves the GPU of kernel launches: 21 against 675
