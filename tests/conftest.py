@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -25,10 +26,11 @@ from slurm_fixtures import LAUNCHER_SETTINGS  # noqa: E402
 from model_utils.train_utils import free_port  # noqa: E402
 
 # Hermetic: what a user's shell commonly exports must not change a test's outcome. Every launcher setting
-# (scripts/launch_common.sh), SLURM's job variables, a distributed rank environment and its OpenMP threads, GPU selection and the overrides
-# the trainer reads or refuses (GPU_MEMORY_GIB, GPU_PEAK_TFLOPS, W&B's, the retired DSLM_* switches) are dropped for
-# the whole session; tests that need one set it themselves. The interpreter running pytest comes first on PATH, so
-# `python3` in a launcher is the environment under test even when its virtualenv is not activated.
+# (scripts/launch_common.sh), SLURM's job variables, a distributed rank environment and its OpenMP threads, GPU
+# selection (the GPUs are hidden, below) and the overrides the trainer reads or refuses (GPU_MEMORY_GIB,
+# GPU_PEAK_TFLOPS, W&B's, the retired DSLM_* switches) are dropped for the whole session; tests that need one set it
+# themselves. The interpreter running pytest comes first on PATH, so `python3` in a launcher is the environment under
+# test even when its virtualenv is not activated.
 USER_ENVIRONMENT = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "DSLM_", "WANDB_")
 for _name in list(os.environ):
     if (_name in LAUNCHER_SETTINGS or _name.startswith(USER_ENVIRONMENT)
@@ -37,6 +39,10 @@ for _name in list(os.environ):
                          "GPU_MEMORY_GIB", "GPU_PEAK_TFLOPS", "DEEPSPEED_LM_CACHE", "VIRTUAL_ENV")):
         del os.environ[_name]
 os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+# The tests run DeepSpeed's CPU path (gloo ranks) on any machine: with a GPU visible, DeepSpeed would take CUDA and
+# NCCL, whose second rank has no GPU of its own on a one-GPU machine. The few tests that need GPUs ask for them
+# (gpu_environment).
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # Small and fast, but the real code path: 2 gloo ranks, the tiny Qwen3 preset, the embedded corpus.
 FAST_ARGS = ["--seq_len", "64", "--micro_batch_size", "2", "--eval_iters", "2", "--log_interval", "1",
@@ -68,6 +74,19 @@ def session_cache(tmp_path_factory) -> Path:
     out = cache_dir_for(cfg, resolve_source(cfg), tokenizer)
     build_token_files(cfg, tokenizer, out, log=lambda *_: None)
     return cache
+
+
+def gpu_environment() -> dict:
+    """The environment for a subprocess that uses this machine's GPUs (all of them: the hermetic session hides them)."""
+    return {name: value for name, value in os.environ.items() if name != "CUDA_VISIBLE_DEVICES"}
+
+
+@functools.cache
+def gpu_count() -> int:
+    """This machine's GPUs, counted in a subprocess that sees them (0 without CUDA)."""
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                          env=gpu_environment(), capture_output=True, text=True, timeout=120)
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
 @dataclass

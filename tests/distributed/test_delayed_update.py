@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from conftest import FAST_ARGS, SRC, assert_ok, kill_after_checkpoint_then_resume, run_trainer
+from conftest import (FAST_ARGS, SRC, assert_ok, gpu_count, gpu_environment, kill_after_checkpoint_then_resume,
+                      run_trainer)
 from model_utils.train_utils import free_port
 
 # Runs in a fresh process (DeepSpeed initialises torch.distributed). "delayed": the patch from step 1. "reference":
@@ -203,15 +204,14 @@ def test_the_prefetch_to_the_gpu_changes_no_weight(world):
     """The boundary takes each update's weights from the GPU buffer the thread filled on its own stream, not over
     PCIe: every loss and weight bitwise as without it (a fill that overtook the boundary's read, or a read before
     the fill ended, would give the next step other weights); with two ranks, both hold the same model."""
-    import torch
-
-    if torch.cuda.device_count() < world:
+    if gpu_count() < world:
         pytest.skip(f"needs {world} GPU(s): the prefetch is a CUDA stream's copy (PLAN=gpu-tests on the device)")
     runs = {}
     for prefetch in ("on", "off"):
         port = str(free_port())
         ranks = [subprocess.Popen([sys.executable, "-c", PREFETCH_ON_GPU, port, str(SRC), prefetch, str(rank),
-                                   str(world)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   str(world)], env=gpu_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
                  for rank in range(world)]
         runs[prefetch] = []
         for process in ranks:
