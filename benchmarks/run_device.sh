@@ -89,10 +89,11 @@ case "$1" in
       --title "Qwen3-4B, ZeRO-2 + CPU optimizer offload, 1 H100, 131,072 tokens per step: synchronous and delayed update"
     ;;
   prefetch-ab)  # Qwen3-4B, offload preset, 131,072 tokens/step, one invocation: the delayed update without and with the
-    # prefetch of its weights to a second GPU buffer, then the peer at its best (16 x 2 with checkpointing) (~8 min)
+    # prefetch of its weights to a second GPU buffer, then the peer at its best (16 x 2 with checkpointing) (~8-9 min;
+    # the first run compiles on a machine just started, past 190 s there)
     bench q4b_prefetch_ab 560 "${Q4B_ZERO2[@]}" --steps 2 --warmup 1 --micro_batch_size 2 \
       --variants delayed_update_no_prefetch delayed_update --compare-hf --hf-skip noliger --hf-micro-batch-size 16 \
-      --hf-gradient-checkpointing on --timeout 190 \
+      --hf-gradient-checkpointing on --timeout 230 \
       --title "Qwen3-4B, offload preset, 1 H100, 131,072 tokens per step: the delayed update without and with the prefetch, and the peer at 16 x 2"
     ;;
   gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch
