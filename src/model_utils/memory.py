@@ -42,8 +42,8 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     gradients to the CPU once per step instead of once per micro-batch). `gpu_optimizer_share`: the part of an
     offloaded optimizer a partial offload (ZeRO-3, `offload_optimizer.ratio`) keeps on the GPU, 16 bytes per
     parameter of it (fp32 master weights, Adam moments, fp32 gradients; ds_config.gpu_optimizer_share).
-    `delayed_prefetch` (ZeRO-1/2, optimizer offloaded, --delayed_update_from_step, --delayed_update_prefetch on): the
-    GPU copy of the rank's 16-bit partition that the next update is prefetched into."""
+    `delayed_prefetch`: the GPU copy of the rank's 16-bit partition that the delayed update prefetches the next
+    weights into (ZeRO-1/2 with the optimizer offloaded; plan._prefetch_applies decides where it exists)."""
     p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
     params_b = p_bytes * params / (world if stage >= 3 else 1)
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
@@ -56,7 +56,7 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
         params_b = 0
     if offload_opt and gpu_optimizer_share:
         opt_b += 16 * gpu_optimizer_share * params / (world if stage >= 1 else 1)
-    if delayed_prefetch and offload_opt and stage in (1, 2):
+    if delayed_prefetch:
         opt_b += p_bytes * params / world
     return params_b + grads_b + opt_b
 

@@ -307,8 +307,7 @@ def test_the_automatic_prefetch_takes_only_memory_the_micro_batch_leaves(monkeyp
     Qwen3-8B's 4 x 8 on each of two H200s (the buffer holds half the model there); on one H200, 4 x 8 does not by
     the estimate, so it runs without. On, the micro-batch is chosen with the buffer: 2 there."""
     delayed = "configs/zero2-offload.json --delayed_update_from_step=1"
-    q4b = _plan("qwen3-4b", f"{delayed} --global_batch_tokens=131072", "auto", H100, 1, {},
-                monkeypatch, tmp_path)
+    q4b = _plan("qwen3-4b", f"{delayed} --global_batch_tokens=131072", "auto", H100, 1, {}, monkeypatch, tmp_path)
     assert (q4b.batch.micro, q4b.delayed_prefetch) == (2, True), q4b.delayed_prefetch_choice
     assert q4b.delayed_prefetch_choice.startswith("auto: on")
     two = _plan("qwen3-8b", f"{delayed} --global_batch_tokens=262144", "auto", H200, 2, {}, monkeypatch, tmp_path)
