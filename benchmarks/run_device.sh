@@ -96,6 +96,18 @@ case "$1" in
       --hf-gradient-checkpointing on --timeout 230 \
       --title "Qwen3-4B, offload preset, 1 H100, 131,072 tokens per step: the delayed update without and with the prefetch, and the peer at 16 x 2"
     ;;
+  zero2-micro)  # Qwen3-4B, offload preset, 131,072 tokens/step, the delayed update without the prefetch at micro-batch 2,
+    # 4 and 1, one invocation: what each micro-batch costs beyond its tokens' work (~8 min on a machine just started)
+    bench q4b_micro_sweep 590 "${Q4B_ZERO2[@]}" --steps 2 --warmup 1 --micro_batch_size 2 4 1 \
+      --variants delayed_update_no_prefetch --timeout 230 \
+      --title "Qwen3-4B, offload preset, 1 H100, 131,072 tokens per step: the delayed update at micro-batch 2, 4 and 1"
+    ;;
+  zero2-best)  # the table of record's Qwen3-4B row: our delayed update at 4 x 8 (--micro_batch_size 4; the prefetch
+    # buffer does not fit beside it), then the peer at its best, 16 x 2 with checkpointing, one invocation (~6 min)
+    bench q4b_zero2_best 470 "${Q4B_ZERO2[@]}" --steps 2 --warmup 1 --micro_batch_size 4 --variants delayed_update \
+      --compare-hf --hf-skip noliger --hf-micro-batch-size 16 --hf-gradient-checkpointing on --timeout 230 \
+      --title "Qwen3-4B, offload preset, 1 H100, 131,072 tokens per step: our delayed update at 4 x 8, the peer at 16 x 2"
+    ;;
   gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch
     echo "=== gpu-tests ($(($(date +%s) - START))s)"
     timeout 400 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_delayed_update.py -k prefetch 2>&1 \

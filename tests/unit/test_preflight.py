@@ -251,6 +251,10 @@ def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_pa
     ("qwen3-4b", "configs/zero2-offload.json", 2, H100, 1, {}, 47.4),  # the fp32 accumulation buffer on the GPU
     # h100-2026-11-26.jsonl: the delayed update with its prefetch buffer (auto's choice here)
     ("qwen3-4b", "configs/zero2-offload.json --delayed_update_from_step=1", 2, H100, 1, {}, 54.9),
+    # ...and without it at micro-batch 1 and 4 (4 x 8: the fastest measured, above auto's 90% by the estimate)
+    ("qwen3-4b", "configs/zero2-offload.json --delayed_update_from_step=1 --delayed_update_prefetch=off", 1, H100, 1,
+     {}, 36.1),
+    ("qwen3-4b", "configs/zero2-offload.json --delayed_update_from_step=1", 4, H100, 1, {}, 70.0),
     ("qwen3-4b", "configs/zero2-offload.json without data_types", 2, H100, 1, {}, 32.5),  # DeepSpeed's offload default
     ("qwen3-4b", "configs/zero3-offload.json", 2, H100, 1, {}, 33.3),  # layers not compiled, parameters offloaded
     ("qwen3-4b", "configs/zero3-offload.json", 4, H100, 1, {}, 63.9),  # auto's choice at 131,072 tokens/step
@@ -318,6 +322,20 @@ def test_the_automatic_prefetch_takes_only_memory_the_micro_batch_leaves(monkeyp
     forced = _plan("qwen3-8b", f"{delayed} --delayed_update_prefetch=on --global_batch_tokens=131072", "auto", H200,
                    1, {}, monkeypatch, tmp_path)
     assert (forced.batch.micro, forced.delayed_prefetch, forced.delayed_prefetch_choice) == (2, True, None)
+
+
+def test_qwen3_4b_at_micro_batch_4_under_the_offload_preset_is_the_users_call(monkeypatch, session_cache, tmp_path):
+    """Qwen3-4B with configs/zero2-offload.json on one H100 ran fastest at 4 x 8 (18,022 against 16,556 tokens/s at
+    auto's 2 x 16 with the prefetch; h100-2026-11-26.jsonl), with 70.0 GiB allocated and 76.5 reserved of 79.2. Its
+    estimate, 72.3 GiB, is past the 90% auto fills, so auto keeps 2 and the headroom; given 4, the plan takes it and
+    leaves out the prefetch buffer, which would not fit beside it."""
+    delayed = "configs/zero2-offload.json --delayed_update_from_step=1 --global_batch_tokens=131072"
+    auto = _plan("qwen3-4b", delayed, "auto", H100, 1, {}, monkeypatch, tmp_path)
+    assert auto.batch.micro == 2, auto.micro_batch_choice
+    given = _plan("qwen3-4b", delayed, 4, H100, 1, {}, monkeypatch, tmp_path)
+    assert (given.batch.micro, given.batch.accumulation, given.delayed_prefetch) == (4, 8, False)
+    assert given.delayed_prefetch_choice.startswith("auto: off"), given.delayed_prefetch_choice
+    assert 0.90 * H100 < given.memory.peak[1] / GIB < H100
 
 
 def test_the_estimate_errs_high_for_qwen3_8b_compiled_layers(monkeypatch, session_cache, tmp_path):
