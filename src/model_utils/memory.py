@@ -252,12 +252,17 @@ def choose_micro_batch(seq_len: int, memory_gib: float | None, peak_bytes, allow
                        "memory, GPU_MEMORY_GIB=N plans for them)")
     cap = max(1, AUTO_MAX_MICRO_TOKENS // seq_len)
     budget = AUTO_MEMORY_SHARE * memory_gib * GIB
+    larger = None  # the smallest allowed micro-batch above the choice, with its estimate
     for micro in range(cap, 0, -1):
         if not allowed(micro):
             continue
         need = peak_bytes(micro)
         if need <= budget:
             capped = f" (and the cap, {AUTO_MAX_MICRO_TOKENS:,} tokens per micro-batch)" if micro == cap else ""
+            # A larger one that fits the GPU past the headroom can be faster (fewer micro-batches a step): say so.
+            closer = (f"; {larger[0]} needs ~{larger[1] / GIB:.1f} GiB, within the GPU but not its headroom: "
+                      f"--micro_batch_size {larger[0]} takes it" if larger and larger[1] <= memory_gib * GIB else "")
             return micro, (f"auto: {micro}, ~{need / GIB:.1f} GiB estimated, the largest that fits "
-                           f"{AUTO_MEMORY_SHARE:.0%} of {memory_gib:.0f} GiB{capped}")
+                           f"{AUTO_MEMORY_SHARE:.0%} of {memory_gib:.0f} GiB{capped}{closer}")
+        larger = (micro, need)
     return 1, f"auto: 1 (nothing fits {AUTO_MEMORY_SHARE:.0%} of {memory_gib:.0f} GiB by the estimate)"

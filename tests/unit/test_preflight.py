@@ -327,11 +327,12 @@ def test_the_automatic_prefetch_takes_only_memory_the_micro_batch_leaves(monkeyp
 def test_qwen3_4b_at_micro_batch_4_under_the_offload_preset_is_the_users_call(monkeypatch, session_cache, tmp_path):
     """Qwen3-4B with configs/zero2-offload.json on one H100 ran fastest at 4 x 8 (18,022 against 16,556 tokens/s at
     auto's 2 x 16 with the prefetch; h100-2026-11-26.jsonl), with 70.0 GiB allocated and 76.5 reserved of 79.2. Its
-    estimate, 72.3 GiB, is past the 90% auto fills, so auto keeps 2 and the headroom; given 4, the plan takes it and
-    leaves out the prefetch buffer, which would not fit beside it."""
+    estimate, 72.3 GiB, is past the 90% auto fills, so auto keeps 2 and the headroom, and its choice names 4 and the
+    flag that takes it; given 4, the plan takes it and leaves out the prefetch buffer, which would not fit beside it."""
     delayed = "configs/zero2-offload.json --delayed_update_from_step=1 --global_batch_tokens=131072"
     auto = _plan("qwen3-4b", delayed, "auto", H100, 1, {}, monkeypatch, tmp_path)
     assert auto.batch.micro == 2, auto.micro_batch_choice
+    assert "4 needs ~72.3 GiB" in auto.micro_batch_choice and "--micro_batch_size 4" in auto.micro_batch_choice
     given = _plan("qwen3-4b", delayed, 4, H100, 1, {}, monkeypatch, tmp_path)
     assert (given.batch.micro, given.batch.accumulation, given.delayed_prefetch) == (4, 8, False)
     assert given.delayed_prefetch_choice.startswith("auto: off"), given.delayed_prefetch_choice
