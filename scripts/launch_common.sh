@@ -19,7 +19,7 @@
 : "${OUTPUT_DIR:=}"          # --export_dir
 
 # ---- Launcher settings.
-: "${GPUS_PER_NODE:=}"  # empty: counted with `nvidia-smi -L` on the node (0: CPU mode, one process per node)
+: "${GPUS_PER_NODE:=}"  # empty: counted on the node (detect_gpus_per_node) (0: CPU mode, one process per node)
 : "${CPU_PROCS:=2}"     # processes of a run without SLURM and without GPU
 : "${NODES:=}"          # sbatch launchers: empty keeps the script's #SBATCH --nodes
 : "${PARTITION:=}"      # empty: the cluster's default partition
@@ -247,10 +247,16 @@ request_gpus() { # request_gpus node NAME | request_gpus partition [NAME]
     return 0
 }
 
-# GPUs of one node of the job: GPUS_PER_NODE, else `nvidia-smi -L` on it (0 without nvidia-smi).
+# GPUs of one node of the job: GPUS_PER_NODE; outside SLURM the entries of CUDA_VISIBLE_DEVICES where it is set (the
+# GPUs the user gave the run: a process for each, LOCAL_RANK indexing them); else `nvidia-smi -L` on the node (0
+# without nvidia-smi).
 detect_gpus_per_node() {
     if [[ -n $GPUS_PER_NODE ]]; then
         echo "$GPUS_PER_NODE"
+        return
+    fi
+    if ! in_allocation && [[ -v CUDA_VISIBLE_DEVICES ]]; then
+        count_devices "$CUDA_VISIBLE_DEVICES"
         return
     fi
     local probe=(bash -c 'command -v nvidia-smi >/dev/null && nvidia-smi -L || true')
@@ -259,18 +265,24 @@ detect_gpus_per_node() {
     "${probe[@]}" | grep -c '^GPU ' || true
 }
 
-# GPUs SLURM gave this job on this node: SLURM_GPUS_ON_NODE, else the entries of SLURM_JOB_GPUS or
-# CUDA_VISIBLE_DEVICES; 0 when it gave none.
-allocated_gpus() {
-    local list=${SLURM_JOB_GPUS:-${CUDA_VISIBLE_DEVICES:-}}
-    if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
-        echo "$SLURM_GPUS_ON_NODE"
-    elif [[ -z $list || $list == NoDevFiles ]]; then
+# Entries of a comma-separated device list (CUDA_VISIBLE_DEVICES, SLURM_JOB_GPUS); 0 for none (empty, NoDevFiles).
+count_devices() {
+    if [[ -z $1 || $1 == NoDevFiles ]]; then
         echo 0
     else
         local entries
-        IFS=, read -ra entries <<<"$list"
+        IFS=, read -ra entries <<<"$1"
         echo "${#entries[@]}"
+    fi
+}
+
+# GPUs SLURM gave this job on this node: SLURM_GPUS_ON_NODE, else the entries of SLURM_JOB_GPUS or
+# CUDA_VISIBLE_DEVICES; 0 when it gave none.
+allocated_gpus() {
+    if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+        echo "$SLURM_GPUS_ON_NODE"
+    else
+        count_devices "${SLURM_JOB_GPUS:-${CUDA_VISIBLE_DEVICES:-}}"
     fi
 }
 

@@ -111,6 +111,26 @@ def test_dry_run_standalone_passes_no_unset_setting():
            "MASTER_PORT=29999:" in result.stdout
 
 
+def test_standalone_starts_a_process_per_gpu_cuda_visible_devices_names(tmp_path):
+    """Outside SLURM, CUDA_VISIBLE_DEVICES=2,3 on an eight-GPU machine gives the run two processes (LOCAL_RANK 0 and 1
+    index the visible GPUs), not one per GPU nvidia-smi lists, whose ranks 2-7 would find no device; set but empty,
+    the run takes the CPU path. nvidia-smi is a stand-in listing eight GPUs (there is none here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(
+        f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(8)))
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    unset = {k: v for k, v in clean_env(PATH=path, DRY_RUN="1").items() if k != "CUDA_VISIBLE_DEVICES"}
+    every = subprocess.run(["./train-singlenode.sh"], cwd=REPO_ROOT, env=unset, capture_output=True, text=True,
+                           timeout=120)
+    assert "this machine: 8 processes (8 GPUs)" in every.stdout, every.stdout + every.stderr
+    two = launch("./train-singlenode.sh", DRY_RUN="1", PATH=path, CUDA_VISIBLE_DEVICES="2,3")
+    assert "this machine: 2 processes (2 GPUs), each running with RANK=LOCAL_RANK=0..1 WORLD_SIZE=2 " in two.stdout
+    hidden = launch("./train-singlenode.sh", DRY_RUN="1", PATH=path, CUDA_VISIBLE_DEVICES="")
+    assert "this machine: 2 processes (0 GPUs)" in hidden.stdout  # CPU_PROCS
+
+
 def test_dry_run_quotes_arguments_for_the_shell():
     result = launch("./train-singlenode.sh", "--generate_prompt", "it's a test", DRY_RUN="1")
     line = commands(result)[0]
