@@ -19,7 +19,7 @@
 : "${OUTPUT_DIR:=}"          # --export_dir
 
 # ---- Launcher settings.
-: "${GPUS_PER_NODE:=}"  # empty: counted on the node (detect_gpus_per_node) (0: CPU mode, one process per node)
+: "${GPUS_PER_NODE:=}"  # empty: counted by detect_gpus_per_node (0: CPU mode, one process per node)
 : "${CPU_PROCS:=2}"     # processes of a run without SLURM and without GPU
 : "${NODES:=}"          # sbatch launchers: empty keeps the script's #SBATCH --nodes
 : "${PARTITION:=}"      # empty: the cluster's default partition

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from launching import stand_in_nvidia_smi
 from slurm_fixtures import REPO_ROOT
 
 
@@ -76,15 +77,8 @@ def test_the_seeds_sbatch_on_a_gpu_node_given_no_gpus_stops_before_training(slur
     """`sbatch train.sbatch`, as the seeds write it. nvidia-smi is a stand-in listing two GPUs (there is no GPU here) on
     a cluster that manages GPUs (GresTypes=gpu) but gave this job none: the job stops in one line naming the fix and
     never starts the trainer. The script's request is --exclusive (all of a node's GRES where SLURM has them)."""
-    import os
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n"
-                                        "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)'\n")
-    (bin_dir / "nvidia-smi").chmod(0o755)
     ckpt = tmp_path / "ckpt"
-    env = {**FAST_ENV, "CHECKPOINT_DIR": str(ckpt), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = {**FAST_ENV, "CHECKPOINT_DIR": str(ckpt), "PATH": stand_in_nvidia_smi(tmp_path / "bin", 2)}
     job_id = submitted_job(slurm.run("sbatch", "train.sbatch", *FAST_ARGS, env=env))
     info = slurm.wait_job(job_id, timeout=120)
     log = job_log(job_id)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launching import commands, launch, lib, one_line_error, tool
+from launching import commands, launch, lib, one_line_error, stand_in_nvidia_smi, tool
 from slurm_fixtures import LAUNCHER_SETTINGS, REPO_ROOT, clean_env
 
 LAUNCHERS = ["train.sbatch", "train-singlenode.sh", "train-pyxis.sbatch", "train-pyxis-singlenode.sh",
@@ -115,12 +115,7 @@ def test_standalone_starts_a_process_per_gpu_cuda_visible_devices_names(tmp_path
     """Outside SLURM, CUDA_VISIBLE_DEVICES=2,3 on an eight-GPU machine gives the run two processes (LOCAL_RANK 0 and 1
     index the visible GPUs), not one per GPU nvidia-smi lists, whose ranks 2-7 would find no device; set but empty,
     the run takes the CPU path. nvidia-smi is a stand-in listing eight GPUs (there is none here)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(
-        f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(8)))
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    path = stand_in_nvidia_smi(tmp_path / "bin", 8)
     unset = {k: v for k, v in clean_env(PATH=path, DRY_RUN="1").items() if k != "CUDA_VISIBLE_DEVICES"}
     every = subprocess.run(["./train-singlenode.sh"], cwd=REPO_ROOT, env=unset, capture_output=True, text=True,
                            timeout=120)
