@@ -428,19 +428,30 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
     # Periodic saves (by steps or by the clock) keep K complete checkpoints plus the one being written; without them
     # the run saves only at the end (or on a stop signal): one checkpoint. Keeping all (K = 0) by the clock alone:
     # at least two.
-    if cfg.checkpoint_freq or cfg.checkpoint_minutes:
+    periodic = bool(cfg.checkpoint_freq or cfg.checkpoint_minutes)
+    if periodic:
         keep = cfg.keep_last_checkpoints or (max(1, cfg.max_steps // cfg.checkpoint_freq) if cfg.checkpoint_freq else 1)
     else:
         keep = 0
     count = keep + 1
-    need = ckpt_bytes * count
+    # The complete checkpoints already there (a resumed run's) are among those and already take their disk: what
+    # must be free is the rest, and at least the one being written before retention removes the oldest.
+    from .checkpoint import list_checkpoints
+
+    there = sum(c.complete for c in list_checkpoints(path))
+    new = max(1, count - there)
+    need = ckpt_bytes * new
     free = shutil.disk_usage(probe).free
-    report.estimate(f"checkpoints: ~{ckpt_bytes / GIB:.2f} GiB each, {count} on disk at most; "
-                    f"{free / GIB:,.0f} GiB free in {probe}")
+    report.estimate(f"checkpoints: ~{ckpt_bytes / GIB:.2f} GiB each, {count} on disk at most"
+                    + (f" ({there} there already)" if there else "") + f"; {free / GIB:,.0f} GiB free in {probe}")
     if need > free:
-        report.problems.append(Problem("--keep_last_checkpoints", cfg.keep_last_checkpoints,
-                                       f"{count} checkpoint(s) need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free",
-                                       "free space, keep fewer checkpoints, or use another --checkpoint_dir"))
+        shortfall = f"{new} more checkpoint(s) need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free"
+        if periodic and count > 1:
+            report.problems.append(Problem("--keep_last_checkpoints", cfg.keep_last_checkpoints, shortfall,
+                                           "free space, keep fewer checkpoints, or use another --checkpoint_dir"))
+        else:  # the last step's checkpoint alone does not fit: keeping fewer would not help
+            report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, shortfall,
+                                           "free space there or use another --checkpoint_dir"))
 
 
 def _check_data(plan: Plan, report: Report):

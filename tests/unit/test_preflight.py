@@ -715,6 +715,43 @@ def test_disk_need_counts_every_checkpoint_that_can_exist_at_once(args, on_disk,
     assert f" each, {on_disk} on disk at most;" in proc.stdout
 
 
+def test_a_resumed_run_needs_room_only_for_the_checkpoints_it_adds(tmp_path, session_cache, monkeypatch, capsys):
+    """The complete checkpoints a run resumes beside already take their disk: with 3 kept and 3 there, the run needs
+    room for the one being written, not for four (which refused the resume of a run that had been saving fine). Where
+    the last step's checkpoint alone does not fit, the problem names --checkpoint_dir: keeping fewer would not help."""
+    import collections
+
+    from model_utils import preflight
+
+    monkeypatch.chdir(tmp_path)
+    ckpt_dir = tmp_path / "c"
+    args = ["--checkpoint_dir", str(ckpt_dir), "--checkpoint_freq", "10", "--keep_last_checkpoints", "3"]
+    free = {"bytes": 1e15}
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(2e15, 0, free["bytes"]))
+    roomy, _ = preflight_in_process(args, {}, monkeypatch, capsys)
+    assert roomy.returncode == 0, roomy.stdout + roomy.stderr
+    each = float(roomy.stdout.split("checkpoints: ~")[1].split(" GiB each")[0]) * GIB
+    free["bytes"] = 1.5 * each  # one more fits, four do not
+
+    fresh, _ = preflight_in_process(args, {}, monkeypatch, capsys)
+    assert fresh.returncode == 2 and "  - --keep_last_checkpoints = 3: 4 more checkpoint(s) need" in fresh.stdout, \
+        fresh.stdout
+    for step in (10, 20, 30):  # complete: a manifest whose files (none) are all there
+        (ckpt_dir / f"step-{step:08d}").mkdir(parents=True)
+        (ckpt_dir / f"step-{step:08d}" / "manifest.json").write_text(
+            json.dumps({"step": step, "world_size": 1, "files": {}}))
+    (ckpt_dir / "step-00000040").mkdir()  # incomplete (no manifest): not counted
+    resumed, _ = preflight_in_process(args, {}, monkeypatch, capsys)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert " each, 4 on disk at most (3 there already);" in resumed.stdout, resumed.stdout
+
+    free["bytes"] = 0.5 * each
+    final_only, _ = preflight_in_process([*args, "--checkpoint_freq", "0"], {}, monkeypatch, capsys)
+    assert final_only.returncode == 2, final_only.stdout
+    assert f"  - --checkpoint_dir = {ckpt_dir}: 1 more checkpoint(s) need" in final_only.stdout, final_only.stdout
+    assert "free space there or use another --checkpoint_dir" in final_only.stdout
+
 def test_a_caller_that_never_saves_skips_the_disk_check(tmp_path, monkeypatch):
     """The benchmark never saves: check_plan(check_disk=False), which train_deepspeed.setup(saves=False) passes, has
     no checkpoint line and no disk problem where the run's checkpoints would not fit any disk (10,000 of Qwen3-0.6B's)."""
