@@ -12,8 +12,10 @@
 #               fits a 64 GiB disk: no export, no resume)
 #   zero2-large JOURNEY_LARGE_MODEL at the fastest measured ZeRO-2 + optimizer offload settings (configs/zero2-offload.json):
 #               micro-batch 4 x 8 at 131,072 tokens per step on one H100 (auto keeps 2 x 16 and the prefetch: 4 fills
-#               the GPU past its 90% by the estimate), the delayed update from step 2; train 4 steps, evaluate, save
-#               (no export, no resume: as zero3-large)
+#               the GPU past its 90% by the estimate), the delayed update from step 2; train 4 steps, save (55 GiB),
+#               evaluate, export (7.5 GiB) and generate
+#   zero2-large-resume  resumed from zero2-large's checkpoint into JOURNEY_LARGE_RESUME_DIR and killed with SIGKILL
+#               once its first step is logged, before its own checkpoint (a second does not fit a 64 GiB disk)
 #   presets     every configs/*.json (ZeRO-1, ZeRO-2 + optimizer offload, ZeRO-3, ZeRO-3 + offload, fp16)
 #   documents   --document_mask
 #   checkpointing  --gradient_checkpointing
@@ -32,6 +34,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_MICRO_BATCH:=auto}" # the presets' own choice (16 for Qwen3-0.6B on one H100, the fastest measured)
 : "${JOURNEY_DIR:=/tmp/journey}"
 : "${JOURNEY_LARGE_MODEL:=qwen3-4b}" # saves-large: configs/zero2-offload.json, micro-batch 1, activation checkpointing
+: "${JOURNEY_LARGE_RESUME_DIR:=$JOURNEY_DIR/zero2-large}" # zero2-large-resume's checkpoint directory (room for one more)
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
 
@@ -40,19 +43,33 @@ failed=0
 
 wanted() { [[ -z $JOURNEY_ONLY || " $JOURNEY_ONLY " == *" $1 "* ]]; }
 
-# run NAME CHECKPOINT_DIR ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: one line with the run's exit status and summary.
-run() {
-    local name=$1 dir=$2 start status
-    shift 2
+# launch MODE NAME CHECKPOINT_DIR ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: the launcher, its output in JOURNEY_DIR/NAME.log.
+# MODE foreground: waits for it, its exit status in launched_status; detached: in the background in a process group of
+# its own (setsid), its process id (the group's) in launched_pid.
+launch() {
+    local mode=$1 name=$2 dir=$3
+    shift 3
     local settings=()
     while [[ $1 != -- ]]; do
         settings+=("$1")
         shift
     done
     shift
+    local command=(env MODEL="$JOURNEY_MODEL" CHECKPOINT_DIR="$dir" "${settings[@]}" ./train-singlenode.sh "$@")
+    if [[ $mode == detached ]]; then
+        setsid "${command[@]}" >"$JOURNEY_DIR/$name.log" 2>&1 &
+        launched_pid=$!
+    else
+        "${command[@]}" >"$JOURNEY_DIR/$name.log" 2>&1 && launched_status=0 || launched_status=$?
+    fi
+}
+
+# run NAME CHECKPOINT_DIR ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: one line with the run's exit status and summary.
+run() {
+    local name=$1 dir=$2 start status
     start=$(date +%s)
-    env MODEL="$JOURNEY_MODEL" CHECKPOINT_DIR="$dir" "${settings[@]}" ./train-singlenode.sh "$@" \
-        >"$JOURNEY_DIR/$name.log" 2>&1 && status=0 || status=$?
+    launch foreground "$@"
+    status=$launched_status
     python3 - "$name" "$status" "$(($(date +%s) - start))" "$dir" "$JOURNEY_DIR/$name.log" <<'EOF' | tee -a "$JOURNEY_DIR/journey.txt"
 import json, re, sys
 from pathlib import Path
@@ -89,9 +106,49 @@ if status:
 print(" | ".join(parts))
 EOF
     ((status == 0)) || failed=1
-    # Checkpoints take disk (8 GiB each for Qwen3-0.6B): only default's stay, for resume and finetune.
-    [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed ]] \
-        || rm -rf "$dir"
+    # Checkpoints take disk (8 GiB each for Qwen3-0.6B): only those a later journey resumes from stay.
+    [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed
+       || $name == zero2-large ]] || rm -rf "$dir"
+}
+
+# crash NAME CHECKPOINT_DIR PATTERN ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: `run`'s launch, killed with SIGKILL (all its
+# processes) once its log shows PATTERN, a crash at a known point; one line with what the run logged before it.
+crash() {
+    local name=$1 dir=$2 pattern=$3 start pid status=killed
+    shift 3
+    start=$(date +%s)
+    launch detached "$name" "$dir" "$@"
+    pid=$launched_pid
+    until grep -qE "$pattern" "$JOURNEY_DIR/$name.log"; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            wait "$pid" && status="exit 0 before the kill" || status="exit $? before the kill"
+            break
+        fi
+        sleep 1
+    done
+    if [[ $status == killed ]]; then
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    fi
+    python3 - "$name" "$status" "$(($(date +%s) - start))" "$dir" "$JOURNEY_DIR/$name.log" <<'EOF' | tee -a "$JOURNEY_DIR/journey.txt"
+import json, re, sys
+from pathlib import Path
+
+name, status, wall, ckpt, log = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5])
+text = log.read_text(errors="replace")
+resumed = re.findall(r"resume: continuing from \S+ at step (\d+)", text)
+parts = [f"journey {name}: {'SIGKILL after its pattern, as planned' if status == 'killed' else status}",
+         f"wall {wall}s", f"resumed from {resumed[-1]}" if resumed else "not resumed"]
+records = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()] \
+    if (ckpt / "metrics.jsonl").exists() else []
+steps = [r for r in records if "tokens_per_s" in r and "loss" in r]
+if steps and resumed and steps[-1]["step"] > int(resumed[-1]):
+    r = steps[-1]
+    parts += [f"step {r['step']} loss {r['loss']:.4f}", f"{r['tokens_per_s']:,.0f} tokens/s",
+              f"peak {r.get('peak_mem_gib') or 0:.1f} GiB", f"host peak {r.get('host_peak_mem_gib') or 0:.1f} GiB"]
+print(" | ".join(parts))
+EOF
+    [[ $status == killed ]] || failed=1
 }
 
 flags=(--micro_batch_size "$JOURNEY_MICRO_BATCH" --log_interval 5 --eval_iters 8)
@@ -131,10 +188,19 @@ if wanted zero3-large; then
         --delayed_update_from_step 2 \
         --log_interval 1 --eval_interval 4 --eval_iters 2 --checkpoint_freq 0 --no-export
 fi
+z2_flags=(--micro_batch_size 4 --global_batch_tokens 131072 --delayed_update_from_step 2 --log_interval 1
+          --eval_interval 4 --eval_iters 2 --checkpoint_freq 0)
 if wanted zero2-large; then
-    run zero2-large "$JOURNEY_DIR/zero2-large" MAX_STEPS=4 MODEL="$JOURNEY_LARGE_MODEL" DS_CONFIG=configs/zero2-offload.json \
-        -- --micro_batch_size 4 --global_batch_tokens 131072 --delayed_update_from_step 2 \
-        --log_interval 1 --eval_interval 4 --eval_iters 2 --checkpoint_freq 0 --no-export
+    run zero2-large "$JOURNEY_DIR/zero2-large" MAX_STEPS=4 MODEL="$JOURNEY_LARGE_MODEL" \
+        DS_CONFIG=configs/zero2-offload.json -- "${z2_flags[@]}" --generate_prompt "The"
+fi
+if wanted zero2-large-resume; then
+    # from zero2-large's step-4 checkpoint into JOURNEY_LARGE_RESUME_DIR: the run's final checkpoint must fit there (the
+    # preflight refuses it otherwise), though the kill after step 5 comes before it
+    crash zero2-large-resume "$JOURNEY_LARGE_RESUME_DIR" 'step 5 [|] loss' MAX_STEPS=6 MODEL="$JOURNEY_LARGE_MODEL" \
+        DS_CONFIG=configs/zero2-offload.json -- "${z2_flags[@]}" \
+        --resume_from_checkpoint "$JOURNEY_DIR/zero2-large/step-00000004"
+    rm -rf "$JOURNEY_DIR/zero2-large" "$JOURNEY_LARGE_RESUME_DIR"
 fi
 if wanted presets; then
     for preset in configs/*.json; do
