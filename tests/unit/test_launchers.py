@@ -24,7 +24,7 @@ from slurm_fixtures import LAUNCHER_SETTINGS, REPO_ROOT, clean_env
 LAUNCHERS = ["train.sbatch", "train-singlenode.sh", "train-pyxis.sbatch", "train-pyxis-singlenode.sh",
              "setup-pyxis.sh"]
 SHELL_FILES = [*LAUNCHERS, "scripts/launch_common.sh", ".ci/install-system.sh", ".ci/run", ".ci/oldest-versions.sh",
-               "benchmarks/run_device.sh", "benchmarks/journey.sh"]
+               "benchmarks/run_device.sh", "benchmarks/journey.sh", "benchmarks/device_bundle.sh"]
 
 
 # The interpreter the launchers pick when PYTHON and VENV are unset (resolve_python): the repository's .venv where one

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Builds, in the repository root, what run_device.sh installs on a GPU machine whose image lacks the project's GPU set:
+# .whl/ (DeepSpeed built as a wheel, Liger, datasets and the packages of theirs the image lacks) and .fa4/part-aa,
+# part-ab (flash-attn-4 with its CuTe DSL libraries, unpacked and xz-compressed: ~69 MB, split in two to travel in two
+# calls, README.md). Both folders are ignored by git (.git/info/exclude). Versions: benchmarks/constraints.txt.
+#   bash benchmarks/device_bundle.sh          # needs pip with a package index and, for DeepSpeed's wheel, torch
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+: "${PYTHON:=python3}"            # builds DeepSpeed's wheel: needs torch importable
+: "${PYTHON_VERSION:=3.12}"      # the device image's Python
+: "${PART_BYTES:=36500000}"      # each .fa4 part: one call carries 64 MiB, the tree included
+
+pin() { grep -E "^$1==" benchmarks/constraints.txt | cut -d= -f3; }
+platforms=(--python-version "$PYTHON_VERSION" --implementation cp --only-binary=:all: --platform any)
+for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+platforms+=(--platform manylinux2014_x86_64)
+
+for dir in .whl .fa4; do
+    grep -qxF "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >>.git/info/exclude
+done
+rm -rf .whl .fa4
+mkdir -p .whl .fa4
+
+# DeepSpeed ships no wheel: build one against the torch here (its ops compile on the GPU machine when first used).
+cmd=("$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w .whl "deepspeed==$(pin deepspeed)")
+echo "+ ${cmd[*]}"
+"${cmd[@]}"
+# What the device image lacks besides (KINDS.md lists its packages).
+cmd=("$PYTHON" -m pip download -q --no-deps "${platforms[@]}" -d .whl "liger-kernel==$(pin liger-kernel)"
+     "datasets==$(pin datasets)" "dill<0.4.2" "multiprocess<0.70.20" pydantic==2.13.4 pydantic-core==2.46.4 annotated-types
+     typing-inspection hjson)
+echo "+ ${cmd[*]}"
+"${cmd[@]}"
+
+staging=$(mktemp -d)
+trap 'rm -rf "$staging"' EXIT
+cmd=("$PYTHON" -m pip download -q --no-deps "${platforms[@]}" -d "$staging/wheels"
+     "flash-attn-4==$(pin flash-attn-4)" "nvidia-cutlass-dsl==$(pin nvidia-cutlass-dsl)"
+     "nvidia-cutlass-dsl-libs-base==$(pin nvidia-cutlass-dsl)" "nvidia-cutlass-dsl-libs-core==$(pin nvidia-cutlass-dsl)"
+     "nvidia-cutlass-dsl-libs-cu13==$(pin nvidia-cutlass-dsl)" apache-tvm-ffi quack-kernels torch-c-dlpack-ext)
+echo "+ ${cmd[*]}"
+"${cmd[@]}"
+mkdir -p "$staging/site"
+for wheel in "$staging"/wheels/*.whl; do
+    "$PYTHON" -m zipfile -e "$wheel" "$staging/site"
+done
+tar -C "$staging/site" -cf - . | xz -9e -T0 >"$staging/fa4site.tar.xz"
+split -b "$PART_BYTES" "$staging/fa4site.tar.xz" .fa4/part-
+ls -l .whl .fa4
