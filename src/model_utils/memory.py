@@ -212,6 +212,18 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
 # (ZeRO-3, half the optimizer offloaded: `"ratio": 0.5`).
 HOST_STATE_OVERHEAD = 1.10
 HOST_BASELINE_GIB = 8.0
+# Loading a checkpoint under ZeRO-1/2 with the optimizer offloaded holds about one fp32 copy of the rank's parameters
+# beside the offloaded states: Qwen3-4B on one H100 host peaked at 88.0 GiB while resuming against 73.7 GiB in the run
+# that wrote the checkpoint (+14.3 GiB, 3.8 bytes per parameter; docs/JOURNEY.md, zero2-large-resume). Not measured
+# under ZeRO-3.
+RESUME_HOST_BYTES_PER_PARAM = 4.0
+
+
+def resume_host_bytes(params: int, world: int, ranks_per_node: int, stage: int, offload_opt: bool) -> float:
+    """Host memory a node needs beyond `offload_host_bytes` while its ranks load a checkpoint (0 where not measured)."""
+    if not (offload_opt and stage in (1, 2)):
+        return 0.0
+    return RESUME_HOST_BYTES_PER_PARAM * params / world * ranks_per_node
 
 
 def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int, offload_opt: bool,

@@ -43,6 +43,7 @@ class Plan:
     gpu_memory_gib: float | None = None
     gpu_memory_source: str = ""  # the GPU's name, GPU_MEMORY_GIB, or why no size is known
     host_bytes: float = 0.0  # host memory per node for the offloaded states (0 without offload)
+    resume_host_bytes: float = 0.0  # what a node needs beyond host_bytes while it loads a checkpoint
     host_available: float | None = None  # this node's MemAvailable where the run starts; None on a login node
     ranks_per_node: int = 1
     checkpoint_bytes: float = 0.0  # one checkpoint on disk (16-bit weights, fp32 master weights and Adam moments)
@@ -319,8 +320,13 @@ def _plan_host_memory(plan: Plan) -> None:
     """The node's host memory for offloaded optimizer states and parameters, and what this node has (where it runs)."""
     import torch
 
+    from . import ds_config as dsc
+    from .memory import resume_host_bytes
+
     plan.ranks_per_node = plan.world if not torch.cuda.is_available() else min(plan.world, torch.cuda.device_count())
     plan.host_bytes = _offloaded_host_bytes(plan, plan.ds_config)
+    plan.resume_host_bytes = resume_host_bytes(plan.num_params, plan.world, plan.ranks_per_node,
+                                               dsc.zero_stage(plan.ds_config), dsc.offloads(plan.ds_config)[0])
     plan.host_available = host_memory_available() if plan.here else None
 
 

@@ -207,9 +207,23 @@ def _check_host_memory(plan: Plan, report: Report) -> None:
     if not plan.host_bytes:
         return
     need, available = plan.host_bytes / GIB, plan.host_available
+    loading = plan.host_bytes + plan.resume_host_bytes
     report.estimate(f"host memory: ~{need:.0f} GiB per node for the offloaded states of {plan.ranks_per_node} rank(s)"
+                    + (f", ~{loading / GIB:.0f} GiB while a resume loads a checkpoint" if plan.resume_host_bytes else "")
                     + (f"; {available / GIB:.0f} GiB available" if available is not None else
                        " (the GPU nodes' memory is checked when the run starts there)"))
+    if available is not None and plan.host_bytes <= available < loading:
+        if plan.resume is not None:  # the kernel would kill the ranks while they load, with no message of ours
+            report.problems.append(Problem(
+                "--resume", plan.cfg.resume if not plan.cfg.resume_from_checkpoint else str(plan.resume.path),
+                f"loading {plan.resume.path.name} needs ~{loading / GIB:.0f} GiB of host memory on this node beside "
+                f"the offloaded states, {available / GIB:.0f} GiB are available",
+                "resume on nodes with more memory, or on more of them (the states divide among the ranks); the "
+                "checkpoint is intact"))
+        else:
+            report.notes.append(
+                f"this node holds the offloaded states (~{need:.0f} GiB of {available / GIB:.0f}) but not a resume "
+                f"of their checkpoint (~{loading / GIB:.0f} GiB while it loads): resume on nodes with more memory")
     if available is not None and plan.host_bytes > available:
         partial = partial_offload_that_fits(plan, available)
         report.problems.append(Problem(

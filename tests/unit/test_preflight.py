@@ -382,6 +382,46 @@ def test_offloaded_states_that_do_not_fit_the_node_are_refused(tmp_path, monkeyp
     assert any(line.startswith("host memory: ~1 GiB per node") for line in report.estimates), report.estimates
 
 
+def test_a_resume_needs_host_memory_for_loading_its_checkpoint(tmp_path, monkeypatch, session_cache):
+    """Loading a checkpoint under ZeRO-2 with the optimizer offloaded holds about one fp32 copy of the parameters
+    beside the offloaded states (Qwen3-4B on one H100 host: 88.0 GiB while resuming, 73.7 in the run that saved it).
+    A node with room for the states but not for that: a fresh start notes it, a resume is refused before the ranks
+    load anything, naming --resume; with room for both, neither."""
+    from model_utils import plan as plan_module
+    from model_utils.arguments import parse_args
+    from model_utils.memory import GIB, offload_host_bytes, resume_host_bytes
+    from model_utils.preflight import check_plan
+
+    q4b = 4_022_468_096
+    loading = offload_host_bytes(q4b, 1, 1, 2, True, False, True) + resume_host_bytes(q4b, 1, 1, 2, True)
+    assert 87 < loading / GIB < 90, loading / GIB
+    assert resume_host_bytes(q4b, 2, 1, 2, True) == resume_host_bytes(q4b, 1, 1, 2, True) / 2  # one of two nodes
+    assert resume_host_bytes(q4b, 1, 1, 3, True) == 0 and resume_host_bytes(q4b, 1, 1, 2, False) == 0  # not measured
+
+    ckpt = tmp_path / "ckpt"
+    cfg = parse_args(["--model", "tiny", "--ds_config", str(REPO / "configs" / "zero2-offload.json"),
+                      "--dummy_data", "64", "--checkpoint_dir", str(ckpt)])
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e15)
+    roomy = plan_module.make_plan(cfg, 1, on_training_hardware=True)
+    assert roomy.resume_host_bytes > 0
+    between = roomy.host_bytes + roomy.resume_host_bytes / 2
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: between)
+
+    def report():
+        return check_plan(plan_module.make_plan(cfg, 1, on_training_hardware=True), check_data=False)
+
+    fresh = report()
+    assert not [p for p in fresh.problems if p.setting == "--resume"], fresh.problems
+    assert any("but not a resume of their checkpoint" in note for note in fresh.notes), fresh.notes
+    assert any("while a resume loads a checkpoint" in line for line in fresh.estimates), fresh.estimates
+    (ckpt / "step-00000010").mkdir(parents=True)
+    (ckpt / "step-00000010" / "manifest.json").write_text(json.dumps({"step": 10, "world_size": 1, "files": {}}))
+    resumed = report()
+    [problem] = [p for p in resumed.problems if p.setting == "--resume"]
+    assert "loading step-00000010 needs ~" in problem.message and "the checkpoint is intact" in problem.fix
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e15)
+    assert not [p for p in report().problems if p.setting == "--resume"]
+
 def test_a_partial_offload_counts_the_pinned_blocks_of_its_gpu_part(monkeypatch, session_cache):
     """ZeRO-3 with half of Qwen3-4B's optimizer offloaded ("ratio": 0.5): DeepSpeed creates the GPU half's fp32
     gradient buffers in pinned host memory and moves them to the GPU; PyTorch's pinned-memory cache keeps the blocks.
