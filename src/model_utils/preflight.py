@@ -214,8 +214,11 @@ def _check_host_memory(plan: Plan, report: Report) -> None:
                        " (the GPU nodes' memory is checked when the run starts there)"))
     if available is not None and plan.host_bytes <= available < loading:
         if plan.resume is not None:  # the kernel would kill the ranks while they load, with no message of ours
+            cfg = plan.cfg
+            setting, value = (("--resume_from_checkpoint", cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint
+                              else ("--resume", cfg.resume))
             report.problems.append(Problem(
-                "--resume", plan.cfg.resume if not plan.cfg.resume_from_checkpoint else str(plan.resume.path),
+                setting, value,
                 f"loading {plan.resume.path.name} needs ~{loading / GIB:.0f} GiB of host memory on this node beside "
                 f"the offloaded states, {available / GIB:.0f} GiB are available",
                 "resume on nodes with more memory, or on more of them (the states divide among the ranks); the "
@@ -460,7 +463,7 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
                     + (f" ({there} there already)" if there else "") + f"; {free / GIB:,.0f} GiB free in {probe}")
     if need > free:
         shortfall = f"{new} more checkpoint(s) need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free"
-        if periodic and count > 1:
+        if periodic:
             report.problems.append(Problem("--keep_last_checkpoints", cfg.keep_last_checkpoints, shortfall,
                                            "free space, keep fewer checkpoints, or use another --checkpoint_dir"))
         else:  # the last step's checkpoint alone does not fit: keeping fewer would not help

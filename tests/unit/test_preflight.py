@@ -399,8 +399,9 @@ def test_a_resume_needs_host_memory_for_loading_its_checkpoint(tmp_path, monkeyp
     assert resume_host_bytes(q4b, 1, 1, 3, True) == 0 and resume_host_bytes(q4b, 1, 1, 2, False) == 0  # not measured
 
     ckpt = tmp_path / "ckpt"
-    cfg = parse_args(["--model", "tiny", "--ds_config", str(REPO / "configs" / "zero2-offload.json"),
-                      "--dummy_data", "64", "--checkpoint_dir", str(ckpt)])
+    cfg_args = ["--model", "tiny", "--ds_config", str(REPO / "configs" / "zero2-offload.json"), "--dummy_data", "64",
+                "--checkpoint_dir", str(ckpt)]
+    cfg = parse_args(cfg_args)
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e15)
     roomy = plan_module.make_plan(cfg, 1, on_training_hardware=True)
     assert roomy.resume_host_bytes > 0
@@ -419,6 +420,10 @@ def test_a_resume_needs_host_memory_for_loading_its_checkpoint(tmp_path, monkeyp
     resumed = report()
     [problem] = [p for p in resumed.problems if p.setting == "--resume"]
     assert "loading step-00000010 needs ~" in problem.message and "the checkpoint is intact" in problem.fix
+    named = check_plan(plan_module.make_plan(parse_args([*cfg_args, "--resume_from_checkpoint",
+                                                         str(ckpt / "step-00000010")]), 1, on_training_hardware=True),
+                       check_data=False)
+    assert [p.setting for p in named.problems if "loading step-00000010" in p.message] == ["--resume_from_checkpoint"]
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e15)
     assert not [p for p in report().problems if p.setting == "--resume"]
 
