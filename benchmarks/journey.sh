@@ -8,14 +8,15 @@
 #   zero3-delayed  the same with --delayed_update_from_step 3
 #   zero3-large JOURNEY_LARGE_MODEL (Qwen3-4B) at the recommended ZeRO-3 + offload settings: --gradient_checkpointing,
 #               the automatic micro-batch (16 x 2 at 131,072 tokens per step on one H100) and checkpointed layers (the
-#               fewest that fit), the delayed update from step 2; train 4 steps, evaluate, save (one 55 GiB checkpoint
-#               fits a 64 GiB disk: no export, no resume)
+#               fewest that fit), the delayed update from step 2; train 4 steps, save (55 GiB), evaluate, export
+#               (7.5 GiB) and generate
+#   zero3-large-resume  resumed from zero3-large's checkpoint into a directory of JOURNEY_RESUME_ROOT and killed with
+#               SIGKILL once its first step is logged, before its own checkpoint (a second does not fit a 64 GiB disk)
 #   zero2-large JOURNEY_LARGE_MODEL at the fastest measured ZeRO-2 + optimizer offload settings (configs/zero2-offload.json):
 #               micro-batch 4 x 8 at 131,072 tokens per step on one H100 (auto keeps 2 x 16 and the prefetch: 4 fills
 #               the GPU past its 90% by the estimate), the delayed update from step 2; train 4 steps, save (55 GiB),
 #               evaluate, export (7.5 GiB) and generate
-#   zero2-large-resume  resumed from zero2-large's checkpoint into JOURNEY_LARGE_RESUME_DIR and killed with SIGKILL
-#               once its first step is logged, before its own checkpoint (a second does not fit a 64 GiB disk)
+#   zero2-large-resume  the same from zero2-large's checkpoint
 #   presets     every configs/*.json (ZeRO-1, ZeRO-2 + optimizer offload, ZeRO-3, ZeRO-3 + offload, fp16)
 #   documents   --document_mask
 #   checkpointing  --gradient_checkpointing
@@ -34,7 +35,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_MICRO_BATCH:=auto}" # the presets' own choice (16 for Qwen3-0.6B on one H100, the fastest measured)
 : "${JOURNEY_DIR:=/tmp/journey}"
 : "${JOURNEY_LARGE_MODEL:=qwen3-4b}" # saves-large: configs/zero2-offload.json, micro-batch 1, activation checkpointing
-: "${JOURNEY_LARGE_RESUME_DIR:=$JOURNEY_DIR/zero2-large}" # zero2-large-resume's checkpoint directory (room for one more)
+: "${JOURNEY_RESUME_ROOT:=$JOURNEY_DIR}" # holds the *-large-resume journeys' checkpoint directories (room for one more)
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
 
@@ -106,9 +107,10 @@ if status:
 print(" | ".join(parts))
 EOF
     ((status == 0)) || failed=1
-    # Checkpoints take disk (8 GiB each for Qwen3-0.6B): only those a later journey resumes from stay.
-    [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed
-       || $name == zero2-large ]] || rm -rf "$dir"
+    # Checkpoints take disk (8 GiB each for Qwen3-0.6B, 55 GiB for Qwen3-4B): only those a later journey resumes from
+    # stay.
+    [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed ]] \
+        || { [[ $name == *-large ]] && wanted "$name-resume"; } || rm -rf "$dir"
 }
 
 # crash NAME CHECKPOINT_DIR PATTERN ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: `run`'s launch, killed with SIGKILL (all its
@@ -182,26 +184,27 @@ if wanted zero3-delayed; then
     run zero3-delayed-resume "$JOURNEY_DIR/zero3-delayed" MAX_STEPS=12 DS_CONFIG=configs/zero3-offload.json -- \
         "${z3_flags[@]}"
 fi
-if wanted zero3-large; then
-    run zero3-large "$JOURNEY_DIR/zero3-large" MAX_STEPS=4 MODEL="$JOURNEY_LARGE_MODEL" DS_CONFIG=configs/zero3-offload.json \
-        -- --micro_batch_size auto --global_batch_tokens 131072 --gradient_checkpointing --checkpointed_layers auto \
-        --delayed_update_from_step 2 \
-        --log_interval 1 --eval_interval 4 --eval_iters 2 --checkpoint_freq 0 --no-export
-fi
-z2_flags=(--micro_batch_size 4 --global_batch_tokens 131072 --delayed_update_from_step 2 --log_interval 1
-          --eval_interval 4 --eval_iters 2 --checkpoint_freq 0)
-if wanted zero2-large; then
-    run zero2-large "$JOURNEY_DIR/zero2-large" MAX_STEPS=4 MODEL="$JOURNEY_LARGE_MODEL" \
-        DS_CONFIG=configs/zero2-offload.json -- "${z2_flags[@]}" --generate_prompt "The"
-fi
-if wanted zero2-large-resume; then
-    # from zero2-large's step-4 checkpoint into JOURNEY_LARGE_RESUME_DIR: the run's final checkpoint must fit there (the
-    # preflight refuses it otherwise), though the kill after step 5 comes before it
-    crash zero2-large-resume "$JOURNEY_LARGE_RESUME_DIR" 'step 5 [|] loss' MAX_STEPS=6 MODEL="$JOURNEY_LARGE_MODEL" \
-        DS_CONFIG=configs/zero2-offload.json -- "${z2_flags[@]}" \
-        --resume_from_checkpoint "$JOURNEY_DIR/zero2-large/step-00000004"
-    rm -rf "$JOURNEY_DIR/zero2-large" "$JOURNEY_LARGE_RESUME_DIR"
-fi
+# The large journeys: 4 steps, then a resume from step 4's checkpoint into a directory of JOURNEY_RESUME_ROOT (its own
+# final checkpoint must fit there, which the preflight checks) killed once step 5 is logged, before that checkpoint.
+large_common=(--global_batch_tokens 131072 --delayed_update_from_step 2 --log_interval 1 --eval_interval 4 --eval_iters 2
+              --checkpoint_freq 0)
+for stage in zero3 zero2; do
+    case $stage in
+        zero3) stage_flags=(--micro_batch_size auto --gradient_checkpointing --checkpointed_layers auto) ;;
+        zero2) stage_flags=(--micro_batch_size 4) ;; # the fastest measured; auto keeps 2 (see the header)
+    esac
+    config=configs/$stage-offload.json
+    if wanted "$stage-large"; then
+        run "$stage-large" "$JOURNEY_DIR/$stage-large" MAX_STEPS=4 MODEL="$JOURNEY_LARGE_MODEL" DS_CONFIG="$config" -- \
+            "${stage_flags[@]}" "${large_common[@]}" --generate_prompt "The"
+    fi
+    if wanted "$stage-large-resume"; then
+        crash "$stage-large-resume" "$JOURNEY_RESUME_ROOT/$stage-large-resume" 'step 5 [|] loss' MAX_STEPS=6 \
+            MODEL="$JOURNEY_LARGE_MODEL" DS_CONFIG="$config" -- "${stage_flags[@]}" "${large_common[@]}" \
+            --resume_from_checkpoint "$JOURNEY_DIR/$stage-large/step-00000004"
+        rm -rf "${JOURNEY_DIR:?}/$stage-large" "${JOURNEY_RESUME_ROOT:?}/$stage-large-resume"
+    fi
+done
 if wanted presets; then
     for preset in configs/*.json; do
         name=preset-$(basename "$preset" .json)

@@ -168,10 +168,10 @@ case "$1" in
   journeys)  # the journeys named by JOURNEYS (benchmarks/journey.sh), by default the ZeRO-3 + offload pairs (Qwen3-0.6B,
     # 4 micro-batches a step) with the update synchronous and delayed: train to 6, resume to 12
     echo "=== journeys ${JOURNEYS:=zero3-offload zero3-delayed} ($(($(date +%s) - START))s)"
-    # zero2-large-resume's own checkpoint would not fit the 64 GiB disk beside zero2-large's 55 GiB one: a tmpfs with
-    # room holds its directory (the run is killed before it saves)
+    # a *-large-resume journey's own checkpoint would not fit the 64 GiB disk beside its large journey's 55 GiB one: a
+    # tmpfs with room holds its directory (the run is killed before it saves)
     if (($(df -B1 --output=avail /dev/shm | tail -1) > 60 * 2 ** 30)); then
-      export JOURNEY_LARGE_RESUME_DIR=${JOURNEY_LARGE_RESUME_DIR:-/dev/shm/zero2-large-resume}
+      export JOURNEY_RESUME_ROOT=${JOURNEY_RESUME_ROOT:-/dev/shm}
     fi
     JOURNEY_ONLY="$JOURNEYS" JOURNEY_DIR=/tmp/journey bash benchmarks/journey.sh 2>&1 | tail -8
     mkdir -p "$OUT/journey" && cp /tmp/journey/*.log /tmp/journey/journey.txt "$OUT/journey/"

@@ -212,16 +212,18 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
 # (ZeRO-3, half the optimizer offloaded: `"ratio": 0.5`).
 HOST_STATE_OVERHEAD = 1.10
 HOST_BASELINE_GIB = 8.0
-# Loading a checkpoint under ZeRO-1/2 with the optimizer offloaded holds about one fp32 copy of the rank's parameters
-# beside the offloaded states: Qwen3-4B on one H100 host peaked at 88.0 GiB while resuming against 73.7 GiB in the run
-# that wrote the checkpoint (+14.3 GiB, 3.8 bytes per parameter; docs/JOURNEY.md, zero2-large-resume). Not measured
-# under ZeRO-3.
+# Loading a checkpoint with the optimizer offloaded holds about one fp32 copy of the rank's parameters beside the
+# offloaded states: Qwen3-4B on one H100 host peaked while resuming at 88.0 GiB against 73.7 GiB in the run that wrote
+# the checkpoint under ZeRO-2, and at 105.2 against 90.9 under ZeRO-3 with the parameters offloaded too (+14.3 GiB
+# both, 3.8 bytes per parameter; docs/JOURNEY.md, the *-large-resume journeys). Not measured with part of the
+# optimizer on the GPU (offload_optimizer.ratio).
 RESUME_HOST_BYTES_PER_PARAM = 4.0
 
 
-def resume_host_bytes(params: int, world: int, ranks_per_node: int, stage: int, offload_opt: bool) -> float:
+def resume_host_bytes(params: int, world: int, ranks_per_node: int, offload_opt: bool,
+                      gpu_optimizer_share: float = 0.0) -> float:
     """Host memory a node needs beyond `offload_host_bytes` while its ranks load a checkpoint (0 where not measured)."""
-    if not (offload_opt and stage in (1, 2)):
+    if not offload_opt or gpu_optimizer_share > 0:
         return 0.0
     return RESUME_HOST_BYTES_PER_PARAM * params / world * ranks_per_node
 

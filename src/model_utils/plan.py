@@ -325,8 +325,9 @@ def _plan_host_memory(plan: Plan) -> None:
 
     plan.ranks_per_node = plan.world if not torch.cuda.is_available() else min(plan.world, torch.cuda.device_count())
     plan.host_bytes = _offloaded_host_bytes(plan, plan.ds_config)
-    plan.resume_host_bytes = resume_host_bytes(plan.num_params, plan.world, plan.ranks_per_node,
-                                               dsc.zero_stage(plan.ds_config), dsc.offloads(plan.ds_config)[0])
+    plan.resume_host_bytes = resume_host_bytes(
+        plan.num_params, plan.world, plan.ranks_per_node, dsc.offloads(plan.ds_config)[0],
+        dsc.gpu_optimizer_share(plan.ds_config, plan.param_groups, plan.world))
     plan.host_available = host_memory_available() if plan.here else None
 
 

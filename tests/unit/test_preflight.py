@@ -383,20 +383,23 @@ def test_offloaded_states_that_do_not_fit_the_node_are_refused(tmp_path, monkeyp
 
 
 def test_a_resume_needs_host_memory_for_loading_its_checkpoint(tmp_path, monkeypatch, session_cache):
-    """Loading a checkpoint under ZeRO-2 with the optimizer offloaded holds about one fp32 copy of the parameters
-    beside the offloaded states (Qwen3-4B on one H100 host: 88.0 GiB while resuming, 73.7 in the run that saved it).
-    A node with room for the states but not for that: a fresh start notes it, a resume is refused before the ranks
-    load anything, naming --resume; with room for both, neither."""
+    """Loading a checkpoint with the optimizer offloaded holds about one fp32 copy of the parameters beside the
+    offloaded states (Qwen3-4B on one H100 host, resuming against the run that saved it: 88.0 against 73.7 GiB under
+    ZeRO-2, 105.2 against 90.9 under ZeRO-3 with the parameters offloaded too). A node with room for the states but not
+    for that: a fresh start notes it, a resume is refused before the ranks load anything, naming --resume (or
+    --resume_from_checkpoint); with room for both, neither."""
     from model_utils import plan as plan_module
     from model_utils.arguments import parse_args
     from model_utils.memory import GIB, offload_host_bytes, resume_host_bytes
     from model_utils.preflight import check_plan
 
     q4b = 4_022_468_096
-    loading = offload_host_bytes(q4b, 1, 1, 2, True, False, True) + resume_host_bytes(q4b, 1, 1, 2, True)
-    assert 87 < loading / GIB < 90, loading / GIB
-    assert resume_host_bytes(q4b, 2, 1, 2, True) == resume_host_bytes(q4b, 1, 1, 2, True) / 2  # one of two nodes
-    assert resume_host_bytes(q4b, 1, 1, 3, True) == 0 and resume_host_bytes(q4b, 1, 1, 2, False) == 0  # not measured
+    zero2 = offload_host_bytes(q4b, 1, 1, 2, True, False, True) + resume_host_bytes(q4b, 1, 1, True)
+    zero3 = offload_host_bytes(q4b, 1, 1, 3, True, True, False) + resume_host_bytes(q4b, 1, 1, True)
+    assert 87 < zero2 / GIB < 90 and 104 < zero3 / GIB < 107, (zero2 / GIB, zero3 / GIB)
+    assert resume_host_bytes(q4b, 2, 1, True) == resume_host_bytes(q4b, 1, 1, True) / 2  # one of two nodes
+    assert resume_host_bytes(q4b, 1, 1, False) == 0  # nothing offloaded
+    assert resume_host_bytes(q4b, 1, 1, True, gpu_optimizer_share=0.45) == 0  # a partial offload: not measured
 
     ckpt = tmp_path / "ckpt"
     cfg_args = ["--model", "tiny", "--ds_config", str(REPO / "configs" / "zero2-offload.json"), "--dummy_data", "64",
