@@ -24,7 +24,7 @@
 #   saves       a save every 10 steps, in the background and synchronously: how long training stands still per save
 #   saves-large one save of JOURNEY_LARGE_MODEL (Qwen3-4B: 55 GiB, one fits the disk) with ZeRO-2 + optimizer offload
 #
-#   bash benchmarks/journey.sh                       # all of them (~10 minutes on one H100)
+#   bash benchmarks/journey.sh                       # all of them (~45 min on one H100: docs/JOURNEY.md walls)
 #   JOURNEY_ONLY="presets" bash benchmarks/journey.sh
 #
 # Rerun it whenever the GPU path changes; docs/JOURNEY.md holds its latest output.
