@@ -61,14 +61,26 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     return params_b + grads_b + opt_b
 
 
-def layer_activation_bytes_per_token(config) -> float:
-    """16-bit bytes one compiled decoder layer keeps per token for its backward pass (flash attention, Liger's loss).
+def _widths(config) -> tuple[int, int, int, int, int, int]:
+    """h (hidden), q (the query's width), kv (the key's and the value's), I (the MLP's), and the query and key heads
+    (0 for a model without attention heads, such as Mamba)."""
+    from .models import head_dim
 
-    Korthikanti et al. count ~34·h bytes for a GPT layer with a 4h MLP. Qwen3's layers are fitted to the measured peaks
-    on one H100: 30.25·h + 1.25·I (h the hidden size, I the MLP's) gives Qwen3-0.6B (I = 3h) 34·h and Qwen3-4B
-    (I = 3.8h) 35·h, which hold within 2% the four peaks of Qwen3-4B (ZeRO-2 with and without the fp32 accumulation
-    buffer, ZeRO-3 with offload) and within 1% Qwen3-0.6B's (docs/PERFORMANCE.md)."""
-    return 30.25 * config.hidden_size + 1.25 * config.intermediate_size
+    dim = head_dim(config)
+    heads = getattr(config, "num_attention_heads", None) or 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.hidden_size, heads * dim, kv_heads * dim, config.intermediate_size, heads, kv_heads
+
+
+def layer_activation_bytes_per_token(config) -> float:
+    """Bytes one compiled decoder layer keeps per token for its backward pass (flash attention; torch.compile's
+    partitioner at the default --activation_budget 0.9 recomputes the rest), tensor by tensor: 16-bit, two of width h,
+    three of the query's width q, three of the key's and value's kv, two of the MLP's I; fp32, one per query head (the
+    attention's log-sum-exp and the query norm's statistic: two), one per key head (the key norm's) and two per token
+    (the layer's norms). benchmarks/layer_activations.py measures one layer on the GPU: Qwen3-0.6B 34,984 bytes per
+    token, Qwen3-4B 80,168, Qwen3-8B 96,552, each equal to this count (torch 2.11; docs/PERFORMANCE.md)."""
+    h, q, kv, inter, heads, kv_heads = _widths(config)
+    return 2 * (2 * h + 3 * q + 3 * kv + 2 * inter) + 4 * (2 * heads + kv_heads + 2)
 
 
 def eager_layer_activation_bytes_per_token(config) -> float:
@@ -79,12 +91,8 @@ def eager_layer_activation_bytes_per_token(config) -> float:
     up and their product). Counted, not scaled from the compiled layers' fit in h: Qwen3-8B's query is no wider than
     its hidden size, unlike Qwen3-0.6B's and 4B's, and the scaled fit put its ZeRO-3 peak with 9 of 36 layers keeping
     their activations at 118.5 GiB against 98.3 measured (this count: 97.4; docs/PERFORMANCE.md)."""
-    from .models import head_dim
-
-    h, dim = config.hidden_size, head_dim(config)
-    q = config.num_attention_heads * dim
-    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * dim
-    return EAGER_ACTIVATION_MARGIN * 2 * (4 * h + 3 * q + 3 * kv + 3 * config.intermediate_size)
+    h, q, kv, inter, _, _ = _widths(config)
+    return EAGER_ACTIVATION_MARGIN * 2 * (4 * h + 3 * q + 3 * kv + 3 * inter)
 
 
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
@@ -104,8 +112,12 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     recomputed = min(layers, layers if checkpointed_layers is None else checkpointed_layers) if checkpointing else 0
     kept = layers - recomputed
     acts = recomputed * 2 * micro * seq_len * h + max(kept, 1 if recomputed else 0) * working_set
-    # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes).
-    logits = (chunk_budget * micro * seq_len * h * 2 if fused_ce
+    # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes). Beside
+    # compiled layers, also what the fused loss's forward keeps for the backward: the LM head's 16-bit gradient and 8·h
+    # bytes per token (benchmarks/layer_activations.py, exact for Qwen3-0.6B, 4B and 8B); beside eager layers their
+    # margin (EAGER_ACTIVATION_MARGIN) holds it.
+    logits = (chunk_budget * micro * seq_len * h * 2
+              + (2 * config.vocab_size * h + 8 * micro * seq_len * h if compiled else 0) if fused_ce
               else micro * seq_len * config.vocab_size * (2 + 4 + 4))
     return acts * scale + logits
 
@@ -148,7 +160,7 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
                                gpu_optimizer_share, delayed_prefetch)
     return PhaseMemory(
-        train=states + bucket_bytes(zero, stage, off_opt, bf16)
+        train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers),
         evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
         export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
@@ -156,13 +168,16 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
         generation=states + num_params * 2 if generate else 0.0)
 
 
-def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool) -> float:
+def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool, largest_param_bytes: float = 0.0) -> float:
     """ZeRO-1/2 gradient reduction buckets: reduce_bucket_size elements of the gradients' dtype, doubled with
-    overlap_comm; none under ZeRO-3 or with the optimizer offloaded. `zero` is the zero_optimization section."""
+    overlap_comm (none under ZeRO-3); with the optimizer offloaded, also DeepSpeed's GPU buffer for one gradient the
+    size of the largest parameter (`largest_param_bytes`, 16-bit: the embedding or the LM head), allocated once for the
+    copies to the host. `zero` is the zero_optimization section."""
     elements = zero.get("reduce_bucket_size", 5e8)
-    if stage not in (1, 2) or offload_optimizer or not isinstance(elements, (int, float)):
+    if stage not in (1, 2) or not isinstance(elements, (int, float)):
         return 0.0
-    return float(elements) * (2 if bf16 else 4) * (2 if zero.get("overlap_comm") else 1)
+    buckets = float(elements) * (2 if bf16 else 4) * (2 if zero.get("overlap_comm") else 1)
+    return buckets + (largest_param_bytes if offload_optimizer else 0.0)
 
 
 def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict,
@@ -188,7 +203,7 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
         fp32_accumulation = plan.offload_optimizer and plan.zero_stage == 2
         need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16,
                                   fp32_accumulation)
-                + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16)
+                + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16, largest_parameter_bytes(mconf, bf16))
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
                                    compiled and plan.zero_stage != 3))
         if need > 0.92 * memory_gib * GIB:

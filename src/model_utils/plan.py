@@ -10,6 +10,7 @@ is a Problem in `plan.problems`; nothing here builds the model or reads the data
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -383,6 +384,17 @@ def checkpointed_micro_that_fits(plan: Plan) -> tuple[int, float] | None:
     return micro, _phase_memory(checkpointed, plan.ds_config, micro).peak[1]
 
 
+def _zero2_offload_buckets() -> dict:
+    """configs/zero2-offload.json's gradient bucket settings (none where the repository's configs are not at hand)."""
+    from .arguments import REPO_ROOT
+
+    path = REPO_ROOT / "configs" / "zero2-offload.json"
+    if not path.is_file():
+        return {}
+    zero = json.loads(path.read_text()).get("zero_optimization", {})
+    return {key: zero[key] for key in ("reduce_bucket_size", "overlap_comm", "contiguous_gradients") if key in zero}
+
+
 def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
     """For ZeRO-3 with the parameters offloaded: configs/zero2-offload.json's setup (ZeRO-2, the whole optimizer
     offloaded, fp32 gradient accumulation on the GPU) at this world and per-rank batch, which keeps the parameters on
@@ -399,6 +411,7 @@ def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = 2
     zero.pop("offload_param", None)
+    zero.update(_zero2_offload_buckets())  # ZeRO-3's "auto" buckets are sized for its modules, not ZeRO-2's reduction
     zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     ds["data_types"] = {"grad_accum_dtype": "fp32"}
     per_rank = plan.batch.micro * plan.batch.accumulation
