@@ -12,9 +12,9 @@
 #               (7.5 GiB) and generate
 #   zero3-large-resume  resumed from zero3-large's checkpoint into a directory of JOURNEY_RESUME_ROOT and killed with
 #               SIGKILL once its first step is logged, before its own checkpoint (a second does not fit a 64 GiB disk)
-#   zero2-large JOURNEY_LARGE_MODEL at the fastest measured ZeRO-2 + optimizer offload settings (configs/zero2-offload.json):
-#               micro-batch 4 x 8 at 131,072 tokens per step on one H100 (auto keeps 2 x 16 and the prefetch: 4 fills
-#               the GPU past its 90% by the estimate), the delayed update from step 2; train 4 steps, save (55 GiB),
+#   zero2-large JOURNEY_LARGE_MODEL at the recommended ZeRO-2 + optimizer offload settings (configs/zero2-offload.json):
+#               the automatic micro-batch (4 x 8 at 131,072 tokens per step on one H100, the fastest measured; the
+#               prefetch does not fit beside it), the delayed update from step 2; train 4 steps, save (55 GiB),
 #               evaluate, export (7.5 GiB) and generate
 #   zero2-large-resume  the same from zero2-large's checkpoint
 #   presets     every configs/*.json (ZeRO-1, ZeRO-2 + optimizer offload, ZeRO-3, ZeRO-3 + offload, fp16)
@@ -191,7 +191,7 @@ large_common=(--global_batch_tokens 131072 --delayed_update_from_step 2 --log_in
 for stage in zero3 zero2; do
     case $stage in
         zero3) stage_flags=(--micro_batch_size auto --gradient_checkpointing --checkpointed_layers auto) ;;
-        zero2) stage_flags=(--micro_batch_size 4) ;; # the fastest measured; auto keeps 2 (see the header)
+        zero2) stage_flags=(--micro_batch_size auto) ;;
     esac
     config=configs/$stage-offload.json
     if wanted "$stage-large"; then
