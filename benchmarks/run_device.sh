@@ -81,7 +81,7 @@ case "$1" in
       --title "Qwen3-4B, offload preset, HF Trainer + DeepSpeed + Liger at 8 x 4 and 16 x 2 with checkpointing"
     bench q4b_delayed_beside 200 "${Q4B_ZERO2[@]}" --steps 2 --warmup 1 --micro_batch_size 2 --variants delayed_update \
       --timeout 195 \
-      --title "Qwen3-4B, offload preset, 131,072 tokens per step, our delayed update at 2 x 16 (auto)"
+      --title "Qwen3-4B, offload preset, 131,072 tokens per step, our delayed update at 2 x 16"
     ;;
   delayed-ab)  # Qwen3-4B, offload preset, 131,072 tokens/step: the synchronous update against the delayed one
     bench q4b_delayed_ab 540 "${Q4B_ZERO2[@]}" \

@@ -9,15 +9,15 @@ from dataclasses import dataclass
 
 GIB = 1024**3
 # The automatic micro-batch (`"train_micro_batch_size_per_gpu": "auto"`, `--micro_batch_size auto`) fills at most this
-# share of the GPU by the estimate, which lands within ~10% of the measured peak (docs/PERFORMANCE.md).
+# share of the GPU by the estimate, which lands within 10% of every measured peak (docs/PERFORMANCE.md).
 AUTO_MEMORY_SHARE = 0.90
 # ...and holds at most this many tokens per micro-batch: on one H100, Qwen3-0.6B at seq 4096 ran fastest at 16, the
 # largest that fits (docs/PERFORMANCE.md); larger ones were not measured to gain, and lengthen evaluation and compilation.
 AUTO_MAX_MICRO_TOKENS = 65_536
 # Eager decoder layers (ZeRO-3, where they are not compiled, or --compile off) keep every intermediate of their forward
-# for the backward: `eager_layer_activation_bytes_per_token` counts the tensors, with this margin for what the count
-# leaves out (the attention's log-sum-exp, the norms' statistics, the allocator's rounding), fitted to the eager peaks
-# measured (docs/PERFORMANCE.md): each lies within 5% of its estimate.
+# for the backward: `eager_layer_activation_bytes_per_token` counts their 16-bit tensors, with this margin for the rest
+# (the layers' fp32 statistics; beyond the layers, the fused loss's LM-head gradient and final hidden states and the
+# backward's transients), fitted to the eager peaks measured (docs/PERFORMANCE.md): each lies within 5% of its estimate.
 EAGER_ACTIVATION_MARGIN = 1.06
 # Where no GPU memory is known (CPU runs; a login node without GPU_MEMORY_GIB): the micro-batch ds_config.json held.
 AUTO_MICRO_WITHOUT_GPU = 8
@@ -72,25 +72,30 @@ def _widths(config) -> tuple[int, int, int, int, int, int]:
     return config.hidden_size, heads * dim, kv_heads * dim, config.intermediate_size, heads, kv_heads
 
 
+def _norm_and_attention_statistics(config) -> float:
+    """fp32 bytes per token a layer keeps beside its 16-bit tensors, compiled or eager: the attention's log-sum-exp and
+    the query norm's statistic per query head, the key norm's per key head, and one for each of the layer's norms."""
+    _, _, _, _, heads, kv_heads = _widths(config)
+    return 4 * (2 * heads + kv_heads + 2)
+
+
 def layer_activation_bytes_per_token(config) -> float:
     """Bytes one compiled decoder layer keeps per token for its backward pass (flash attention; torch.compile's
     partitioner at the default --activation_budget 0.9 recomputes the rest), tensor by tensor: 16-bit, two of width h,
-    three of the query's width q, three of the key's and value's kv, two of the MLP's I; fp32, one per query head (the
-    attention's log-sum-exp and the query norm's statistic: two), one per key head (the key norm's) and two per token
-    (the layer's norms). benchmarks/layer_activations.py measures one layer on the GPU: Qwen3-0.6B 34,984 bytes per
-    token, Qwen3-4B 80,168, Qwen3-8B 96,552, each equal to this count (torch 2.11; docs/PERFORMANCE.md)."""
-    h, q, kv, inter, heads, kv_heads = _widths(config)
-    return 2 * (2 * h + 3 * q + 3 * kv + 2 * inter) + 4 * (2 * heads + kv_heads + 2)
+    three of the query's width q, three of the key's and value's kv, two of the MLP's I, and the fp32 statistics.
+    benchmarks/layer_activations.py measures one layer on the GPU: Qwen3-0.6B 34,984 bytes per token, Qwen3-4B 80,168,
+    Qwen3-8B 96,552, each equal to this count (torch 2.11; docs/PERFORMANCE.md)."""
+    h, q, kv, inter, _, _ = _widths(config)
+    return 2 * (2 * h + 3 * q + 3 * kv + 2 * inter) + _norm_and_attention_statistics(config)
 
 
 def eager_layer_activation_bytes_per_token(config) -> float:
-    """16-bit bytes one eager decoder layer keeps per token for its backward pass, tensor by tensor (h the hidden size,
-    q the query's width, kv the key's and the value's, I the MLP's): four of width h (the layer input and its norm, the
-    residual after attention and its norm), three of q (the query's projection, its normed and rotated form, the
-    attention's output), three of kv (the key's projection, its normed and rotated form, the value), three of I (gate,
-    up and their product). Counted, not scaled from the compiled layers' fit in h: Qwen3-8B's query is no wider than
-    its hidden size, unlike Qwen3-0.6B's and 4B's, and the scaled fit put its ZeRO-3 peak with 9 of 36 layers keeping
-    their activations at 118.5 GiB against 98.3 measured (this count: 97.4; docs/PERFORMANCE.md)."""
+    """Bytes one eager decoder layer keeps per token for its backward pass, its 16-bit tensors counted one by one, with
+    EAGER_ACTIVATION_MARGIN for the rest: four of width h (the layer input and its norm, the residual after attention
+    and its norm), three of q (the query's projection, its normed and rotated form, the attention's output), three of
+    kv (the key's projection, its normed and rotated form, the value), three of I (gate, up and their product).
+    benchmarks/layer_activations.py measures one layer: Qwen3-4B 109,864 bytes per token and Qwen3-8B 137,512, the
+    count and the same fp32 statistics as a compiled layer's (docs/PERFORMANCE.md)."""
     h, q, kv, inter, _, _ = _widths(config)
     return EAGER_ACTIVATION_MARGIN * 2 * (4 * h + 3 * q + 3 * kv + 3 * inter)
 
