@@ -45,3 +45,19 @@ def test_a_run_refuses_to_start_instead_of_waiting_for_a_stale_lock(tmp_path):
     assert run.returncode == 2, out
     assert f"{lock} is 60 minutes old" in out and "nothing was started" in out and "Traceback" not in out
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_the_preflight_names_a_stale_lock_before_the_job_queues(tmp_path, monkeypatch, capsys, session_cache):
+    """--preflight on a login node that shares the home folder with the GPU nodes reports the lock a run would wait
+    for, with the same fix, before any allocation."""
+    import train_deepspeed
+
+    lock = _lock(tmp_path / "ext", "cpu_adam", 3600)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = train_deepspeed.main(["--preflight", "--model", "tiny", "--checkpoint_dir", str(tmp_path / "ckpt")])
+    out = capsys.readouterr().out
+    assert code == 2, out
+    assert f"{lock} is 60 minutes old" in out and f"rm {lock}" in out
+    lock.unlink()
+    assert train_deepspeed.main(["--preflight", "--model", "tiny", "--checkpoint_dir", str(tmp_path / "ckpt")]) == 0
