@@ -256,6 +256,9 @@ def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_pa
      {}, 36.1),
     ("qwen3-4b", "configs/zero2-offload.json --delayed_update_from_step=1", 4, H100, 1, {}, 70.0),
     ("qwen3-4b", "configs/zero2-offload.json without data_types", 2, H100, 1, {}, 32.5),  # DeepSpeed's offload default
+    # h100x2-2026-11-26.jsonl: two H100 of one host, 131,072 tokens per step
+    ("qwen3-4b", "configs/zero2-offload.json", 2, H100, 2, {}, 39.9),
+    ("qwen3-4b", "configs/zero2-offload.json", 4, H100, 2, {}, 62.5),
     ("qwen3-4b", "configs/zero3-offload.json", 2, H100, 1, {}, 33.3),  # layers not compiled, parameters offloaded
     ("qwen3-4b", "configs/zero3-offload.json", 4, H100, 1, {}, 63.9),  # auto's choice at 131,072 tokens/step
     ("qwen3-4b", "configs/zero3-offload.json --gradient_checkpointing", 16, H100, 1, {}, 21.9),  # auto's, checkpointed
