@@ -261,3 +261,19 @@ def test_gpu_idle_report_attributes_gaps_to_the_host():
     assert "step 1.0 ms" in report[0]
     assert "host in norm" in report[1] and "ended by adam_kernel launched from adam" in report[1]
     assert profiling.gpu_idle_report([]) == "gpu idle: no GPU events in the trace"
+
+
+def test_layer_activations_takes_one_layers_bytes_per_token_from_the_layer_difference():
+    """benchmarks/layer_activations.py: (kept with 3 layers - kept with 1) / 2 layers / the batch's tokens, per
+    micro-batch; the embedding, the loss and the logits, the same in both models, cancel."""
+    import layer_activations
+
+    def row(layers, micro):  # 1,000 bytes of loss state, 100 per token of the embedding, 40 per token and layer
+        tokens = micro * 8
+        return {"model": "m", "layers": layers, "micro_batch_size": micro, "seq_len": 8, "hidden_size": 4,
+                "kept_bytes": 1000 + 100 * tokens + 40 * layers * tokens, "levers": {}, "fit_compiled": 0,
+                "fit_compiled_bytes_per_token": 38, "count_eager_bytes_per_token": 50}
+
+    lines = layer_activations.per_layer([row(layers, micro) for layers in (1, 3) for micro in (1, 2)])
+    assert [(line["micro_batch_size"], line["bytes_per_token"], line["per_hidden"]) for line in lines] == [
+        (1, 40.0, 10.0), (2, 40.0, 10.0)]
