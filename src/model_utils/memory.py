@@ -173,7 +173,8 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
         generation=states + num_params * 2 if generate else 0.0)
 
 
-def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool, largest_param_bytes: float = 0.0) -> float:
+def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool,
+                 largest_param_bytes: float = 0.0) -> float:
     """ZeRO-1/2 gradient reduction buckets: reduce_bucket_size elements of the gradients' dtype, doubled with
     overlap_comm (none under ZeRO-3); with the optimizer offloaded, also DeepSpeed's GPU buffer for one gradient the
     size of the largest parameter (`largest_param_bytes`, 16-bit: the embedding or the LM head), allocated once for the
@@ -208,7 +209,8 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
         fp32_accumulation = plan.offload_optimizer and plan.zero_stage == 2
         need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16,
                                   fp32_accumulation)
-                + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16, largest_parameter_bytes(mconf, bf16))
+                + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16,
+                               largest_parameter_bytes(mconf, bf16))
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
                                    compiled and plan.zero_stage != 3))
         if need > 0.92 * memory_gib * GIB:
