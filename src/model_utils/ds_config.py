@@ -280,6 +280,21 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def accumulation_at(ds: dict, cfg: TrainConfig, world: int, seq_len: int | None, micro: int) -> int | None:
+    """The gradient accumulation `_resolve_batch` gives micro-batch `micro` with this (possibly partly resolved)
+    config: derived from the global batch where one is stated (--global_batch_tokens, else a concrete
+    train_batch_size), else the flag's, else the config's, else 1; None where the global batch does not divide."""
+    blocks = ds.get("train_batch_size", AUTO)
+    if cfg.global_batch_tokens is not None and seq_len:
+        blocks = cfg.global_batch_tokens // seq_len
+    if _positive_int(blocks):
+        return blocks // (micro * world) if blocks % (micro * world) == 0 else None
+    if "gradient_accumulation_steps" in cfg.explicit:
+        return cfg.gradient_accumulation_steps
+    config_accum = ds.get("gradient_accumulation_steps", AUTO)
+    return config_accum if _positive_int(config_accum) else 1
+
+
 def _resolve_batch(ds: dict, cfg: TrainConfig, world: int, seq_len: int | None, choose_micro, setting,
                    notes: list[str]) -> list[Problem]:
     """The batch in place: micro x accumulation x world = train_batch_size (blocks per optimizer step).

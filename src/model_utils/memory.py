@@ -35,7 +35,7 @@ class MemoryPlan:
 
 def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool,
                       fp32_grad_accumulation: bool = False, gpu_optimizer_share: float = 0.0,
-                      delayed_prefetch: bool = False) -> float:
+                      delayed_prefetch: bool = False, accumulation: int | None = None) -> float:
     """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param).
     `fp32_grad_accumulation` (ZeRO-1/2 with "data_types": {"grad_accum_dtype": "fp32"}): DeepSpeed accumulates each
     rank's gradient partition in an fp32 buffer on the GPU, also when the optimizer is offloaded (which then copies
@@ -43,7 +43,11 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     offloaded optimizer a partial offload (ZeRO-3, `offload_optimizer.ratio`) keeps on the GPU, 16 bytes per
     parameter of it (fp32 master weights, Adam moments, fp32 gradients; ds_config.gpu_optimizer_share).
     `delayed_prefetch`: the GPU copy of the rank's 16-bit partition that the delayed update prefetches the next
-    weights into (ZeRO-1/2 with the optimizer offloaded; plan._prefetch_applies decides where it exists)."""
+    weights into (ZeRO-1/2 with the optimizer offloaded; plan._prefetch_applies decides where it exists).
+    `accumulation`: micro-batches per optimizer step (None: not known). With one, ZeRO-1/2's 16-bit gradients on the
+    GPU are made during the backward as the layers free their activations, after the peak at its start, so they are
+    not counted; with more, the earlier micro-batches' are held (Qwen3-0.6B, micro-batch 8, one H100: 39.6 GiB at
+    1, 40.7 at 2, 1.1 GiB its gradients; the LM head's own is in activation_bytes's fused-loss term)."""
     p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
     params_b = p_bytes * params / (world if stage >= 3 else 1)
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
@@ -51,6 +55,8 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
         grads_b = 4 * params / world
     elif offload_opt:
         grads_b = 0  # they leave the GPU bucket by bucket (measured: Qwen3-4B, one H100, docs/PERFORMANCE.md)
+    elif stage in (1, 2) and accumulation == 1:
+        grads_b = 0
     opt_b = 0 if offload_opt else opt_bytes * params / (world if stage >= 1 else 1)
     if offload_param and stage == 3:
         params_b = 0
@@ -161,9 +167,9 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
                  off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
                  generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True,
                  gpu_optimizer_share: float = 0.0, checkpointed_layers: int | None = None,
-                 delayed_prefetch: bool = False) -> PhaseMemory:
+                 delayed_prefetch: bool = False, accumulation: int | None = None) -> PhaseMemory:
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
-                               gpu_optimizer_share, delayed_prefetch)
+                               gpu_optimizer_share, delayed_prefetch, accumulation)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers),

@@ -200,7 +200,8 @@ def _phase_memory(plan: Plan, ds: dict, micro: int, checkpointed_layers: int | N
                         fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds),
                         compiled=_compiles(plan, ds),
                         gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world),
-                        checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch)
+                        checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
+                        accumulation=dsc.accumulation_at(ds, plan.cfg, plan.world, plan.seq_len, micro))
 
 
 def _prefetch_applies(plan: Plan, ds: dict) -> bool:

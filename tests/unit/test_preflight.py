@@ -245,6 +245,8 @@ def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_pa
     # docs/JOURNEY.md and PERFORMANCE.md: peak allocated GiB; one H100 unless said
     ("qwen3-0.6b", "ds_config.json", 8, H100, 1, {}, 39.6),
     ("qwen3-0.6b", "ds_config.json", 16, H100, 1, {}, 70.3),
+    # h100-2026-11-26.jsonl: two micro-batches a step hold the first one's gradients at the second's peak
+    ("qwen3-0.6b", "ds_config.json --global_batch_tokens=65536", 8, H100, 1, {}, 40.7),
     ("qwen3-0.6b", "configs/zero1.json", 8, H100, 1, {}, 39.2),
     ("qwen3-0.6b", "configs/zero3.json", 8, H100, 1, {}, 48.7),  # layers not compiled under ZeRO-3
     ("qwen3-0.6b", "configs/zero3-offload.json", 8, H100, 1, {}, 40.9),
@@ -314,6 +316,29 @@ def test_the_layer_counts_equal_the_layers_measured_on_the_gpu():
         else:
             counted = eager_layer_activation_bytes_per_token(config)
             assert 0.99 * counted / EAGER_ACTIVATION_MARGIN <= line["bytes_per_token"] <= counted, line
+
+
+def test_gradients_count_in_the_peak_only_where_a_step_has_several_micro_batches(monkeypatch, session_cache,
+                                                                                 tmp_path):
+    """With one micro-batch a step, ZeRO-1/2 make their 16-bit gradients during the backward as the layers free their
+    activations, after the peak: Qwen3-0.6B at micro-batch 8 on one H100 peaked at 39.6 GiB with one and at 40.7 with
+    two (h100-2026-11-26.jsonl), its 596M parameters' gradients (1.1 GiB) apart. The accumulation each candidate
+    micro-batch would get is the one the resolved batch has."""
+    from model_utils import ds_config as dsc
+
+    params = 596_049_920
+    one = _estimate_gib("qwen3-0.6b", "ds_config.json --global_batch_tokens=32768", 8, H100, 1, {}, monkeypatch,
+                        tmp_path)
+    two = _estimate_gib("qwen3-0.6b", "ds_config.json --global_batch_tokens=65536", 8, H100, 1, {}, monkeypatch,
+                        tmp_path)
+    assert two - one == pytest.approx(2 * params / GIB, rel=0.01)
+    for setup, micro, world in (("ds_config.json --global_batch_tokens=65536", 8, 1),
+                                ("ds_config.json --global_batch_tokens=262144", 4, 2),
+                                ("ds_config.json --gradient_accumulation_steps=3", 8, 1),
+                                ("ds_config.json", "auto", 1)):
+        plan = _plan("qwen3-0.6b", setup, micro, H100, world, {}, monkeypatch, tmp_path)
+        assert dsc.accumulation_at(plan.ds_config, plan.cfg, world, plan.seq_len, plan.batch.micro) == \
+            plan.batch.accumulation, setup
 
 
 def test_the_delayed_updates_prefetch_buffer_is_in_the_estimate(monkeypatch, session_cache, tmp_path):
