@@ -41,7 +41,7 @@ def measure(model_name: str, layers: int, micros, seq_len: int, perf, log) -> li
         tokens = torch.randint(0, config.vocab_size, (micro, seq_len + 1), device="cuda")
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         batch = {"input_ids": inputs, "labels": targets, "shift_labels": targets}
-        for attempt in range(2):  # the first pass compiles (and may recompile for the new batch size)
+        for _ in range(2):  # the first pass compiles (and may recompile for the new batch size)
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -54,8 +54,8 @@ def measure(model_name: str, layers: int, micros, seq_len: int, perf, log) -> li
         rows.append({"model": model_name, "layers": layers, "micro_batch_size": micro, "seq_len": seq_len,
                      "kept_bytes": kept, "levers": applied, "hidden_size": config.hidden_size,
                      "intermediate_size": config.intermediate_size,
-                     "fit_compiled_bytes_per_token": layer_activation_bytes_per_token(config),
-                     "count_eager_bytes_per_token": eager_layer_activation_bytes_per_token(config)})
+                     "estimate_compiled_bytes_per_token": layer_activation_bytes_per_token(config),
+                     "estimate_eager_bytes_per_token": eager_layer_activation_bytes_per_token(config)})
         log(f"{model_name} {layers} layer(s) micro {micro}: {kept / GIB:.2f} GiB kept after the forward")
     del model
     torch.cuda.empty_cache()
@@ -73,8 +73,8 @@ def per_layer(rows: list[dict]) -> list[dict]:
             measured = (high["kept_bytes"] - low["kept_bytes"]) / (LAYER_COUNTS[1] - LAYER_COUNTS[0]) / tokens
             out.append({"model": low["model"], "micro_batch_size": micro, "bytes_per_token": measured,
                         "per_hidden": measured / low["hidden_size"], "levers": low["levers"],
-                        "fit_compiled": low["fit_compiled_bytes_per_token"],
-                        "count_eager": low["count_eager_bytes_per_token"]})
+                        "estimate_compiled": low["estimate_compiled_bytes_per_token"],
+                        "estimate_eager": low["estimate_eager_bytes_per_token"]})
     return out
 
 
@@ -100,8 +100,9 @@ def main(argv=None) -> int:
                 for row in measure(name, layers, MICRO_BATCHES, a.seq_len, perf, lambda m: print(f"  {m}"))]
         for line in per_layer(rows):
             print(f"{line['model']} micro {line['micro_batch_size']}: {line['bytes_per_token']:,.0f} bytes per token "
-                  f"and layer ({line['per_hidden']:.2f} h); the compiled fit says {line['fit_compiled']:,.0f}, the "
-                  f"eager count {line['count_eager']:,.0f}; levers {line['levers']}", flush=True)
+                  f"and layer ({line['per_hidden']:.2f} h); the estimate counts {line['estimate_compiled']:,.0f} "
+                  f"compiled, {line['estimate_eager']:,.0f} eager (with its margin); levers {line['levers']}",
+                  flush=True)
             rows.append({"kind": "per_layer", **line})
         if a.json:
             with open(a.json, "a") as f:

@@ -79,8 +79,9 @@ def _widths(config) -> tuple[int, int, int, int, int, int]:
 
 
 def _norm_and_attention_statistics(config) -> float:
-    """fp32 bytes per token a layer keeps beside its 16-bit tensors, compiled or eager: the attention's log-sum-exp and
-    the query norm's statistic per query head, the key norm's per key head, and one for each of the layer's norms."""
+    """fp32 bytes per token a layer keeps beside its 16-bit tensors, compiled or eager (measured in both): the
+    attention's log-sum-exp and the query norm's statistic per query head, the key norm's per key head, and one for each
+    of the layer's norms. The compiled count adds them; the eager count's margin holds them."""
     _, _, _, _, heads, kv_heads = _widths(config)
     return 4 * (2 * heads + kv_heads + 2)
 
@@ -145,7 +146,8 @@ def evaluation_bytes(config, seq_len: int, micro: int, bf16: bool) -> float:
 
 
 def largest_parameter_bytes(config, bf16: bool) -> float:
-    """The largest single tensor a ZeRO-3 export gathers on a GPU at once: the embedding or the LM head."""
+    """The largest single parameter, the embedding or the LM head: what a ZeRO-3 export gathers on a GPU at once, and
+    the size of the GPU buffer ZeRO-1/2 keep for one gradient with the optimizer offloaded (bucket_bytes)."""
     return config.vocab_size * config.hidden_size * (2 if bf16 else 4)
 
 
