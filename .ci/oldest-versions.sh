@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The oldest versions pyproject.toml allows: a virtual environment with the floor of each dependency installed exactly
-# (torch aside: the CPU build CI has, 2.13.0; the GPU journey runs the torch floor), then the main
-# job (./train-singlenode.sh, shortened) and the exact-resume test on it. FLOORS_ONLY=1 prints the pins and stops.
+# The oldest versions pyproject.toml allows: a virtual environment with the floor of each dependency installed exactly,
+# then the main job (./train-singlenode.sh, shortened), the exact-resume test and the op build lock tests on it (the
+# floor of torch locks its op builds the older way). FLOORS_ONLY=1 prints the pins and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,28 +20,33 @@ import re, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 for dep in deps:
     m = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*>=\s*([\w.]+)", dep)
-    if m and m.group(1) != "torch":  # torch: the CPU build CI has (see the header)
+    if m:
         print(f"{m.group(1)}=={m.group(2)}")
 PY
 }
 mapfile -t pins < <(floors)
-echo "oldest-versions: ${pins[*]} (torch 2.13.0, CPU)"
+echo "oldest-versions: ${pins[*]}"
 [[ $FLOORS_ONLY == 1 ]] && exit 0
 
 rm -rf "$OLDEST_VENV"
 python3 -m venv "$OLDEST_VENV"
 py=$OLDEST_VENV/bin/python
 "$py" -m pip install --quiet --upgrade pip
-"$py" -m pip install --quiet torch==2.13.0 setuptools wheel ninja
+torch_pin=""
 ds_pin=""
 other=()
 for pin in "${pins[@]}"; do
-    if [[ $pin == deepspeed==* ]]; then ds_pin=$pin; else other+=("$pin"); fi
+    case $pin in
+        torch==*) torch_pin=$pin ;;
+        deepspeed==*) ds_pin=$pin ;;
+        *) other+=("$pin") ;;
+    esac
 done
-# DeepSpeed's sdist builds against the torch above (see .ci/run).
+"$py" -m pip install --quiet "$torch_pin" setuptools wheel ninja
+# DeepSpeed's sdist builds against the torch above, not in an isolated environment that would install the newest.
 "$py" -m pip install --quiet --no-build-isolation "$ds_pin"
-"$py" -m pip install --quiet -e ".[test]" "${other[@]}" "$ds_pin"
-"$py" -c "import torch, deepspeed, transformers, datasets; print('oldest-versions: torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__, '| datasets', datasets.__version__)"
+"$py" -m pip install --quiet -e ".[test]" "$torch_pin" "${other[@]}" "$ds_pin"
+"$py" .ci/versions.py "oldest versions"
 
 # The main job as README's first command runs it, on this environment, with its own checkpoint directory.
 ckpt=$(mktemp -d)
@@ -49,3 +54,4 @@ PYTHON=$py CHECKPOINT_DIR=$ckpt MAX_STEPS=$OLDEST_MAX_STEPS ./train-singlenode.s
 test -f "$ckpt/hf/model.safetensors"
 rm -rf "$ckpt"
 "$py" -m pytest -q tests/distributed/test_training.py -k "resume_after_kill_9 or loss_falls or export_loads"
+"$py" -m pytest -q tests/unit/test_build_locks.py

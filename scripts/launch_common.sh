@@ -319,12 +319,46 @@ build_trainer_args() {
     TRAINER_ARGS+=("$@")
 }
 
-# PREFLIGHT=1: the trainer's checks with this machine's Python, no allocation.
+# Where the run would go, for PREFLIGHT=1 (the trainer plans the batch, memory and resume for that many ranks): set by
+# the launcher's mode before check_before_allocation. standalone: this machine; sbatch SCRIPT; salloc [NODE].
+RUN_TARGET=()
+
+# The ranks of a run on this machine without SLURM: one per GPU, else CPU_PROCS.
+standalone_world_size() {
+    local gpus
+    gpus=$(detect_gpus_per_node)
+    echo $((gpus > 0 ? gpus : CPU_PROCS))
+}
+
+# The world size of the run RUN_TARGET describes: nodes x one rank per GPU (one rank on a node without GPUs).
+planned_world_size() {
+    local nodes=1 gpus
+    case ${RUN_TARGET[0]:-} in
+        standalone) standalone_world_size; return ;;
+        sbatch) nodes=${NODES:-$(sed -n 's/^#SBATCH --nodes=//p' "${RUN_TARGET[1]}")} ;;
+        salloc) ;;
+        *) return 0 ;;
+    esac
+    if [[ -n ${RUN_TARGET[1]:-} && ${RUN_TARGET[0]} == salloc ]]; then
+        gpus=${GPUS_PER_NODE:-$(configured_gpus node "${RUN_TARGET[1]}")}
+    else
+        gpus=${GPUS_PER_NODE:-$(configured_gpus partition "$PARTITION")}
+    fi
+    echo $((${nodes:-1} * $(tasks_per_node "${gpus:-0}")))
+}
+
+# PREFLIGHT=1: the trainer's checks with this machine's Python, no allocation, for the world size the run would have.
 run_preflight() {
+    local world
     if [[ $CONTAINER == 1 ]]; then  # the checks run on this host, outside the container: its Python
         activate_venv
         CONTAINER=0 resolve_python
         check_python
+    fi
+    world=$(planned_world_size)
+    if [[ -n $world ]]; then
+        export WORLD_SIZE=$world
+        log "preflight: planned for the $world processes this launcher would start (${RUN_TARGET[*]})"
     fi
     build_trainer_args "$@"
     show_cmd "$PYTHON" "$TRAINER_SCRIPT" "${TRAINER_ARGS[@]}"
@@ -489,10 +523,11 @@ preview_job_step() {
 # Outside SLURM: one trainer process per local GPU, or CPU_PROCS processes, started by run_local_ranks.
 run_standalone() {
     local gpus nproc status
+    RUN_TARGET=(standalone)
     check_before_allocation "$@"
     build_trainer_args "$@"
     gpus=$(detect_gpus_per_node)
-    nproc=$((gpus > 0 ? gpus : CPU_PROCS))
+    nproc=$(standalone_world_size)
     export MASTER_ADDR=127.0.0.1
     if [[ $DRY_RUN == 1 ]]; then
         log "this machine: $nproc processes ($gpus GPUs), each running with RANK=LOCAL_RANK=0..$((nproc - 1)) WORLD_SIZE=$nproc MASTER_ADDR=$MASTER_ADDR MASTER_PORT=${MASTER_PORT:-<a free port>}:"
@@ -593,6 +628,7 @@ sbatch_main() { # sbatch_main SCRIPT CONTAINER(0|1) TRAINER_ARGS...
         run_job_step "$@"
         return
     fi
+    RUN_TARGET=(sbatch "$script")
     check_before_allocation "$@"
     check_node_count "${NODES:-$(sed -n 's/^#SBATCH --nodes=//p' "$script")}"
     request_gpus partition "$PARTITION"
@@ -623,6 +659,7 @@ single_node_main() { # single_node_main CONTAINER(0|1) [NODE] TRAINER_ARGS...
         run_standalone "$@"
     fi
     [[ -z $node ]] || check_node_exists "$node"
+    RUN_TARGET=(salloc ${node:+"$node"})
     check_before_allocation "$@"
     if [[ -n $node ]]; then
         request_gpus node "$node"

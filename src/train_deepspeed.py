@@ -661,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.preflight:  # no process group, no GPU needed: runs on a login node
         from model_utils.preflight import print_report, run_preflight
         return print_report(run_preflight(cfg))
-    from model_utils.train_utils import distributed_env_problems, stale_build_lock_problems
+    from model_utils.build_locks import stale_build_lock_problems
+    from model_utils.train_utils import distributed_env_problems
 
     exit_on_problems(validate_args(cfg) + distributed_env_problems() + stale_build_lock_problems())
     # A rank that dies in native code (SIGSEGV, SIGABRT from a C++ library) prints every thread's Python stack to its

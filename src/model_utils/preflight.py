@@ -138,7 +138,7 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     missing = [name for name in ("torch", "deepspeed", "transformers") if importlib.util.find_spec(name) is None]
     if missing:
         return config_only_preflight(cfg, world_size or planned_world_size(), missing)
-    from .train_utils import stale_build_lock_problems
+    from .build_locks import stale_build_lock_problems
 
     report = check_plan(make_plan(cfg, world_size or planned_world_size()), check_data)
     report.problems += stale_build_lock_problems()  # a run would hang at its start (a login node shares the home)

@@ -91,36 +91,6 @@ def distributed_env_problems() -> list[Problem]:
     return []
 
 
-# DeepSpeed builds its ops (CPU Adam for an offloaded optimizer, the CPU ranks' shared-memory collectives) on first use
-# with torch's JIT builder, which holds a `lock` file in the op's build folder while it compiles (a minute or two) and
-# removes it when done. A process killed while building leaves it behind, and every later process needing that op
-# waits for it without a word, forever. Older than this, no build holds it.
-STALE_BUILD_LOCK_S = 15 * 60
-
-
-def stale_build_lock_problems(now: float | None = None) -> list[Problem]:
-    """The op build locks under torch's extension folder (TORCH_EXTENSIONS_DIR, else its default) that no build has
-    held for STALE_BUILD_LOCK_S: the run would hang at its start waiting for them."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    now = time.time() if now is None else now
-    problems = []
-    for lock in sorted(root.glob("*/*/lock")):  # <python and CUDA version>/<op>/lock
-        try:
-            age = now - lock.stat().st_mtime
-        except FileNotFoundError:  # a build finished meanwhile
-            continue
-        if age >= STALE_BUILD_LOCK_S:
-            op = lock.parent.name
-            problems.append(Problem(
-                "TORCH_EXTENSIONS_DIR", str(root),
-                f"{lock} is {age / 60:.0f} minutes old: a build of the {op} op was stopped before it finished, and "
-                f"every process that needs {op} would wait for this lock forever",
-                f"delete it (rm {lock}) unless a build of {op} is running now"))
-    return problems
-
-
 def normalize_cuda_arch_list() -> str | None:
     """TORCH_CUDA_ARCH_LIST in this process's environment as DeepSpeed's op builder can read it (cuda_arch.normalize;
     ValueError for a malformed entry, which distributed_env_problems reports first)."""

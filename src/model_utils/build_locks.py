@@ -1,0 +1,103 @@
+"""DeepSpeed's op build locks: which `lock` files under torch's extensions folder would make a run wait forever.
+
+DeepSpeed builds its ops (CPU Adam for an offloaded optimizer, the CPU ranks' shared-memory collectives) on first use
+with torch's JIT builder, which takes `<build directory>/<op>/lock` while it compiles. How torch takes it decides what
+a file left there means:
+
+- torch >= 2.14 holds an OS advisory lock on the file (the `filelock` package: flock on Linux) and leaves the file in
+  place after every build. The kernel releases the lock when its holder dies, so a file nobody holds is harmless at
+  any age, and a held one is a build in progress that the run waits for, as it should.
+- torch <= 2.13 uses `FileBaton`: the file's existence is the lock, removed when the build ends. A process killed
+  while building leaves it behind and every later process waits for it without a word. No build runs for longer than
+  STALE_BUILD_LOCK_S, so an older file is one left by a killed build.
+
+Only the build directory of the running torch is looked at: other Python or CUDA builds of torch keep theirs apart.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import sys
+import time
+from pathlib import Path
+
+from .arguments import Problem
+
+STALE_BUILD_LOCK_S = 15 * 60
+# The first torch release whose JIT builder locks with filelock instead of FileBaton.
+OS_LOCK_TORCH = (2, 14)
+
+
+def torch_locks_with_os_lock(torch_version: str) -> bool:
+    """Whether this torch release's JIT builder holds an OS lock (filelock) rather than a FileBaton file."""
+    release = torch_version.split("+")[0].split(".")
+    return tuple(int(part) for part in release[:2] if part.isdigit()) >= OS_LOCK_TORCH
+
+
+def build_directory() -> Path:
+    """The folder torch's JIT builder puts each op's build folder in, as `torch.utils.cpp_extension` lays it out:
+    TORCH_EXTENSIONS_DIR itself when set, else `<default root>/py<major><minor><abiflags>_<cpu|cuNNN|rocmNNN>`."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR") is not None:
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def is_held(lock: Path) -> bool:
+    """Whether a process holds an OS lock on `lock` now (a non-blocking attempt fails); the attempt is released at
+    once. A file that cannot be opened is taken as not held."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return True
+        raise
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def stale_build_lock_problems(now: float | None = None, torch_version: str | None = None) -> list[Problem]:
+    """The op build locks in the running torch's build directory that would make the run wait forever: with
+    FileBaton (torch <= 2.13), a file no build has held for STALE_BUILD_LOCK_S and nobody holds; with an OS lock
+    (torch >= 2.14), none (a free file is no obstacle, a held one is a build in progress)."""
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    if torch_locks_with_os_lock(torch_version):
+        return []
+    root = build_directory()
+    now = time.time() if now is None else now
+    problems = []
+    for lock in sorted(root.glob("*/lock")):  # <op>/lock
+        try:
+            age = now - lock.stat().st_mtime
+        except FileNotFoundError:  # a build finished meanwhile
+            continue
+        if age >= STALE_BUILD_LOCK_S and not is_held(lock):
+            op = lock.parent.name
+            problems.append(Problem(
+                "TORCH_EXTENSIONS_DIR", str(root),
+                f"{lock} is {age / 60:.0f} minutes old: a build of the {op} op was stopped before it finished, and "
+                f"every process that needs {op} would wait for this lock forever (torch {torch_version} waits while "
+                "the file exists)",
+                f"delete it (rm {lock}) unless a build of {op} is running now"))
+    return problems
