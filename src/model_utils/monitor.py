@@ -18,6 +18,7 @@ import time
 import warnings
 from pathlib import Path
 
+from . import patches
 from .arguments import flag_values
 
 SUMMARY_FILE = "summary.json"
@@ -99,6 +100,7 @@ def header_lines(cfg, dist) -> list[str]:
         f"versions: python {e['python']}, torch {e['torch']}, deepspeed {e['deepspeed']}, transformers "
         f"{e['transformers']}, CUDA {e['cuda'] or 'none'}, NCCL {e['nccl'] or 'none'}"
         + (f"; GPU {e['gpu']}" if e["gpu"] else ""),
+        patches.versions_line(),
         f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}",
         f"config (effective flags): {json.dumps(flags, default=str)}",
         "=" * 100,

@@ -58,6 +58,19 @@ def test_outside_the_range_the_gate_closes_and_says_so(monkeypatch):
     assert gate(liger.FLCE_CHUNK_BUDGET, said.append) is False and "liger-kernel not installed" in said[1]
 
 
+def test_the_run_header_says_which_patches_are_in_force(monkeypatch):
+    """Each patch is named once: among those whose tested versions are installed, or among those taking the library's
+    own path with the version found (a newer release than tested, or none)."""
+    versions = {"deepspeed": "0.19.8", "torch": "2.14.1", "liger-kernel": "0.8.5"}
+    monkeypatch.setattr(patches, "installed", lambda name: versions.get(name))
+    line = patches.versions_line()
+    in_force, stock = line.split("; the library's own path: ")
+    assert "deepspeed_zero.NORM_OVERFLOW_CHECK" in in_force and "liger.FLCE_CHUNK_BUDGET" in in_force
+    assert "torch_compile.COMPILE_SETTINGS (torch 2.14.1, tested 2.11-2.11)" in stock
+    assert "flash_attn4.FA4_KERNELS (flash-attn-4 not installed" in stock
+    assert all(len(re.findall(rf"{re.escape(name)}\b", line)) == 1 for name in patches.all_patches())
+
+
 def test_an_untested_deepspeed_takes_its_own_zero_step(monkeypatch):
     """The ZeRO-1/2 step is left exactly as DeepSpeed wrote it: nothing of the optimizer is replaced."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer

@@ -79,3 +79,19 @@ def all_patches() -> dict[str, Patch]:
     return {f"{module.__name__.rsplit('.', 1)[1]}.{name}": value
             for module in (deepspeed_offload, deepspeed_zero, deepspeed_zero3, flash_attn4, liger, torch_compile)
             for name, value in vars(module).items() if isinstance(value, Patch)}
+
+
+def versions_line() -> str:
+    """The run header's line: the patches whose tested versions are installed (each still applies only where its
+    setting asks for it) and those that take the library's own path, with the version found."""
+    open_, stock = [], []
+    for name, patch in all_patches().items():
+        version = installed(patch.distribution)
+        if version is not None and within(version, patch.oldest, patch.newest):
+            open_.append(name)
+        else:
+            found = f"{patch.distribution} {version}" if version else f"{patch.distribution} not installed"
+            stock.append(f"{name} ({found}, tested {patch.oldest}-{patch.newest})")
+    return (f"patches: tested versions installed, used where their setting applies: {', '.join(open_) or 'none'}; "
+            f"the library's own path: {', '.join(stock) or 'none'}")
+
