@@ -661,9 +661,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.preflight:  # no process group, no GPU needed: runs on a login node
         from model_utils.preflight import print_report, run_preflight
         return print_report(run_preflight(cfg))
-    from model_utils.build_locks import stale_build_lock_problems
+    from model_utils.build_locks import remove_leftover_locks, stale_build_lock_problems
     from model_utils.train_utils import distributed_env_problems
 
+    remove_leftover_locks(lambda line: print(line, flush=True))
     exit_on_problems(validate_args(cfg) + distributed_env_problems() + stale_build_lock_problems())
     # A rank that dies in native code (SIGSEGV, SIGABRT from a C++ library) prints every thread's Python stack to its
     # log first, instead of leaving only its exit status.

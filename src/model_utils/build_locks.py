@@ -7,9 +7,13 @@ a file left there means:
 - torch >= 2.14 holds an OS advisory lock on the file (the `filelock` package: flock on Linux) and leaves the file in
   place after every build. The kernel releases the lock when its holder dies, so a file nobody holds is harmless at
   any age, and a held one is a build in progress that the run waits for, as it should.
-- torch <= 2.13 uses `FileBaton`: the file's existence is the lock, removed when the build ends. A process killed
-  while building leaves it behind and every later process waits for it without a word. No build runs for longer than
-  STALE_BUILD_LOCK_S, so an older file is one left by a killed build.
+- torch <= 2.13 uses `FileBaton`: the file's existence is the lock, removed when the build ends, and every process
+  waits while it exists. Two kinds of file make it wait forever:
+  - one left by a torch >= 2.14 of another environment sharing the build directory (same Python and CUDA version):
+    nobody holds it and the op's built module is at least as new, so the build it guarded finished. The run removes
+    it (remove_leftover_locks), as the build that left it would have with FileBaton.
+  - one left by a killed FileBaton build: no build runs for longer than STALE_BUILD_LOCK_S, so an older file that is
+    not such a leftover is a problem for the user, named with the fix.
 
 Only the build directory of the running torch is looked at: other Python or CUDA builds of torch keep theirs apart.
 """
@@ -74,26 +78,75 @@ def is_held(lock: Path) -> bool:
         os.close(fd)
 
 
+def _built_after(lock: Path) -> bool:
+    """Whether the op's folder holds a built module (.so) at least as new as `lock`: the build the lock guarded ended,
+    so a FileBaton build would have removed the file."""
+    built = [module.stat().st_mtime for module in lock.parent.glob("*.so")]
+    return bool(built) and max(built) >= lock.stat().st_mtime
+
+
+def _running_torch(torch_version: str | None) -> str:
+    if torch_version is not None:
+        return torch_version
+    import torch
+
+    return torch.__version__
+
+
+def leftover_locks(torch_version: str | None = None) -> list[Path]:
+    """Lock files a FileBaton torch would wait for forever although no build holds them: files left by an OS-lock
+    torch of another environment after a finished build. None with an OS-lock torch (it ignores such files)."""
+    if torch_locks_with_os_lock(_running_torch(torch_version)):
+        return []
+    found = []
+    for lock in sorted(build_directory().glob("*/lock")):
+        try:
+            if not is_held(lock) and _built_after(lock):
+                found.append(lock)
+        except FileNotFoundError:  # a build finished meanwhile
+            continue
+    return found
+
+
+def remove_leftover_locks(log, torch_version: str | None = None) -> None:
+    """Remove leftover_locks before DeepSpeed builds or loads an op, saying which; another rank of this node may have
+    removed one already."""
+    for lock in leftover_locks(torch_version):
+        try:
+            lock.unlink()
+        except FileNotFoundError:
+            continue
+        log(f"op builds: removed {lock}, left by a torch that keeps its lock files after a build (the {lock.parent.name} "
+            "build it guarded finished); this torch would wait for it forever")
+
+
 def stale_build_lock_problems(now: float | None = None, torch_version: str | None = None) -> list[Problem]:
     """The op build locks in the running torch's build directory that would make the run wait forever: with
-    FileBaton (torch <= 2.13), a file no build has held for STALE_BUILD_LOCK_S and nobody holds; with an OS lock
-    (torch >= 2.14), none (a free file is no obstacle, a held one is a build in progress)."""
-    if torch_version is None:
-        import torch
-
-        torch_version = torch.__version__
+    FileBaton (torch <= 2.13), a file nobody holds that is older than STALE_BUILD_LOCK_S and is not a leftover the run
+    removes, or a file an OS-lock torch holds (it keeps the file after its build); with an OS lock (torch >= 2.14),
+    none (a free file is no obstacle, a held one is a build in progress)."""
+    torch_version = _running_torch(torch_version)
     if torch_locks_with_os_lock(torch_version):
         return []
     root = build_directory()
     now = time.time() if now is None else now
     problems = []
     for lock in sorted(root.glob("*/lock")):  # <op>/lock
+        op = lock.parent.name
         try:
             age = now - lock.stat().st_mtime
+            held = is_held(lock)
+            leftover = not held and _built_after(lock)
         except FileNotFoundError:  # a build finished meanwhile
             continue
-        if age >= STALE_BUILD_LOCK_S and not is_held(lock):
-            op = lock.parent.name
+        if held:
+            problems.append(Problem(
+                "TORCH_EXTENSIONS_DIR", str(root),
+                f"{lock} is held by a build of the {op} op by a torch that keeps its lock files (>= 2.14, another "
+                f"environment): torch {torch_version} waits while the file exists, which would be forever",
+                "run again once that build has finished (the file it leaves is then removed at the start), or give "
+                "this environment its own TORCH_EXTENSIONS_DIR"))
+        elif age >= STALE_BUILD_LOCK_S and not leftover:
             problems.append(Problem(
                 "TORCH_EXTENSIONS_DIR", str(root),
                 f"{lock} is {age / 60:.0f} minutes old: a build of the {op} op was stopped before it finished, and "

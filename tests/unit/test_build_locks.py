@@ -110,8 +110,9 @@ def test_with_an_os_lock_a_free_lock_file_of_any_age_is_no_problem(layout, make_
     assert build_locks.stale_build_lock_problems(torch_version=OS_LOCK_TORCH) == []
 
 
-def test_a_held_lock_is_a_build_in_progress_whatever_its_age(default_layout):
-    """Another process holds the OS lock on an hour-old file: a build in progress, not a problem, for either torch."""
+def test_a_held_lock_is_a_build_in_progress_for_an_os_lock_torch_and_forever_for_a_filebaton_one(default_layout):
+    """Another process holds the OS lock on an hour-old file: for an OS-lock torch a build in progress, not a problem;
+    a FileBaton torch would wait for the file, which that build keeps, forever: a problem naming it."""
     lock = filelock_lock(default_layout / "cpu_adam", HOUR)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from filelock import FileLock\n"
@@ -121,12 +122,41 @@ def test_a_held_lock_is_a_build_in_progress_whatever_its_age(default_layout):
         assert holder.stdout.readline().strip() == "held"
         _age(lock, HOUR)
         assert build_locks.is_held(lock)
-        assert build_locks.stale_build_lock_problems(torch_version=FILEBATON_TORCH) == []
         assert build_locks.stale_build_lock_problems(torch_version=OS_LOCK_TORCH) == []
+        [problem] = build_locks.stale_build_lock_problems(torch_version=FILEBATON_TORCH)
+        assert f"{lock} is held by a build of the cpu_adam op" in problem.message
+        assert "its own TORCH_EXTENSIONS_DIR" in problem.fix
+        assert build_locks.leftover_locks(torch_version=FILEBATON_TORCH) == []  # held: never removed
     finally:
         holder.kill()
         holder.wait()
     assert not build_locks.is_held(lock)  # the kernel released it with its holder
+
+
+@pytest.mark.parametrize("layout", ["default_layout", "extensions_dir_layout"])
+@pytest.mark.parametrize("age_s", [60, HOUR])
+def test_a_file_an_os_lock_torch_left_after_its_build_is_removed_for_a_filebaton_torch(layout, age_s, request):
+    """Two environments share a build directory (same Python and CUDA version): a torch >= 2.14 built the op and left
+    its lock file, which a torch <= 2.13 would wait for forever. Its build finished (the module is as new as the
+    lock), so the run removes it and says so; a file of a killed FileBaton build (no module newer than it) stays."""
+    root = request.getfixturevalue(layout)
+    leftover = filelock_lock(root / "deepspeed_shm_comm", age_s)
+    module = root / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    module.write_bytes(b"")
+    _age(module, age_s - 30)  # written 30 s after the lock was taken
+    killed = baton_lock(root / "cpu_adam", age_s)
+    _age(root / "cpu_adam" / "lock", age_s)
+    old_module = root / "cpu_adam" / "cpu_adam.so"
+    old_module.write_bytes(b"")
+    _age(old_module, age_s + 60)  # an earlier build's module: the lock was taken after it, by a rebuild
+
+    problems = build_locks.stale_build_lock_problems(torch_version=FILEBATON_TORCH)
+    assert [str(killed) in p.message for p in problems] == ([True] if age_s >= build_locks.STALE_BUILD_LOCK_S else [])
+    assert build_locks.leftover_locks(torch_version=OS_LOCK_TORCH) == []  # an OS-lock torch leaves the files be
+    said = []
+    build_locks.remove_leftover_locks(said.append, torch_version=FILEBATON_TORCH)
+    assert not leftover.exists() and killed.exists()
+    assert len(said) == 1 and f"removed {leftover}" in said[0] and "deepspeed_shm_comm build it guarded finished" in said[0]
 
 
 def test_only_the_running_torchs_build_folder_is_looked_at(default_layout):
@@ -149,16 +179,20 @@ def test_an_hour_old_lock_refuses_a_run_only_where_torch_would_wait_for_it(tmp_p
     """The installed torch decides: with FileBaton the run exits 2 before starting anything, naming the file and the
     fix; with an OS lock the same file (left by a build long done) does not stop it."""
     lock = baton_lock(tmp_path / "ext" / "deepspeed_shm_comm", HOUR)
+    leftover = filelock_lock(tmp_path / "ext" / "fused_adam", HOUR)  # an OS-lock torch's, after a finished build
+    (tmp_path / "ext" / "fused_adam" / "fused_adam.so").write_bytes(b"")
     run = _trainer(tmp_path, {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "WORLD_SIZE": "1"})
     out = run.stdout + run.stderr
     assert "Traceback" not in out
     if build_locks.torch_locks_with_os_lock(torch.__version__):
         assert run.returncode == 0, out
         assert (tmp_path / "ckpt" / "metrics.jsonl").exists()
+        assert leftover.exists() and "op builds: removed" not in out
     else:
         assert run.returncode == 2, out
         assert f"{lock} is 60 minutes old" in out and "nothing was started" in out
         assert not (tmp_path / "ckpt").exists()
+        assert not leftover.exists() and f"op builds: removed {leftover}" in out
 
 
 def test_the_preflight_names_a_stale_lock_before_the_job_queues(tmp_path, monkeypatch, capsys, session_cache):
