@@ -3,6 +3,8 @@ each run resumes from a complete checkpoint and continues with losses bitwise eq
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import time
@@ -50,7 +52,12 @@ def test_kill_9_of_one_rank_before_the_manifest(baseline, tmp_path, writes):
     assert (ckpt / "latest").read_text() == "step-00000006"
     resumed = run_trainer(ckpt, EVERY_STEP)
     assert_ok(resumed)
-    assert "skipping incomplete checkpoint step-00000007" in resumed.output
+    assert "warning: checkpoint: incomplete checkpoint moved aside: step-00000007 -> incomplete/step-00000007 (" \
+        in resumed.output
+    assert "resume: continuing from" in resumed.output and "step-00000006" in resumed.output.split("continuing")[1]
+    assert (ckpt / "incomplete" / "step-00000007").is_dir()  # kept as the crash left it
+    assert not (ckpt / "incomplete" / "step-00000007" / "manifest.json").exists()
+    assert inspect_checkpoint(ckpt / "step-00000007").complete  # written again by the resumed run
     _assert_continues_exactly(baseline, resumed, 6)
 
 
@@ -81,3 +88,47 @@ def test_usr1_during_a_save_or_an_evaluation(baseline, tmp_path, fault, stopped_
     _assert_continues_exactly(baseline, resumed, stopped_at)
     evals = [r for r in resumed.metrics() if "eval_loss" in r]
     assert {r["step"] for r in evals} >= {6, 9}
+
+
+def test_kill_9_in_the_first_save_twice_then_a_fresh_start(baseline, tmp_path):
+    """Rank 1 dies in the first save of the run (step 5, before its manifest), and again in the rerun's first save:
+    each start moves the save cut short aside (step 5, then step 5 again as step-00000005.1) and, with no complete
+    checkpoint left, starts from step 0 with a warning; the third start finishes, its losses those of an uninterrupted
+    run from step 1."""
+    ckpt = tmp_path / "ckpt"
+    first = run_with_fault(ckpt, RESUME_ARGS, "kill-before-manifest:1:5")
+    assert first.returncodes[1] == -9
+    assert (ckpt / "step-00000005").is_dir() and not (ckpt / "latest").exists()
+    second = run_with_fault(ckpt, RESUME_ARGS, "kill-before-manifest:1:5")
+    assert second.returncodes[1] == -9
+    assert "incomplete checkpoint moved aside: step-00000005 -> incomplete/step-00000005 (" in second.output
+    assert "STARTS FROM STEP 0" in second.output
+    third = run_trainer(ckpt, RESUME_ARGS)
+    assert_ok(third)
+    fresh_start = next(line for line in third.output.splitlines() if "STARTS FROM STEP 0" in line)
+    assert fresh_start.endswith(f"warning: resume: NO complete checkpoint in {ckpt}: 1 incomplete one(s) moved to "
+                           f"{ckpt / 'incomplete'}; this run STARTS FROM STEP 0")
+    assert "resume: continuing from" not in third.output
+    assert sorted(p.name for p in (ckpt / "incomplete").iterdir()) == ["step-00000005", "step-00000005.1"]
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["status"] == "completed" and len(summary["incomplete_checkpoints_moved"]) == 1
+    assert summary["incomplete_checkpoints_moved"][0].startswith("step-00000005 -> incomplete/step-00000005.1 (")
+    assert "incomplete ckpts  1 moved aside at the start: step-00000005 -> incomplete/step-00000005.1" in third.output
+    _assert_continues_exactly(baseline, third, 0)
+
+
+def test_a_binary_latest_falls_back_with_a_warning(baseline, tmp_path):
+    """`latest` holds bytes that are not text, and the checkpoint of step 10 is gone: both ranks resume from step 5
+    (the newest complete one) with a warning, no traceback, and continue exactly."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(baseline.checkpoint_dir, ckpt)
+    shutil.rmtree(ckpt / "step-00000010")
+    (ckpt / "latest").write_bytes(b"\x89\xffstep-\x00\x01")
+    resumed = run_trainer(ckpt, RESUME_ARGS)
+    assert_ok(resumed)
+    assert (f"warning: {ckpt / 'latest'} holds 9 bytes that are not text (b'\\x89\\xffstep-\\x00\\x01'...); looking "
+            "for the newest complete checkpoint instead") in resumed.output
+    assert "Traceback" not in resumed.outputs[0] + resumed.outputs[1]
+    assert "step-00000005" in resumed.output.split("resume: continuing from")[1].splitlines()[0]
+    assert (ckpt / "latest").read_text() == "step-00000010"
+    _assert_continues_exactly(baseline, resumed, 5)
