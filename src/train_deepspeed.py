@@ -686,8 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     # log first, instead of leaving only its exit status.
     faulthandler.enable()
 
-    from model_utils.background_save import SaveFailed
-    from model_utils.checkpoint import ResumeError
+    from model_utils.checkpoint import ResumeError, SaveFailed
     from model_utils.concat_dataset import DataError
     from model_utils.train_utils import setup_distributed
 

@@ -18,6 +18,7 @@ with a warning where `latest` disagrees.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -230,13 +231,14 @@ def data_position_problems(manifest: dict, path: Path, data: dict) -> list:
     if old is not None and new is not None and old != new:
         was, now = manifest.get("tokenizer") or "the model's", data.get("tokenizer") or "the model's"
         problems.append(Problem("--tokenizer", data.get("tokenizer") or "(the model's)",
-                                f"{path} was trained with another tokenizer ({was}, digest {old[:12]}; this run: {now}, "
-                                f"digest {new[:12]}): its data position counts other tokens",
+                                f"{path} was trained with another tokenizer ({was}, digest {old[:12]}; this run: "
+                                f"{now}, digest {new[:12]}): its data position counts other tokens",
                                 f"resume with the tokenizer the checkpoint was trained with, {fix}"))
     old, new = manifest.get("data"), data.get("data")
     if old is not None and new is not None and old.get("fingerprint") != new.get("fingerprint"):
         def described(d: dict) -> str:
-            return f"{d.get('dataset') or 'the embedded corpus'}: {d.get('tokens', 0):,} tokens, digest {d.get('fingerprint')}"
+            name = d.get("dataset") or "the embedded corpus"
+            return f"{name}: {d.get('tokens', 0):,} tokens, digest {d.get('fingerprint')}"
 
         problems.append(Problem("--dataset", new.get("dataset") or "(the embedded corpus)",
                                 f"{path} was trained on other training tokens ({described(old)}; this run: "
@@ -249,6 +251,85 @@ def data_position_problems(manifest: dict, path: Path, data: dict) -> list:
 # --------------------------------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------------------------------
+class SaveFailed(Exception):
+    pass
+
+
+# torch.save reports the OS's error as text (RuntimeError "[enforce fail at inline_container.cc:747] . open file failed
+# with strerror: Read-only file system"), DeepSpeed's and our own writes as OSError with an errno: both are read.
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT)
+# A short write without an errno: torch's zip writer on a full disk ("unexpected pos 14016 vs 13910").
+SHORT_WRITE = ("unexpected pos", "file write failed")
+FULL_BELOW_BYTES = 64 * 2**20  # free space under which a short write is taken for a full disk
+
+
+def _errno_of(error: BaseException) -> int | None:
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    text = str(error)
+    for code in WRITE_ERRORS:
+        if os.strerror(code) in text:
+            return code
+    if "Parent directory" in text and "does not exist" in text:
+        return errno.ENOENT
+    return None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _bytes_in(path: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    except OSError:
+        return 0
+
+
+def write_failure(error: BaseException, path: Path) -> tuple[str, str]:
+    """What made writing `path` (a file of checkpoint directory STEP_DIR in CHECKPOINT_DIR) fail, and the fix: no
+    space (with the filesystem's free bytes, those written so far and what a checkpoint takes), permission, a vanished
+    directory, a read-only filesystem; else the error as reported."""
+    path = Path(path)
+    step_dir, ckpt_dir = path.parent, path.parent.parent
+    code = _errno_of(error)
+    usage = shutil.disk_usage(_existing_ancestor(step_dir))
+    if code is None and any(words in str(error) for words in SHORT_WRITE):
+        previous = next((c for c in list_checkpoints(ckpt_dir) if c.complete), None)
+        still_needed = sum(previous.manifest["files"].values()) - _bytes_in(step_dir) if previous else 0
+        if usage.free < max(FULL_BELOW_BYTES, still_needed):
+            code = errno.ENOSPC
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        previous = next((c for c in list_checkpoints(ckpt_dir) if c.complete), None)
+        takes = (f"; a checkpoint takes about {sum(previous.manifest['files'].values()):,} bytes (the size of "
+                 f"{previous.path.name})" if previous else "")
+        what = "no space left" if code == errno.ENOSPC else "the disk quota is exhausted"
+        return (f"{what} on the filesystem of {ckpt_dir}: {usage.free:,} bytes free of {usage.total:,}; "
+                f"{_bytes_in(step_dir):,} bytes of {step_dir.name} written so far{takes}; writing {path.name}: "
+                f"{error}",
+                f"free space on the filesystem of {ckpt_dir} (or keep fewer checkpoints: --keep_last_checkpoints), or "
+                "point --checkpoint_dir at a larger filesystem")
+    if code == errno.EROFS:
+        return (f"the filesystem of {ckpt_dir} is read-only (writing {path}: {error})",
+                f"remount it read-write, or point --checkpoint_dir at a writable filesystem")
+    if code in (errno.EACCES, errno.EPERM):
+        return (f"permission denied writing {path} (user id {os.getuid()}: {error})",
+                f"make {step_dir} writable for this user (an immutable attribute, lsattr, stops root too), or point "
+                "--checkpoint_dir elsewhere")
+    if code == errno.ENOENT:
+        return (f"{step_dir} vanished while it was being written (deleted, or its filesystem unmounted): {error}",
+                f"keep other jobs and cleanups away from {ckpt_dir} while a run writes there, and check that it stays "
+                "mounted")
+    return f"writing {path} failed: {error}", f"fix what the error names in {ckpt_dir}"
+
+
+def save_failed(pending_name: str, cause: str, fix: str) -> SaveFailed:
+    return SaveFailed(f"checkpoint {pending_name} could not be written ({cause}); the previous complete checkpoint "
+                      f"stays `latest`. Fix: {fix}; then run again to resume from it")
+
+
 def rng_state_file(path: Path, rank: int) -> Path:
     return path / f"rng_state_rank{rank:05d}.pt"
 
@@ -321,14 +402,20 @@ def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng
     if dist.is_main and path.exists():
         shutil.rmtree(path)  # a leftover from a crash at this same step
     dist.barrier()
-    engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    if writer is not None:
-        writer.save_file(rng, rng_state_file(path, dist.rank))
-        return pending
-    torch.save(rng, rng_state_file(path, dist.rank))
-    for f in path.iterdir():
-        if f.is_file():
-            _fsync_file(f)
+    target = path / "(DeepSpeed's files)"
+    try:
+        engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+        if writer is not None:
+            writer.save_file(rng, rng_state_file(path, dist.rank))
+            return pending
+        target = rng_state_file(path, dist.rank)
+        torch.save(rng, target)
+        for f in path.iterdir():
+            if f.is_file():
+                target = f
+                _fsync_file(f)
+    except (OSError, RuntimeError) as e:  # disk full, permissions, a read-only or vanished directory: named
+        raise save_failed(tag, *write_failure(e, target)) from e
     dist.barrier()  # every rank's shards are on disk
     commit_save(pending, dist, log)
     dist.barrier()

@@ -8,6 +8,8 @@ POINT is where the rank RANK acts at step STEP:
   usr1-in-eval           SIGUSR1 to itself inside the evaluation at that step
   usr1-in-save           SIGUSR1 to itself once the first file of that step's checkpoint is written
   disk-full              its writes of that step's checkpoint fail with ENOSPC
+  fill-disk              before that step's save, fill the filesystem of --checkpoint_dir but 256 KiB (a file
+                         `filler` there): the save's writes then meet a real full disk
 The points are found by the checkpoint's step (its directory's name), so they act alike whether the files are written
 in the background (--background_checkpoint, the default) or not. FAULT is read by this test program only; the trainer
 has no such switch.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -79,6 +82,17 @@ elif point == "disk-full":
         original_fsync(path)
 
     background_save.fsync_path = fsync_path
+elif point == "fill-disk":
+    original_save = checkpoint.save_checkpoint
+
+    def save_checkpoint(engine, ctx, at_step, *args, **kwargs):
+        if me == rank and at_step == step:  # before the save's first barrier: no rank has written yet
+            free = shutil.disk_usage(ctx.ckpt_dir).free
+            with open(ctx.ckpt_dir / "filler", "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, free - 256 * 1024)
+        return original_save(engine, ctx, at_step, *args, **kwargs)
+
+    checkpoint.save_checkpoint = save_checkpoint
 elif point == "usr1-in-eval":
     original_loss = evaluation.evaluation_loss
     evaluated = {"done": False}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TrainerRun, assert_ok, rank_environment, run_trainer
+from inputs import mounted_tmpfs
 from model_utils.checkpoint import inspect_checkpoint
 from model_utils.train_utils import free_port
 from test_training import RESUME_ARGS, _assert_continues_exactly, baseline  # noqa: F401 (the fixture)
@@ -21,12 +22,14 @@ INJECT = Path(__file__).with_name("fault_injection.py")
 EVERY_STEP = [*RESUME_ARGS, "--checkpoint_freq", "1", "--keep_last_checkpoints", "0"]
 
 
-def run_with_fault(ckpt: Path, args: list[str], fault: str, timeout: float = 300) -> TrainerRun:
-    """Both ranks run the trainer through the injector; when one dies, the other is killed too (as srun does)."""
+def run_with_fault(ckpt: Path, args: list[str], fault: str, timeout: float = 300,
+                   log_dir: Path | None = None) -> TrainerRun:
+    """Both ranks run the trainer through the injector; when one dies, the other is killed too (as srun does). Their
+    logs go to `log_dir` (default: beside `ckpt`)."""
     port, procs, logs = free_port(), [], []
     for rank in range(2):
         env = rank_environment(rank, 2, port, {"FAULT": fault})
-        logs.append(ckpt.parent / f"{ckpt.name}-fault-rank{rank}.log")
+        logs.append((log_dir or ckpt.parent) / f"{ckpt.name}-fault-rank{rank}.log")
         procs.append(subprocess.Popen([sys.executable, str(INJECT), "--checkpoint_dir", str(ckpt), *args], cwd=REPO,
                                       env=env, stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
@@ -132,3 +135,36 @@ def test_a_binary_latest_falls_back_with_a_warning(baseline, tmp_path):
     assert "step-00000005" in resumed.output.split("resume: continuing from")[1].splitlines()[0]
     assert (ckpt / "latest").read_text() == "step-00000010"
     _assert_continues_exactly(baseline, resumed, 5)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 200 MiB tmpfs for a checkpoint directory (a tiny checkpoint takes ~50 MB)."""
+    yield from mounted_tmpfs(tmp_path / "fs", "200m")
+
+
+def test_a_full_disk_during_a_save_is_named_with_its_free_bytes(baseline, small_fs, tmp_path):
+    """The checkpoint directory's filesystem is filled but 256 KiB just before the save of step 6: the real writes
+    fail on both ranks, which exit 1, naming the full disk with its free bytes, those written and a checkpoint's
+    size; step 3 stays `latest`, and once space is freed the run resumes from it. The save is synchronous: written in
+    the background, the full disk would also refuse the metrics appended meanwhile, at a moment that depends on the
+    writer thread (the background path's message is test_background_save's, from an injected ENOSPC). The logs are
+    kept off the full filesystem, as a job's usually are."""
+    ckpt = small_fs / "ckpt"
+    args = [*RESUME_ARGS, "--checkpoint_freq", "3", "--no-background_checkpoint"]
+    failed = run_with_fault(ckpt, args, "fill-disk:0:6", log_dir=tmp_path)
+    assert failed.returncodes == [1, 1], failed.outputs[0][-3000:]
+    assert not any("Traceback" in o for o in failed.outputs), failed.outputs[0][-3000:]
+    step3 = sum(inspect_checkpoint(ckpt / "step-00000003").manifest["files"].values())
+    errors = [line for o in failed.outputs for line in o.splitlines() if "no space left on the filesystem" in line]
+    assert errors and errors[0].split("): ", 1)[1].startswith(
+        f"checkpoint step-00000006 could not be written (no space left on the filesystem of {ckpt}: "), errors
+    assert f" bytes free of {200 * 2**20:,}; " in errors[0] and " bytes of step-00000006 written so far; " in errors[0]
+    assert f"a checkpoint takes about {step3:,} bytes (the size of step-00000003)" in errors[0]
+    assert "Fix: free space on the filesystem of" in errors[0]
+    assert (ckpt / "latest").read_text() == "step-00000003"
+    (ckpt / "filler").unlink()
+    resumed = run_trainer(ckpt, args)
+    assert_ok(resumed)
+    assert "step-00000003" in resumed.output.split("resume: continuing from")[1].splitlines()[0]
+    _assert_continues_exactly(baseline, resumed, 3)

@@ -171,7 +171,8 @@ def test_preflight_names_an_incomplete_checkpoint_and_moves_nothing(tmp_path, se
     proc, _ = preflight_in_process(["--checkpoint_dir", str(tmp_path / "ckpt")], {}, monkeypatch, capsys)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (f"note: checkpoint: step-00000010 is incomplete ({step / 'manifest.json'} is missing (the save did not "
-            f"finish)): the run will move it to {tmp_path / 'ckpt' / 'incomplete'} and not resume from it") in proc.stdout
+            f"finish)): the run will move it to {tmp_path / 'ckpt' / 'incomplete'} and not resume from it"
+            ) in proc.stdout
     assert step.is_dir() and not (tmp_path / "ckpt" / "incomplete").exists()
 
 
