@@ -5,6 +5,8 @@
 POINT is where the rank RANK acts at step STEP:
   kill-before-manifest   SIGKILL itself once its shards are written and fsynced, before the manifest exists
   kill-after-manifest    (rank 0) SIGKILL itself after writing the manifest, before `latest` moves
+  pause-before-manifest  stop writing forever once its shards are written and fsynced, before the manifest exists
+                         (the save stays incomplete until something kills the run: a test's scancel)
   usr1-in-eval           SIGUSR1 to itself inside the evaluation at that step
   usr1-in-save           SIGUSR1 to itself once the first file of that step's checkpoint is written
   disk-full              its writes of that step's checkpoint fail with ENOSPC
@@ -22,6 +24,7 @@ import runpy
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -61,6 +64,14 @@ def on_fsync(act_on):
 
 if point == "kill-before-manifest":
     on_fsync(lambda path: path.name.startswith("rng_state") and act(signal.SIGKILL))  # the rank's last file
+elif point == "pause-before-manifest":
+    def pause(path):
+        if path.name.startswith("rng_state"):  # the rank's last file
+            sys.stdout.flush()
+            while True:
+                time.sleep(3600)
+
+    on_fsync(pause)
 elif point == "kill-after-manifest":
     original_write = checkpoint.atomic_write_text
 
