@@ -202,10 +202,10 @@ class BackgroundSaves:
         self.pending = pending
 
     def _commit(self):
-        from .checkpoint import commit_save
+        from .checkpoint import commit_everywhere
 
         pending, self.pending = self.pending, None
-        commit_save(pending, self.dist, self.log)
+        commit_everywhere(pending, self.dist, self.log)
         self.log(f"checkpoint: {pending.path.name} complete, written in the background in "
                  f"{time.perf_counter() - pending.started:.1f}s")
 

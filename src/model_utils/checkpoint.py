@@ -402,7 +402,7 @@ def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng
     if dist.is_main and path.exists():
         shutil.rmtree(path)  # a leftover from a crash at this same step
     dist.barrier()
-    target = path / "(DeepSpeed's files)"
+    target, failure = path / "(DeepSpeed's files)", None
     try:
         engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
         if writer is not None:
@@ -415,12 +415,34 @@ def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng
                 target = f
                 _fsync_file(f)
     except (OSError, RuntimeError) as e:  # disk full, permissions, a read-only or vanished directory: named
-        raise save_failed(tag, *write_failure(e, target)) from e
-    dist.barrier()  # every rank's shards are on disk
-    commit_save(pending, dist, log)
-    dist.barrier()
+        if writer is not None:
+            raise save_failed(tag, *write_failure(e, target)) from e
+        failure = write_failure(e, target)
+    agree_on_failure(failure, tag, dist)  # every rank's shards are on disk, or all ranks stop together
+    commit_everywhere(pending, dist, log)
     log(f"checkpoint: saved {path} in {time.perf_counter() - pending.started:.1f}s")
     return pending
+
+
+def agree_on_failure(failure: tuple[str, str] | None, tag: str, dist) -> None:
+    """Every rank calls this at the same point with its own write_failure (None: its writes succeeded); all raise
+    SaveFailed if any failed, the failing rank with its cause."""
+    failed = torch.tensor([1.0 if failure else 0.0], device=dist.device)
+    dist.all_reduce(failed, torch.distributed.ReduceOp.MAX)
+    if failed.item():
+        raise save_failed(tag, *(failure or ("a write failed on another rank",
+                                             "see the message of the rank whose write failed")))
+
+
+def commit_everywhere(pending: PendingSave, dist, log):
+    """commit_save, called by every rank at the same point: a manifest or `latest` that rank 0 cannot write (a disk
+    that filled meanwhile) stops every rank with its cause."""
+    failure = None
+    try:
+        commit_save(pending, dist, log)
+    except OSError as e:
+        failure = write_failure(e, pending.path / MANIFEST)
+    agree_on_failure(failure, pending.path.name, dist)
 
 
 def commit_save(pending: PendingSave, dist, log):

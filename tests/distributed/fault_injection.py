@@ -9,7 +9,9 @@ POINT is where the rank RANK acts at step STEP:
                          (the save stays incomplete until something kills the run: a test's scancel)
   usr1-in-eval           SIGUSR1 to itself inside the evaluation at that step
   usr1-in-save           SIGUSR1 to itself once the first file of that step's checkpoint is written
-  disk-full              its writes of that step's checkpoint fail with ENOSPC
+  disk-full              its writes of that step's checkpoint fail with ENOSPC (in the background writer, or the
+                         synchronous save's fsync of its files)
+  manifest-disk-full     (rank 0) writing that step's manifest fails with ENOSPC (its files are all written)
   fill-disk              before that step's save, fill the filesystem of --checkpoint_dir but 256 KiB (a file
                          `filler` there): the save's writes then meet a real full disk
 The points are found by the checkpoint's step (its directory's name), so they act alike whether the files are written
@@ -19,6 +21,7 @@ has no such switch.
 
 from __future__ import annotations
 
+import errno
 import os
 import runpy
 import shutil
@@ -47,6 +50,10 @@ tag = checkpoint.tag_for(step)
 
 def in_this_save(path) -> bool:
     return me == rank and Path(path).parent.name == tag
+
+
+def no_space(path):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def on_fsync(act_on):
@@ -85,14 +92,16 @@ elif point == "usr1-in-save":
     signalled = []
     on_fsync(lambda path: not signalled and (signalled.append(path) or act(signal.SIGUSR1)))  # its first file
 elif point == "disk-full":
-    original_fsync = background_save.fsync_path
+    on_fsync(no_space)
+elif point == "manifest-disk-full":
+    original_write_text = checkpoint.atomic_write_text
 
-    def fsync_path(path):
-        if in_this_save(path):
-            raise OSError(28, "No space left on device", str(path))
-        original_fsync(path)
+    def atomic_write_text(path, text):
+        if me == rank and Path(path).name == checkpoint.MANIFEST and Path(path).parent.name == tag:
+            no_space(path)
+        return original_write_text(path, text)
 
-    background_save.fsync_path = fsync_path
+    checkpoint.atomic_write_text = atomic_write_text
 elif point == "fill-disk":
     original_save = checkpoint.save_checkpoint
 

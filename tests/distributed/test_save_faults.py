@@ -168,3 +168,36 @@ def test_a_full_disk_during_a_save_is_named_with_its_free_bytes(baseline, small_
     assert_ok(resumed)
     assert "step-00000003" in resumed.output.split("resume: continuing from")[1].splitlines()[0]
     _assert_continues_exactly(baseline, resumed, 3)
+
+
+def test_a_failed_synchronous_write_on_one_rank_stops_both(tmp_path):
+    """Rank 1's files of step 6 cannot be written (ENOSPC, injected at their fsync) in a synchronous save: both ranks
+    learn it in the save's own collective and exit 1, rank 1 naming the full disk, rank 0 the other rank; step 3
+    stays `latest`."""
+    ckpt = tmp_path / "ckpt"
+    args = [*RESUME_ARGS, "--checkpoint_freq", "3", "--no-background_checkpoint"]
+    failed = run_with_fault(ckpt, args, "disk-full:1:6")
+    assert failed.returncodes == [1, 1], failed.outputs[1][-3000:]
+    assert not any("Traceback" in o for o in failed.outputs), failed.outputs[0][-3000:]
+    assert (f"error (rank 1): checkpoint step-00000006 could not be written (no space left on the filesystem of "
+            f"{ckpt}: ") in failed.outputs[1]
+    assert ("error (rank 0): checkpoint step-00000006 could not be written (a write failed on another rank); the "
+            "previous complete checkpoint stays `latest`. Fix: see the message of the rank whose write failed; then "
+            "run again to resume from it") in failed.outputs[0]
+    assert (ckpt / "latest").read_text() == "step-00000003"
+    assert not (ckpt / "step-00000006" / "manifest.json").exists()
+
+
+def test_a_manifest_that_cannot_be_written_stops_both_ranks(tmp_path):
+    """Every file of step 6 is written, then rank 0 cannot write its manifest (ENOSPC, injected): both ranks exit 1
+    together, rank 0 naming the full disk; step 6 stays incomplete and step 3 `latest`."""
+    ckpt = tmp_path / "ckpt"
+    failed = run_with_fault(ckpt, [*RESUME_ARGS, "--checkpoint_freq", "3"], "manifest-disk-full:0:6")
+    assert failed.returncodes == [1, 1], failed.outputs[0][-3000:]
+    assert not any("Traceback" in o for o in failed.outputs), failed.outputs[0][-3000:]
+    assert (f"error (rank 0): checkpoint step-00000006 could not be written (no space left on the filesystem of "
+            f"{ckpt}: ") in failed.outputs[0]
+    assert "error (rank 1): checkpoint step-00000006 could not be written (a write failed on another rank)" \
+        in failed.outputs[1]
+    assert (ckpt / "latest").read_text() == "step-00000003"
+    assert not inspect_checkpoint(ckpt / "step-00000006").complete
