@@ -5,7 +5,6 @@ Layout of CHECKPOINT_DIR:
         manifest.json         written last, by rank 0, after every rank has written and fsynced its files
     latest                    the newest complete tag, rewritten atomically after its manifest (DeepSpeed reads it too)
     metrics.jsonl, hf/        metrics and the exported Hugging Face model
-
     incomplete/               checkpoints found incomplete when a run started, moved aside (kept, never read)
 
 A checkpoint directory without a valid manifest, or whose files do not match the sizes the manifest records, is
@@ -296,15 +295,14 @@ def write_failure(error: BaseException, path: Path) -> tuple[str, str]:
     step_dir, ckpt_dir = path.parent, path.parent.parent
     code = _errno_of(error)
     usage = shutil.disk_usage(_existing_ancestor(step_dir))
+    previous = next((c for c in list_checkpoints(ckpt_dir) if c.complete), None)
+    checkpoint_bytes = sum(previous.manifest["files"].values()) if previous else 0
     if code is None and any(words in str(error) for words in SHORT_WRITE):
-        previous = next((c for c in list_checkpoints(ckpt_dir) if c.complete), None)
-        still_needed = sum(previous.manifest["files"].values()) - _bytes_in(step_dir) if previous else 0
-        if usage.free < max(FULL_BELOW_BYTES, still_needed):
+        if usage.free < max(FULL_BELOW_BYTES, checkpoint_bytes - _bytes_in(step_dir)):
             code = errno.ENOSPC
     if code in (errno.ENOSPC, errno.EDQUOT):
-        previous = next((c for c in list_checkpoints(ckpt_dir) if c.complete), None)
-        takes = (f"; a checkpoint takes about {sum(previous.manifest['files'].values()):,} bytes (the size of "
-                 f"{previous.path.name})" if previous else "")
+        takes = (f"; a checkpoint takes about {checkpoint_bytes:,} bytes (the size of {previous.path.name})"
+                 if previous else "")
         what = "no space left" if code == errno.ENOSPC else "the disk quota is exhausted"
         return (f"{what} on the filesystem of {ckpt_dir}: {usage.free:,} bytes free of {usage.total:,}; "
                 f"{_bytes_in(step_dir):,} bytes of {step_dir.name} written so far{takes}; writing {path.name}: "
@@ -313,7 +311,7 @@ def write_failure(error: BaseException, path: Path) -> tuple[str, str]:
                 "point --checkpoint_dir at a larger filesystem")
     if code == errno.EROFS:
         return (f"the filesystem of {ckpt_dir} is read-only (writing {path}: {error})",
-                f"remount it read-write, or point --checkpoint_dir at a writable filesystem")
+                "remount it read-write, or point --checkpoint_dir at a writable filesystem")
     if code in (errno.EACCES, errno.EPERM):
         return (f"permission denied writing {path} (user id {os.getuid()}: {error})",
                 f"make {step_dir} writable for this user (an immutable attribute, lsattr, stops root too), or point "
