@@ -63,6 +63,9 @@ class Run:
     saves: BackgroundSaves | None = None  # --background_checkpoint, else None: saves block
     # the speed levers in force (apply_speed_levers, streamline_zero_step, the delayed update)
     levers: dict | None = None
+    incomplete_moved: list[str] | None = None  # incomplete checkpoints this start moved aside (rank 0)
+    # what the data position means (manifest: seq_len, tokenizer, tokenizer_identity, data); see data_identity()
+    data_identity: dict | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -73,7 +76,7 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
     import torch
 
     from model_utils import ds_config as dsc
-    from model_utils.checkpoint import convert_to_universal, needs_universal
+    from model_utils.checkpoint import convert_to_universal, data_position_problems, needs_universal
     from model_utils.concat_dataset import BlockOrder, DataPosition, prepare_data
     from model_utils.levers import apply_speed_levers, streamline_zero_step
     from model_utils.patches.flash_attn4 import takes_document_boundaries
@@ -92,7 +95,8 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
     # point, the data source): a save or a retention delete in between must not split them. Every rank plans and checks
     # its own node, and all stop together on any rank's problem, which rank 0 reports. The data are checked while
     # prepare_data tokenizes them.
-    plan = make_plan(cfg, dist.world_size, on_training_hardware=True, decides=dist.is_main)
+    plan = make_plan(cfg, dist.world_size, on_training_hardware=True, decides=dist.is_main,
+                     move_incomplete=dist.is_main and saves)
     report = check_plan(plan, check_data=False, check_disk=saves)  # saves False: a caller that never saves (bench.py)
     report.problems = merge_rank_problems(dist.all_gather_object((socket.gethostname(), report.problems)))
     raise_on_problems(report)
@@ -112,6 +116,11 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
 
     tokenizer = plan.tokenizer
     data = prepare_data(cfg, tokenizer, batch.seq_len, dist, log.info, source=plan.data_source)
+    identity = data_identity(cfg, tokenizer, batch.seq_len, data)
+    if plan.resume:  # every rank alike: the same manifest (broadcast), the same data
+        problems = data_position_problems(plan.resume.manifest, plan.resume.path, identity)
+        if problems:
+            raise ConfigError(problems)
     order = BlockOrder(data.train_ids, cfg.seed, dist.world_size, batch.micro)
     log.info(f"data: {data.description}")
 
@@ -144,7 +153,7 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
     run = Run(cfg, dist, ds, tokenizer, model, engine, data, order, batch, plan.flops, log, peak_tflops=peak,
-              position=DataPosition(), levers=levers,
+              position=DataPosition(), levers=levers, incomplete_moved=plan.incomplete_moved, data_identity=identity,
               document_eos=tokenizer.eos_token_id if cfg.document_mask else None,
               document_boundaries=cfg.document_mask and takes_document_boundaries(model))
     if writer is not None:
@@ -169,6 +178,16 @@ def setup(cfg: TrainConfig, dist, saves: bool = True) -> Run:
         load_checkpoint(run, plan.resume, resume_tag)
     log.sinks = Sinks(cfg, dist, ds, engine, run.step, log)  # TensorBoard / W&B (rank 0)
     return run
+
+
+def data_identity(cfg: TrainConfig, tokenizer, seq_len: int, data) -> dict:
+    """What a checkpoint's data position counts in: blocks of seq_len, tokens of this tokenizer, these training tokens
+    (checkpoint.data_position_problems compares them on resume)."""
+    from model_utils.concat_dataset import token_fingerprint, tokenizer_identity
+
+    return {"tokenizer": cfg.tokenizer, "tokenizer_identity": tokenizer_identity(tokenizer), "seq_len": seq_len,
+            "data": {"dataset": cfg.dataset if not cfg.dummy_data else f"--dummy_data {cfg.dummy_data}",
+                     "tokens": len(data.train.tokens), "fingerprint": token_fingerprint(data.train.tokens)}}
 
 
 def load_checkpoint(run: Run, info, tag: str):
@@ -395,8 +414,7 @@ def save(run: Run, wait: bool = False):
     settle(run.engine)  # a checkpoint holds every step's update; the run resumed from it continues the same way
 
     ctx = SaveContext(Path(run.cfg.checkpoint_dir), run.cfg.keep_last_checkpoints,
-                      {"model": run.cfg.model, "tokenizer": run.cfg.tokenizer, "seq_len": run.batch.seq_len,
-                       "zero_stage": zero_stage(run.ds_config),
+                      {"model": run.cfg.model, **run.data_identity, "zero_stage": zero_stage(run.ds_config),
                        "ds_config": run.ds_config, "perf": run.cfg.perf.as_dict(), "levers_in_force": run.levers})
     client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
               # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)
@@ -670,8 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     # log first, instead of leaving only its exit status.
     faulthandler.enable()
 
-    from model_utils.background_save import SaveFailed
-    from model_utils.checkpoint import ResumeError
+    from model_utils.checkpoint import ResumeError, SaveFailed
     from model_utils.concat_dataset import DataError
     from model_utils.train_utils import setup_distributed
 

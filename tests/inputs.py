@@ -62,3 +62,22 @@ def png_shape(path):
     import matplotlib.image
 
     return matplotlib.image.imread(path).shape[:2]
+
+
+def mounted_tmpfs(mount, size: str):
+    """A tmpfs of `size` (mount's -o size=) at the new directory `mount`, as a generator for a fixture: it yields the
+    mount point and unmounts it afterwards. A test of a full or read-only filesystem is skipped where mounting is not
+    allowed (not root, or a container without the right)."""
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)

@@ -110,7 +110,8 @@ class HostCopyWriter:
     def __init__(self, stock):
         self.stock = stock
         self.jobs: queue.Queue = queue.Queue()
-        self.error: str | None = None
+        self.error: str | None = None  # what made a write fail, and its fix (checkpoint.write_failure)
+        self.fix: str | None = None
         self.buffers = HostBuffers(pinned=torch.cuda.is_available())
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
@@ -136,8 +137,10 @@ class HostCopyWriter:
                 if self.error is None:  # after a failure the checkpoint is lost anyway: drop the rest
                     write(obj, str(path))
                     fsync_path(str(path))
-            except (OSError, RuntimeError) as e:  # disk full, quota, a vanished directory
-                self.error = f"writing {path} failed: {e}"
+            except (OSError, RuntimeError) as e:  # disk full, quota, permissions, a read-only or vanished directory
+                from .checkpoint import write_failure
+
+                self.error, self.fix = write_failure(e, path)
             finally:
                 del obj
                 self.buffers.give_back(taken)
@@ -163,10 +166,6 @@ def install(engine, log) -> HostCopyWriter | None:
         return None
     engine.checkpoint_engine = HostCopyWriter(stock)
     return engine.checkpoint_engine
-
-
-class SaveFailed(Exception):
-    pass
 
 
 class BackgroundSaves:
@@ -203,15 +202,15 @@ class BackgroundSaves:
         self.pending = pending
 
     def _commit(self):
-        from .checkpoint import commit_save
+        from .checkpoint import commit_everywhere
 
         pending, self.pending = self.pending, None
-        commit_save(pending, self.dist, self.log)
+        commit_everywhere(pending, self.dist, self.log)
         self.log(f"checkpoint: {pending.path.name} complete, written in the background in "
                  f"{time.perf_counter() - pending.started:.1f}s")
 
     def _fail(self):
-        pending = self.pending
-        raise SaveFailed(f"checkpoint {pending.path.name} could not be written ({self.writer.error or 'on another rank'}); "
-                         f"the previous complete checkpoint stays `latest`. Free space or fix --checkpoint_dir, then "
-                         "run again to resume from it")
+        from .checkpoint import save_failed
+
+        raise save_failed(self.pending.path.name, self.writer.error or "a write failed on another rank",
+                          self.writer.fix or "see the message of the rank whose write failed")

@@ -5,14 +5,19 @@ Layout of CHECKPOINT_DIR:
         manifest.json         written last, by rank 0, after every rank has written and fsynced its files
     latest                    the newest complete tag, rewritten atomically after its manifest (DeepSpeed reads it too)
     metrics.jsonl, hf/        metrics and the exported Hugging Face model
+    incomplete/               checkpoints found incomplete when a run started, moved aside (kept, never read)
 
 A checkpoint directory without a valid manifest, or whose files do not match the sizes the manifest records, is
-incomplete: resume skips it with a warning. If checkpoints exist but none is complete, the run stops and says which
-files are wrong instead of starting from scratch.
+incomplete. A run's start (rank 0, holding the run lock) moves each one into `incomplete/` with a warning naming why,
+and resumes from the newest complete checkpoint, or starts from step 0, saying so, where none is left: a save cut short
+never blocks a restart (a requeued job makes progress). `latest` is a hint: whatever it holds (bytes that are not
+text, nothing, a directory, the name of a missing or incomplete checkpoint), the newest complete checkpoint is used,
+with a warning where `latest` disagrees.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -30,6 +35,7 @@ from .arguments import REPO_ROOT
 TAG_RE = re.compile(r"^step-(\d{8})$")
 MANIFEST = "manifest.json"
 LATEST = "latest"
+INCOMPLETE_DIR = "incomplete"
 
 
 def tag_for(step: int) -> str:
@@ -118,26 +124,74 @@ class ResumeError(Exception):
     pass
 
 
-def find_resume_checkpoint(ckpt_dir: Path, warn) -> CheckpointInfo | None:
-    """The newest complete checkpoint, warning about each newer incomplete one; None if there are none at all."""
+def read_latest(ckpt_dir: Path) -> tuple[str | None, str | None]:
+    """The checkpoint `latest` names, or None with why it names none usable (None, None: there is no `latest`).
+    Never raises: `latest` is only a hint, and the newest complete checkpoint is what a resume uses."""
     latest = ckpt_dir / LATEST
-    if latest.exists():
-        name = latest.read_text().strip()
-        if not name:
-            warn(f"{latest} is empty; looking for the newest complete checkpoint instead")
-        elif not (ckpt_dir / name).is_dir():
-            warn(f"{latest} names {name}, which does not exist; looking for the newest complete checkpoint instead")
-    found = list_checkpoints(ckpt_dir)
-    for info in found:
+    if not latest.exists() and not latest.is_symlink():
+        return None, None
+    try:
+        raw = latest.read_bytes()
+    except IsADirectoryError:
+        return None, f"{latest} is a directory, not a file naming a checkpoint"
+    except OSError as e:
+        return None, f"{latest} could not be read ({e.strerror or e})"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{latest} holds {len(raw)} bytes that are not text ({raw[:16]!r}...)"
+    if not name:
+        return None, f"{latest} is empty"
+    if not TAG_RE.match(name):
+        return None, f"{latest} holds {name[:60]!r}, not a checkpoint name (step-XXXXXXXX)"
+    if not (ckpt_dir / name).is_dir():
+        return None, f"{latest} names {name}, which does not exist"
+    info = inspect_checkpoint(ckpt_dir / name)
+    if not info.complete:
+        return None, f"{latest} names {name}, which is incomplete ({info.problem})"
+    return name, None
+
+
+def find_resume_checkpoint(ckpt_dir: Path, warn) -> CheckpointInfo | None:
+    """The newest complete checkpoint, warning about each newer incomplete one and about a `latest` that names
+    something else; None where there is no complete one."""
+    _, why = read_latest(ckpt_dir)
+    if why:
+        warn(f"{why}; looking for the newest complete checkpoint instead")
+    for info in list_checkpoints(ckpt_dir):
         if info.complete:
             return info
         warn(f"skipping incomplete checkpoint {info.path.name}: {info.problem}")
-    if found:
-        details = "\n".join(f"  {c.path.name}: {c.problem}" for c in found)
-        raise ResumeError(f"{ckpt_dir} holds checkpoints but none is complete:\n{details}\n"
-                          "fix or remove them, point --checkpoint_dir elsewhere, or pass --resume never after "
-                          "moving them away; nothing was started")
     return None
+
+
+def aside_path(ckpt_dir: Path, name: str) -> Path:
+    """Where an incomplete checkpoint `name` is moved: incomplete/NAME, or incomplete/NAME.N where that is taken (the
+    same step cut short again)."""
+    target = ckpt_dir / INCOMPLETE_DIR / name
+    n = 1
+    while target.exists():
+        target = ckpt_dir / INCOMPLETE_DIR / f"{name}.{n}"
+        n += 1
+    return target
+
+
+def move_incomplete_aside(ckpt_dir: Path, warn) -> list[str]:
+    """Move every incomplete checkpoint of `ckpt_dir` into ckpt_dir/incomplete/ (rank 0 only, under the run lock), with
+    a warning naming each and why; returns one line per checkpoint moved. Nothing is deleted."""
+    moved = []
+    for info in list_checkpoints(ckpt_dir):
+        if info.complete:
+            continue
+        target = aside_path(ckpt_dir, info.path.name)
+        target.parent.mkdir(exist_ok=True)
+        os.replace(info.path, target)
+        line = f"{info.path.name} -> {target.relative_to(ckpt_dir)} ({info.problem})"
+        warn(f"checkpoint: incomplete checkpoint moved aside: {line}")
+        moved.append(line)
+    if moved:
+        _fsync_dir(ckpt_dir)
+    return moved
 
 
 def resolve_explicit(path: Path, warn) -> CheckpointInfo:
@@ -147,15 +201,133 @@ def resolve_explicit(path: Path, warn) -> CheckpointInfo:
         if not info.complete:
             raise ResumeError(f"--resume_from_checkpoint {path}: {info.problem}")
         return info
+    found = list_checkpoints(path)
     info = find_resume_checkpoint(path, warn)
+    if info is None and found:
+        details = "\n".join(f"  {c.path.name}: {c.problem}" for c in found)
+        raise ResumeError(f"--resume_from_checkpoint {path}: none of its checkpoints is complete:\n{details}\n"
+                          "name another checkpoint, or leave --resume_from_checkpoint out to resume from "
+                          "--checkpoint_dir")
     if info is None:
         raise ResumeError(f"--resume_from_checkpoint {path}: no step-XXXXXXXX checkpoint inside")
     return info
 
 
+def data_position_problems(manifest: dict, path: Path, data: dict) -> list:
+    """What makes the checkpoint's data position (blocks of its --seq_len, in its data, by its tokenizer) mean other
+    tokens in this run: one Problem per differing setting, with both values and the fix. `data`: this run's entries
+    as save() records them (seq_len, tokenizer_identity, data); an entry the manifest lacks is not compared."""
+    from .arguments import Problem
+
+    problems = []
+    fix = "or start a new run in another --checkpoint_dir"
+    old, new = manifest.get("seq_len"), data.get("seq_len")
+    if old is not None and new is not None and old != new:
+        problems.append(Problem("--seq_len", new, f"{path} was trained with --seq_len {old}: its data position counts "
+                                f"blocks of {old} tokens, which name other tokens in blocks of {new}",
+                                f"resume with --seq_len {old}, {fix}"))
+    old, new = manifest.get("tokenizer_identity"), data.get("tokenizer_identity")
+    if old is not None and new is not None and old != new:
+        was, now = manifest.get("tokenizer") or "the model's", data.get("tokenizer") or "the model's"
+        problems.append(Problem("--tokenizer", data.get("tokenizer") or "(the model's)",
+                                f"{path} was trained with another tokenizer ({was}, digest {old[:12]}; this run: "
+                                f"{now}, digest {new[:12]}): its data position counts other tokens",
+                                f"resume with the tokenizer the checkpoint was trained with, {fix}"))
+    old, new = manifest.get("data"), data.get("data")
+    if old is not None and new is not None and old.get("fingerprint") != new.get("fingerprint"):
+        def described(d: dict) -> str:
+            name = d.get("dataset") or "the embedded corpus"
+            return f"{name}: {d.get('tokens', 0):,} tokens, digest {d.get('fingerprint')}"
+
+        problems.append(Problem("--dataset", new.get("dataset") or "(the embedded corpus)",
+                                f"{path} was trained on other training tokens ({described(old)}; this run: "
+                                f"{described(new)}): its data position would continue at another place",
+                                f"resume with the data (and --max_documents, --text_column) the checkpoint was trained "
+                                f"on, {fix}"))
+    return problems
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------------------------------
+class SaveFailed(Exception):
+    pass
+
+
+# torch.save reports the OS's error as text (RuntimeError "[enforce fail at inline_container.cc:747] . open file failed
+# with strerror: Read-only file system"), DeepSpeed's and our own writes as OSError with an errno: both are read.
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT)
+# A short write without an errno: torch's zip writer on a full disk ("unexpected pos 14016 vs 13910").
+SHORT_WRITE = ("unexpected pos", "file write failed")
+FULL_BELOW_BYTES = 64 * 2**20  # free space under which a short write is taken for a full disk
+
+
+def _errno_of(error: BaseException) -> int | None:
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    text = str(error)
+    for code in WRITE_ERRORS:
+        if os.strerror(code) in text:
+            return code
+    if "Parent directory" in text and "does not exist" in text:
+        return errno.ENOENT
+    return None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _bytes_in(path: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    except OSError:
+        return 0
+
+
+def write_failure(error: BaseException, path: Path) -> tuple[str, str]:
+    """What made writing `path` (a file of checkpoint directory STEP_DIR in CHECKPOINT_DIR) fail, and the fix: no
+    space (with the filesystem's free bytes, those written so far and what a checkpoint takes), permission, a vanished
+    directory, a read-only filesystem; else the error as reported."""
+    path = Path(path)
+    step_dir, ckpt_dir = path.parent, path.parent.parent
+    code = _errno_of(error)
+    usage = shutil.disk_usage(_existing_ancestor(step_dir))
+    previous = next((c for c in list_checkpoints(ckpt_dir) if c.complete), None)
+    checkpoint_bytes = sum(previous.manifest["files"].values()) if previous else 0
+    if code is None and any(words in str(error) for words in SHORT_WRITE):
+        if usage.free < max(FULL_BELOW_BYTES, checkpoint_bytes - _bytes_in(step_dir)):
+            code = errno.ENOSPC
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        takes = (f"; a checkpoint takes about {checkpoint_bytes:,} bytes (the size of {previous.path.name})"
+                 if previous else "")
+        what = "no space left" if code == errno.ENOSPC else "the disk quota is exhausted"
+        return (f"{what} on the filesystem of {ckpt_dir}: {usage.free:,} bytes free of {usage.total:,}; "
+                f"{_bytes_in(step_dir):,} bytes of {step_dir.name} written so far{takes}; writing {path.name}: "
+                f"{error}",
+                f"free space on the filesystem of {ckpt_dir} (or keep fewer checkpoints: --keep_last_checkpoints), or "
+                "point --checkpoint_dir at a larger filesystem")
+    if code == errno.EROFS:
+        return (f"the filesystem of {ckpt_dir} is read-only (writing {path}: {error})",
+                "remount it read-write, or point --checkpoint_dir at a writable filesystem")
+    if code in (errno.EACCES, errno.EPERM):
+        return (f"permission denied writing {path} (user id {os.getuid()}: {error})",
+                f"make {step_dir} writable for this user (an immutable attribute, lsattr, stops root too), or point "
+                "--checkpoint_dir elsewhere")
+    if code == errno.ENOENT:
+        return (f"{step_dir} vanished while it was being written (deleted, or its filesystem unmounted): {error}",
+                f"keep other jobs and cleanups away from {ckpt_dir} while a run writes there, and check that it stays "
+                "mounted")
+    return f"writing {path} failed: {error}", f"fix what the error names in {ckpt_dir}"
+
+
+def save_failed(pending_name: str, cause: str, fix: str) -> SaveFailed:
+    return SaveFailed(f"checkpoint {pending_name} could not be written ({cause}); the previous complete checkpoint "
+                      f"stays `latest`. Fix: {fix}; then run again to resume from it")
+
+
 def rng_state_file(path: Path, rank: int) -> Path:
     return path / f"rng_state_rank{rank:05d}.pt"
 
@@ -228,19 +400,47 @@ def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng
     if dist.is_main and path.exists():
         shutil.rmtree(path)  # a leftover from a crash at this same step
     dist.barrier()
-    engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    if writer is not None:
-        writer.save_file(rng, rng_state_file(path, dist.rank))
-        return pending
-    torch.save(rng, rng_state_file(path, dist.rank))
-    for f in path.iterdir():
-        if f.is_file():
-            _fsync_file(f)
-    dist.barrier()  # every rank's shards are on disk
-    commit_save(pending, dist, log)
-    dist.barrier()
+    target, failure = path / "(DeepSpeed's files)", None
+    try:
+        engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+        if writer is not None:
+            writer.save_file(rng, rng_state_file(path, dist.rank))
+            return pending
+        target = rng_state_file(path, dist.rank)
+        torch.save(rng, target)
+        for f in path.iterdir():
+            if f.is_file():
+                target = f
+                _fsync_file(f)
+    except (OSError, RuntimeError) as e:  # disk full, permissions, a read-only or vanished directory: named
+        if writer is not None:
+            raise save_failed(tag, *write_failure(e, target)) from e
+        failure = write_failure(e, target)
+    agree_on_failure(failure, tag, dist)  # every rank's shards are on disk, or all ranks stop together
+    commit_everywhere(pending, dist, log)
     log(f"checkpoint: saved {path} in {time.perf_counter() - pending.started:.1f}s")
     return pending
+
+
+def agree_on_failure(failure: tuple[str, str] | None, tag: str, dist) -> None:
+    """Every rank calls this at the same point with its own write_failure (None: its writes succeeded); all raise
+    SaveFailed if any failed, the failing rank with its cause."""
+    failed = torch.tensor([1.0 if failure else 0.0], device=dist.device)
+    dist.all_reduce(failed, torch.distributed.ReduceOp.MAX)
+    if failed.item():
+        raise save_failed(tag, *(failure or ("a write failed on another rank",
+                                             "see the message of the rank whose write failed")))
+
+
+def commit_everywhere(pending: PendingSave, dist, log):
+    """commit_save, called by every rank at the same point: a manifest or `latest` that rank 0 cannot write (a disk
+    that filled meanwhile) stops every rank with its cause."""
+    failure = None
+    try:
+        commit_save(pending, dist, log)
+    except OSError as e:
+        failure = write_failure(e, pending.path / MANIFEST)
+    agree_on_failure(failure, pending.path.name, dist)
 
 
 def commit_save(pending: PendingSave, dist, log):

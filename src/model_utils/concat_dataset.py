@@ -329,6 +329,20 @@ def block_count(num_tokens: int, seq_len: int) -> int:
     return max(0, (num_tokens - 1) // seq_len)
 
 
+def token_fingerprint(tokens: np.ndarray) -> str:
+    """A digest of a token array that is cheap on any size: its length, dtype and 64 evenly spaced pieces of 4096
+    tokens (all of it when smaller). A resume compares it with the checkpoint's to refuse a data position counted in
+    other data (different files, another tokenization, another --max_documents)."""
+    digest = hashlib.sha256(f"{len(tokens)}|{tokens.dtype}".encode())
+    piece = 4096
+    if len(tokens) <= 64 * piece:
+        digest.update(np.ascontiguousarray(tokens).tobytes())
+    else:
+        for start in np.linspace(0, len(tokens) - piece, 64).astype(np.int64):
+            digest.update(np.ascontiguousarray(tokens[start:start + piece]).tobytes())
+    return digest.hexdigest()[:16]
+
+
 class PackedTokens:
     """A flat token array (memory-mapped or in memory) cut into blocks of seq_len + 1 with stride seq_len."""
 

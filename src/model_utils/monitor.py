@@ -369,23 +369,29 @@ def format_summary(s: dict) -> list[str]:
             f"{s['checkpoint_s_max']:.1f} s at most)" if s.get("checkpoint_saves") else "")),
         ("export", s.get("export") or "none"),
     ]
+    if s.get("incomplete_checkpoints_moved"):  # a save cut short before this start: kept, never resumed from
+        moved = s["incomplete_checkpoints_moved"]
+        rows.insert(-2, ("incomplete ckpts", f"{len(moved)} moved aside at the start: " + "; ".join(moved)))
     width = max(len(k) for k, _ in rows)
     return ["run summary " + "-" * 60] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
 
 
 def write_summary(run, status: str, export: str | None = None) -> dict | None:
     """Rank 0: print the summary table and write CHECKPOINT_DIR/summary.json; returns the summary (None elsewhere)."""
+    from .checkpoint import read_latest
+
     log, ckpt = run.log, Path(run.cfg.checkpoint_dir)
     sinks = getattr(log, "sinks", None)
     if sinks is not None:
         sinks.close()
     if not run.dist.is_main:
         return None
-    latest = ckpt / "latest"
-    checkpoint = str(ckpt / latest.read_text().strip()) if latest.exists() else None
+    name, _ = read_latest(ckpt)  # a `latest` that names no complete checkpoint was warned about at the start
+    checkpoint = str(ckpt / name) if name else None
     start = getattr(log, "start_time", None)
     summary = summarize(ckpt / "metrics.jsonl", status=status, steps=run.step, tokens=run.tokens_seen,
                         wall_time_s=time.time() - start if start else None, checkpoint=checkpoint, export=export)
+    summary["incomplete_checkpoints_moved"] = getattr(run, "incomplete_moved", None) or []
     summary["environment"] = environment(run.dist)
     summary["speed_levers"] = {"settings": run.cfg.perf.as_dict(), "in_force": getattr(run, "levers", None)}
     if sinks is not None and sinks.paths:

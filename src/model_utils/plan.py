@@ -51,6 +51,7 @@ class Plan:
     background_checkpoint: bool = False  # --background_checkpoint, and this node's memory holds a host copy
     checkpoint_writes: str = ""  # how checkpoints are written, and why
     resume: object = None  # checkpoint.CheckpointInfo to resume from; None: a fresh start (or not the deciding rank)
+    incomplete_moved: list[str] = field(default_factory=list)  # incomplete checkpoints moved aside by this start
     data_source: object = None  # concat_dataset.DataSource; None for --dummy_data or on other ranks than the deciding one
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -85,10 +86,12 @@ def host_memory_available() -> float | None:
     return None
 
 
-def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, decides: bool = True) -> Plan:
+def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, decides: bool = True,
+              move_incomplete: bool = False) -> Plan:
     """Resolve everything the run needs. `on_training_hardware` (a run's own start) decides bf16 "auto" and the fused
     loss by this machine, where a login node without GPUs assumes GPU nodes that have them. `decides` False (a run's
-    ranks other than 0) leaves the resume point and the data source to the deciding rank."""
+    ranks other than 0) leaves the resume point and the data source to the deciding rank. `move_incomplete` (the
+    deciding rank of a run, holding the run lock) moves incomplete checkpoints aside; a preflight only names them."""
     import torch
 
     from . import ds_config as dsc
@@ -150,7 +153,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         _plan_host_memory(plan)
         _plan_checkpoint_writes(plan)
     if decides:
-        _find_resume_point(plan)
+        _find_resume_point(plan, move_incomplete)
         _find_data_source(plan)
     return plan
 
@@ -450,23 +453,39 @@ def _plan_checkpoint_writes(plan: Plan) -> None:
                               + (f" ({available / GIB:.0f} GiB available)" if available is not None else ""))
 
 
-def _find_resume_point(plan: Plan) -> None:
-    """The checkpoint this run resumes from (None: a fresh start); a damaged or unreadable one is a problem."""
+def _find_resume_point(plan: Plan, move_incomplete: bool) -> None:
+    """The checkpoint this run resumes from (None: a fresh start). Incomplete checkpoints in --checkpoint_dir never
+    stop a start: a run moves them aside (a preflight says it will), then takes the newest complete one, or starts
+    from step 0 with a warning. An unreadable directory or an explicit --resume_from_checkpoint that is not complete
+    is a problem."""
     from pathlib import Path
 
-    from .checkpoint import ResumeError, find_resume_checkpoint, resolve_explicit
+    from .checkpoint import INCOMPLETE_DIR, ResumeError, find_resume_checkpoint, list_checkpoints, \
+        move_incomplete_aside, resolve_explicit
 
     cfg = plan.cfg
+    ckpt_dir = Path(cfg.checkpoint_dir)
     try:
+        if move_incomplete:
+            plan.incomplete_moved = move_incomplete_aside(ckpt_dir, plan.notes.append)
+        else:
+            for info in list_checkpoints(ckpt_dir):
+                if not info.complete:
+                    plan.notes.append(f"checkpoint: {info.path.name} is incomplete ({info.problem}): the run will "
+                                      f"move it to {ckpt_dir / INCOMPLETE_DIR} and not resume from it")
         plan.resume = (resolve_explicit(Path(cfg.resume_from_checkpoint), plan.notes.append)
                        if cfg.resume_from_checkpoint else
-                       find_resume_checkpoint(Path(cfg.checkpoint_dir), plan.notes.append) if cfg.resume == "auto"
+                       find_resume_checkpoint(ckpt_dir, plan.notes.append) if cfg.resume == "auto"
                        else None)
     except (ResumeError, OSError) as e:  # an unreadable directory too: every rank waits for rank 0's verdict
         lines = str(e).splitlines()
         message = "\n      ".join(lines[:-1]) if len(lines) > 1 else lines[0]  # keep the list of damaged files
         plan.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, message,
                                      "remove the damaged checkpoints listed, or use another --checkpoint_dir"))
+        return
+    if plan.incomplete_moved and plan.resume is None and cfg.resume == "auto" and not cfg.resume_from_checkpoint:
+        plan.notes.append(f"resume: NO complete checkpoint in {ckpt_dir}: {len(plan.incomplete_moved)} incomplete "
+                          f"one(s) moved to {ckpt_dir / INCOMPLETE_DIR}; this run STARTS FROM STEP 0")
 
 
 def _find_data_source(plan: Plan) -> None:

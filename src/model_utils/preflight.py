@@ -558,7 +558,7 @@ def print_report(report: Report, stream=None) -> int:
 def _check_resume(plan: Plan, report: Report):
     """What is wrong with the plan's resume point, or with --resume."""
     from . import ds_config as dsc
-    from .checkpoint import TAG_RE, needs_universal, universal_command
+    from .checkpoint import TAG_RE, data_position_problems, needs_universal, universal_command
 
     cfg, info = plan.cfg, plan.resume
     if cfg.resume == "never" and any(TAG_RE.match(p.name) for p in Path(cfg.checkpoint_dir).glob("step-*")):
@@ -575,8 +575,13 @@ def _check_resume(plan: Plan, report: Report):
     if m.get("model") not in (None, cfg.model):
         report.problems.append(Problem("--model", cfg.model, f"{info.path} holds a checkpoint of {m.get('model')}",
                                        f"use --model {m.get('model')}, or another --checkpoint_dir"))
-    if m.get("seq_len") not in (None, plan.seq_len):
-        report.notes.append(f"the checkpoint was trained with seq_len {m.get('seq_len')}, this run uses {plan.seq_len}")
+    # The data position counts blocks of the checkpoint's seq_len in its tokens: another block length or tokenizer
+    # would continue at another place (the data themselves are compared when the run has read them).
+    identity = {"seq_len": plan.seq_len, "tokenizer": cfg.tokenizer}
+    if plan.tokenizer is not None:
+        from .concat_dataset import tokenizer_identity
+        identity["tokenizer_identity"] = tokenizer_identity(plan.tokenizer)
+    report.problems += data_position_problems(m, info.path, identity)
 
 
 def merge_rank_problems(per_rank: list[tuple[str, list[Problem]]]) -> list[Problem]:

@@ -5,9 +5,15 @@
 POINT is where the rank RANK acts at step STEP:
   kill-before-manifest   SIGKILL itself once its shards are written and fsynced, before the manifest exists
   kill-after-manifest    (rank 0) SIGKILL itself after writing the manifest, before `latest` moves
+  pause-before-manifest  stop writing forever once its shards are written and fsynced, before the manifest exists
+                         (the save stays incomplete until something kills the run: a test's scancel)
   usr1-in-eval           SIGUSR1 to itself inside the evaluation at that step
   usr1-in-save           SIGUSR1 to itself once the first file of that step's checkpoint is written
-  disk-full              its writes of that step's checkpoint fail with ENOSPC
+  disk-full              its writes of that step's checkpoint fail with ENOSPC (in the background writer, or the
+                         synchronous save's fsync of its files)
+  manifest-disk-full     (rank 0) writing that step's manifest fails with ENOSPC (its files are all written)
+  fill-disk              before that step's save, fill the filesystem of --checkpoint_dir but 256 KiB (a file
+                         `filler` there): the save's writes then meet a real full disk
 The points are found by the checkpoint's step (its directory's name), so they act alike whether the files are written
 in the background (--background_checkpoint, the default) or not. FAULT is read by this test program only; the trainer
 has no such switch.
@@ -15,10 +21,13 @@ has no such switch.
 
 from __future__ import annotations
 
+import errno
 import os
 import runpy
+import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -43,6 +52,10 @@ def in_this_save(path) -> bool:
     return me == rank and Path(path).parent.name == tag
 
 
+def no_space(path):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
 def on_fsync(act_on):
     """Wrap both fsyncs of a checkpoint's files (a synchronous save's, the background writer's)."""
     def wrap(original):
@@ -58,6 +71,14 @@ def on_fsync(act_on):
 
 if point == "kill-before-manifest":
     on_fsync(lambda path: path.name.startswith("rng_state") and act(signal.SIGKILL))  # the rank's last file
+elif point == "pause-before-manifest":
+    def pause(path):
+        if path.name.startswith("rng_state"):  # the rank's last file
+            sys.stdout.flush()
+            while True:
+                time.sleep(3600)
+
+    on_fsync(pause)
 elif point == "kill-after-manifest":
     original_write = checkpoint.atomic_write_text
 
@@ -71,14 +92,27 @@ elif point == "usr1-in-save":
     signalled = []
     on_fsync(lambda path: not signalled and (signalled.append(path) or act(signal.SIGUSR1)))  # its first file
 elif point == "disk-full":
-    original_fsync = background_save.fsync_path
+    on_fsync(no_space)
+elif point == "manifest-disk-full":
+    original_write_text = checkpoint.atomic_write_text
 
-    def fsync_path(path):
-        if in_this_save(path):
-            raise OSError(28, "No space left on device", str(path))
-        original_fsync(path)
+    def atomic_write_text(path, text):
+        if me == rank and Path(path).name == checkpoint.MANIFEST and Path(path).parent.name == tag:
+            no_space(path)
+        return original_write_text(path, text)
 
-    background_save.fsync_path = fsync_path
+    checkpoint.atomic_write_text = atomic_write_text
+elif point == "fill-disk":
+    original_save = checkpoint.save_checkpoint
+
+    def save_checkpoint(engine, ctx, at_step, *args, **kwargs):
+        if me == rank and at_step == step:  # before the save's first barrier: no rank has written yet
+            free = shutil.disk_usage(ctx.ckpt_dir).free
+            with open(ctx.ckpt_dir / "filler", "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, free - 256 * 1024)
+        return original_save(engine, ctx, at_step, *args, **kwargs)
+
+    checkpoint.save_checkpoint = save_checkpoint
 elif point == "usr1-in-eval":
     original_loss = evaluation.evaluation_loss
     evaluated = {"done": False}

@@ -94,8 +94,10 @@ def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoi
     args = [*RESUME_ARGS, "--checkpoint_freq", "3"]
     failed = run_with_fault(ckpt, args, "disk-full:1:6")
     assert failed.returncodes == [1, 1], failed.outputs[1][-3000:]
-    assert "checkpoint step-00000006 could not be written (writing" in failed.outputs[1]
+    assert f"checkpoint step-00000006 could not be written (no space left on the filesystem of {ckpt}: " \
+        in failed.outputs[1]
     assert "No space left on device" in failed.outputs[1]
+    assert "a write failed on another rank" in failed.outputs[0]
     assert "the previous complete checkpoint stays `latest`" in failed.outputs[0]
     assert not any("Traceback" in o for o in failed.outputs), failed.outputs[0][-3000:]
     assert (ckpt / "latest").read_text() == "step-00000003"

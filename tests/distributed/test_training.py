@@ -196,7 +196,7 @@ def _copy_tree(src, dst):
     return dst
 
 
-def test_corrupt_checkpoints_fall_back_or_stop_with_the_file_named(baseline, tmp_path):
+def test_corrupt_checkpoints_fall_back_or_are_moved_aside_with_the_file_named(baseline, tmp_path):
     ckpt = _copy_tree(baseline.checkpoint_dir, tmp_path / "ckpt")
     warnings = []
     # A truncated shard in the newest checkpoint: fall back to the previous one, with a warning naming the file.
@@ -210,14 +210,20 @@ def test_corrupt_checkpoints_fall_back_or_stop_with_the_file_named(baseline, tmp
         warnings.clear()
         assert find_resume_checkpoint(ckpt, warnings.append).path.name == "step-00000005"
         assert words in warnings[0]
-    # No complete checkpoint left: the trainer stops within seconds and names the files; it never starts over.
+    # No complete checkpoint left: both are moved aside, each named with why, and the run starts from step 0, saying
+    # so; what was there is kept in incomplete/.
     (ckpt / "step-00000005" / "manifest.json").unlink()
-    t0 = time.monotonic()
     run = run_trainer(ckpt, RESUME_ARGS)
-    assert run.returncode == 2
-    assert "none is complete" in run.output and "manifest.json is missing" in run.output and shard.name in run.output
-    assert time.monotonic() - t0 < 60
-    assert not list(ckpt.glob("step-*/rng_state*.tmp*"))
+    assert_ok(run)
+    moved = [line for line in run.output.splitlines() if "incomplete checkpoint moved aside" in line]
+    assert ("warning: checkpoint: incomplete checkpoint moved aside: step-00000010 -> incomplete/step-00000010 ("
+            in moved[0]) and shard.name in moved[0] and "truncated" in moved[0]
+    assert ("warning: checkpoint: incomplete checkpoint moved aside: step-00000005 -> incomplete/step-00000005 ("
+            in moved[1]) and "manifest.json is missing" in moved[1]
+    assert "this run STARTS FROM STEP 0" in run.output and "resume: continuing from" not in run.output
+    assert (ckpt / "incomplete" / "step-00000010" / shard.name).stat().st_size == 100
+    assert [r["step"] for r in run.train_records()][-10:] == list(range(1, 11))
+    assert inspect_checkpoint(ckpt / "step-00000010").complete
 
 
 def test_different_world_size_resumes_through_a_universal_checkpoint(baseline, tmp_path):
@@ -338,7 +344,7 @@ def test_kill_9_of_one_rank_during_a_save(baseline, tmp_path):
     resumed = run_trainer(ckpt, args)
     assert_ok(resumed)
     if not step7_complete:  # the usual case: caught mid-save
-        assert "skipping incomplete checkpoint step-00000007" in resumed.output
+        assert "incomplete checkpoint moved aside: step-00000007" in resumed.output
         assert "step-00000006" in resumed.output.split("resume: continuing from")[1].splitlines()[0]
     _assert_continues_exactly(baseline, resumed, 7 if step7_complete else 6)
 

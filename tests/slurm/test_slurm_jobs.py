@@ -43,6 +43,21 @@ def wait_for_text(path: Path, pattern: re.Pattern, timeout: float) -> str:
     raise AssertionError(f"{pattern.pattern!r} not in {path} after {timeout}s:\n{text[-3000:]}")
 
 
+def python_with_fault(tmp_path: Path, fault: str) -> dict:
+    """The launcher's PYTHON for a job whose first start (SLURM_RESTART_COUNT 0 or unset) runs the trainer through
+    tests/distributed/fault_injection.py with FAULT=`fault`: a fault at an exact point of a save, not a timing. A
+    requeued start, and every other use of PYTHON by the launcher, runs the plain interpreter."""
+    wrapper = tmp_path / "python-with-fault"
+    inject = REPO_ROOT / "tests" / "distributed" / "fault_injection.py"
+    wrapper.write_text("#!/bin/bash\n"
+                       'if [[ $1 == src/train_deepspeed.py && ${SLURM_RESTART_COUNT:-0} == 0 ]]; then\n'
+                       f'    shift; exec python3 {inject} "$@"\n'
+                       "fi\n"
+                       'exec python3 "$@"\n')
+    wrapper.chmod(0o755)
+    return {"PYTHON": str(wrapper), "FAULT": fault}
+
+
 def fake_image(tmp_path: Path) -> Path:
     """Stands in for the .sqsh that setup-pyxis.sh builds (Enroot is not installed here)."""
     image = tmp_path / "trainer.sqsh"
@@ -117,39 +132,71 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
 
 
 def test_scancel_during_saves_leaves_a_resumable_state(slurm, tmp_path):
-    """A job saving every step (saves take most of its time) is cancelled as soon as its first checkpoints exist;
-    the next submission resumes from the newest complete checkpoint, skipping any half-written one, and finishes."""
-    from model_utils.checkpoint import list_checkpoints
+    """A job saving every step is cancelled while its save of step 3 is incomplete: rank 1 has written its files and
+    stops there (fault point pause-before-manifest), so step 3 never gets a manifest. The next submission moves step 3
+    aside, resumes from step 2 and finishes."""
+    from model_utils.checkpoint import inspect_checkpoint
 
     ckpt = tmp_path / "ckpt"
-    env = {**FAST_ENV, "MAX_STEPS": "40", "CHECKPOINT_FREQ": "1", "CHECKPOINT_DIR": str(ckpt)}
+    env = {**FAST_ENV, "MAX_STEPS": "8", "CHECKPOINT_FREQ": "1", "CHECKPOINT_DIR": str(ckpt)}
     args = [*FAST_ARGS, "--keep_last_checkpoints", "0", "--no-export"]
-    first = submitted_job(slurm.run("./train.sbatch", *args, env=env))
+    first = submitted_job(slurm.run("./train.sbatch", *args,
+                                    env={**env, **python_with_fault(tmp_path, "pause-before-manifest:1:3")}))
+    paused = ckpt / "step-00000003" / "rng_state_rank00001.pt"
     deadline = time.monotonic() + 180
-    while len(list(ckpt.glob("step-*"))) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while not paused.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert paused.exists(), job_log(first).read_text(errors="replace")[-3000:]
     assert slurm.run("scancel", str(first)).returncode == 0
     info = slurm.wait_job(first, timeout=120)
     assert info["JobState"] == "CANCELLED"
-    slurm.wait_nodes_idle(timeout=120)  # CANCELLED comes first; the tasks may still be finishing a save
+    slurm.wait_nodes_idle(timeout=180)  # the tasks are killed after KillWait: rank 1's save never finishes
     first_log = job_log(first).read_text(errors="replace")
     assert "not requeueing" in first_log or "training step finished" not in first_log, first_log[-3000:]
     assert slurm.job(first).get("Restarts") == "0" and slurm.job(first).get("JobState") == "CANCELLED"  # stays cancelled
-    complete = [c for c in list_checkpoints(ckpt) if c.complete]
-    assert complete, "no complete checkpoint survived the cancellation"
-    newest = complete[0].step
-    incomplete = [c.path.name for c in list_checkpoints(ckpt) if not c.complete and c.step > newest]
+    assert inspect_checkpoint(ckpt / "step-00000002").complete
+    assert not inspect_checkpoint(ckpt / "step-00000003").complete
+    assert (ckpt / "latest").read_text() == "step-00000002"
 
     second = submitted_job(slurm.run("./train.sbatch", *args, env=env))
     info = slurm.wait_job(second, timeout=300)
     text = job_log(second).read_text(errors="replace")
     assert info["JobState"] == "COMPLETED", text[-4000:]
-    assert re.search(rf"resume: continuing from \S*step-{newest:08d}", text), text[-3000:]
-    for name in incomplete:  # a save cut short is skipped, with a warning naming it
-        assert f"skipping incomplete checkpoint {name}" in text
-    assert (ckpt / "step-00000040" / "manifest.json").exists()
+    assert "incomplete checkpoint moved aside: step-00000003 -> incomplete/step-00000003 (" in text, text[-3000:]
+    assert re.search(r"resume: continuing from \S*step-00000002", text), text[-3000:]
+    assert (ckpt / "incomplete" / "step-00000003" / "rng_state_rank00001.pt").exists()
+    assert inspect_checkpoint(ckpt / "step-00000008").complete
     job_log(first).unlink(missing_ok=True)
     job_log(second).unlink()
+
+
+def test_requeue_after_a_kill_in_the_first_save_starts_fresh_and_completes(slurm, tmp_path):
+    """Rank 1 is killed (-9) in the job's first save (step 3, its files written, no manifest), as a node failure
+    would: the job fails. It is requeued as SLURM requeues a job after a node failure (`scontrol requeue`, the test's
+    stand-in for the failure itself); the requeued start moves step 3 aside, finds no complete checkpoint, says it
+    starts from step 0, and completes."""
+    from model_utils.checkpoint import inspect_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    env = {**FAST_ENV, "CHECKPOINT_DIR": str(ckpt), **python_with_fault(tmp_path, "kill-before-manifest:1:3")}
+    job_id = submitted_job(slurm.run("./train.sbatch", *FAST_ARGS, env=env))
+    info = slurm.wait_job(job_id, timeout=240)
+    log = job_log(job_id)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", text[-3000:]
+    assert (ckpt / "step-00000003").is_dir() and not (ckpt / "latest").exists()
+    slurm.wait_nodes_idle(timeout=120)
+    assert slurm.run("scontrol", "requeue", str(job_id)).returncode == 0
+    info = slurm.wait_job(job_id, timeout=300)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", text[-4000:]
+    assert "restart count 1" in text
+    assert "incomplete checkpoint moved aside: step-00000003 -> incomplete/step-00000003 (" in text, text[-3000:]
+    assert f"resume: NO complete checkpoint in {ckpt}: 1 incomplete one(s) moved to {ckpt / 'incomplete'}; this " \
+           "run STARTS FROM STEP 0" in text
+    assert (ckpt / "incomplete" / "step-00000003").is_dir()
+    assert inspect_checkpoint(ckpt / "step-00000006").complete and (ckpt / "latest").read_text() == "step-00000006"
+    log.unlink()
 
 
 def test_requeued_job_takes_its_own_run_lock_back(slurm, tmp_path):

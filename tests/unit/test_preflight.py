@@ -40,9 +40,11 @@ def _checkpoint_of_other_model(tmp_path):
     return ["--checkpoint_dir", str(tmp_path / "ckpt")]
 
 
-def _corrupt_checkpoint(tmp_path):
-    (tmp_path / "ckpt" / "step-00000010").mkdir(parents=True)
-    return ["--checkpoint_dir", str(tmp_path / "ckpt")]
+def _checkpoint_of_other_seq_len(tmp_path):
+    step = tmp_path / "ckpt" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"step": 10, "world_size": 1, "files": {}, "seq_len": 256}))
+    return ["--checkpoint_dir", str(tmp_path / "ckpt"), "--seq_len", "128"]
 
 
 def _unwritable_checkpoint_dir(tmp_path):
@@ -95,7 +97,8 @@ CASES = [
     ("checkpoint-space", lambda t: ["--keep_last_checkpoints", "2", "--model", "qwen3-8b", "--fused_kernels", "off"],
      {}, "--keep_last_checkpoints", "keep fewer checkpoints"),  # 3 x ~120 GiB: more than this disk has
     ("checkpoint-of-other-model", _checkpoint_of_other_model, {}, "--model", "use --model qwen3-0.6b"),
-    ("checkpoint-corrupt", _corrupt_checkpoint, {}, "--checkpoint_dir", "remove the damaged checkpoints listed"),
+    ("checkpoint-of-other-seq-len", _checkpoint_of_other_seq_len, {}, "--seq_len = 128: ",
+     "resume with --seq_len 256, or start a new run in another --checkpoint_dir"),
     ("gpu-memory", lambda t: ["--model", "qwen3-8b", "--fused_kernels", "off"], {"GPU_MEMORY_GIB": "80"},
      "train_micro_batch_size_per_gpu / zero_optimization", "cheapest configuration that fits"),
     ("fused-kernels-without-gpu", lambda t: ["--fused_kernels", "on"], {}, "--fused_kernels", "--fused_kernels auto"),
@@ -158,6 +161,19 @@ def test_preflight_catches(case, tmp_path, session_cache, monkeypatch, capsys):
     assert fix in out, out
     assert "Traceback" not in out
     assert seconds < 20  # seconds, not a model load
+
+
+def test_preflight_names_an_incomplete_checkpoint_and_moves_nothing(tmp_path, session_cache, monkeypatch, capsys):
+    """A save cut short does not stop a start: the preflight says the run will move it aside; it moves nothing."""
+    step = tmp_path / "ckpt" / "step-00000010"
+    step.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    proc, _ = preflight_in_process(["--checkpoint_dir", str(tmp_path / "ckpt")], {}, monkeypatch, capsys)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (f"note: checkpoint: step-00000010 is incomplete ({step / 'manifest.json'} is missing (the save did not "
+            f"finish)): the run will move it to {tmp_path / 'ckpt' / 'incomplete'} and not resume from it"
+            ) in proc.stdout
+    assert step.is_dir() and not (tmp_path / "ckpt" / "incomplete").exists()
 
 
 def test_max_documents_counts_in_the_data_check(tmp_path, session_cache, monkeypatch, capsys):
@@ -708,20 +724,21 @@ def test_problems_of_all_ranks_merge_once_each_with_the_rank_that_found_them():
 
 def test_only_the_deciding_rank_reads_checkpoints_and_resolves_the_data(tmp_path):
     """A run's ranks other than 0 leave the checkpoint scan and the data source to rank 0: no resume point, no data
-    source and no checkpoint problem of their own; the rest of the plan is the same."""
+    source and no checkpoint moved or named by them; the rest of the plan is the same."""
     from model_utils.arguments import parse_args
     from model_utils.plan import make_plan
-    from model_utils.preflight import check_plan
 
     ckpt = tmp_path / "ckpt"
-    (ckpt / "step-00000004").mkdir(parents=True)  # no manifest: damaged
+    (ckpt / "step-00000004").mkdir(parents=True)  # no manifest: incomplete
     data = tmp_path / "docs.txt"
     data.write_text("one document\n" * 50)
     cfg = parse_args(["--model", "tiny", "--checkpoint_dir", str(ckpt), "--dataset", str(data)])
-    deciding = make_plan(cfg, 1, on_training_hardware=True)
-    other = make_plan(cfg, 1, on_training_hardware=True, decides=False)
-    assert any(p.setting == "--checkpoint_dir" for p in check_plan(deciding, check_data=False).problems)
-    assert not any(p.setting == "--checkpoint_dir" for p in check_plan(other, check_data=False).problems)
+    other = make_plan(cfg, 1, on_training_hardware=True, decides=False, move_incomplete=False)
+    assert (ckpt / "step-00000004").is_dir() and not any("step-00000004" in note for note in other.notes)
+    deciding = make_plan(cfg, 1, on_training_hardware=True, move_incomplete=True)
+    assert deciding.incomplete_moved[0].startswith("step-00000004 -> incomplete/step-00000004 (")
+    assert (ckpt / "incomplete" / "step-00000004").is_dir() and not (ckpt / "step-00000004").exists()
+    assert deciding.resume is None and not deciding.problems
     assert deciding.data_source.files == [str(data)] and other.data_source is None and other.resume is None
     assert other.ds_config == deciding.ds_config and other.batch == deciding.batch
 
