@@ -4,6 +4,7 @@
 
 POINT is where the rank RANK acts at step STEP:
   kill-before-manifest   SIGKILL itself once its shards are written and fsynced, before the manifest exists
+  kill-in-save           SIGKILL itself once the first of its files is written and fsynced: its other files never are
   kill-after-manifest    (rank 0) SIGKILL itself after writing the manifest, before `latest` moves
   usr1-in-eval           SIGUSR1 to itself inside the evaluation at that step
   usr1-in-save           SIGUSR1 to itself once the first file of that step's checkpoint is written
@@ -58,6 +59,8 @@ def on_fsync(act_on):
 
 if point == "kill-before-manifest":
     on_fsync(lambda path: path.name.startswith("rng_state") and act(signal.SIGKILL))  # the rank's last file
+elif point == "kill-in-save":
+    on_fsync(lambda path: act(signal.SIGKILL))  # the first file fsynced: nothing after it
 elif point == "kill-after-manifest":
     original_write = checkpoint.atomic_write_text
 
