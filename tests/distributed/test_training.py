@@ -26,8 +26,8 @@ def last_by_step(records):
 
 
 # configs/fp16.json resolves to fp32 where there is no GPU (fp16.enabled "auto"): on CPU its case would repeat
-# ds_config.json's run step for step. fp16 itself (the loss scale, an overflow skipped and counted, an exact resume) runs
-# on a GPU: benchmarks/fp16_check.py, in benchmarks/journey.sh's fp16 journey.
+# ds_config.json's run step for step. fp16 itself (the loss scale, an overflow skipped and counted, an exact resume)
+# runs on a GPU: benchmarks/fp16_check.py, in benchmarks/journey.sh's fp16 journey.
 FP16_ON_CPU = pytest.mark.skip(reason="configs/fp16.json is fp32 on CPU, the same run as ds_config.json; fp16 runs on "
                                       "a GPU in benchmarks/fp16_check.py (journey.sh's fp16 journey)")
 
@@ -320,7 +320,8 @@ def _assert_resumed_on_another_world_size(reference, resumed, from_step, to_step
     want_blocks, got_blocks = _blocks_by_step(reference.checkpoint_dir), _blocks_by_step(resumed.checkpoint_dir)
     assert {s: got_blocks[s] for s in got} == {s: want_blocks[s] for s in got}  # the same data, in the same order
     tag = f"step-{to_step:08d}"
-    want_moments, got_moments = _adam_moments(reference.checkpoint_dir / tag), _adam_moments(resumed.checkpoint_dir / tag)
+    want_moments = _adam_moments(reference.checkpoint_dir / tag)
+    got_moments = _adam_moments(resumed.checkpoint_dir / tag)
     assert want_moments.keys() == got_moments.keys() and len(want_moments) == 4
     for key, moment in want_moments.items():
         assert got_moments[key].shape == moment.shape, key
