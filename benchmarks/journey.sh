@@ -23,6 +23,8 @@
 #   finetune    the model default exported, fine-tuned (MODEL=<its hf directory>)
 #   saves       a save every 10 steps, in the background and synchronously: how long training stands still per save
 #   saves-large one save of JOURNEY_LARGE_MODEL (Qwen3-4B: 55 GiB, one fits the disk) with ZeRO-2 + optimizer offload
+#   fp16        benchmarks/fp16_check.py on the first GPU: the tiny preset in fp16, its loss scale logged, overflows
+#               skipped and counted, a kill -9 and resume continuing the scale and the losses exactly
 #
 #   bash benchmarks/journey.sh                       # all of them (~45 min on one H100: docs/JOURNEY.md walls)
 #   JOURNEY_ONLY="presets" bash benchmarks/journey.sh
@@ -244,5 +246,10 @@ if wanted finetune; then
     [[ -d $JOURNEY_DIR/default/hf ]] || echo "journey finetune: needs the default journey's export ($JOURNEY_DIR/default/hf)"
     run finetune "$JOURNEY_DIR/finetune" MAX_STEPS=10 JOURNEY_MODEL="$JOURNEY_DIR/default/hf" \
         MODEL="$JOURNEY_DIR/default/hf" -- --micro_batch_size 8 --log_interval 5 --eval_iters 2 --checkpoint_freq 0
+fi
+if wanted fp16; then
+    fp16_python=python3 # the launchers' choice (resolve_python): the repository's .venv where one exists
+    [[ -x .venv/bin/python ]] && fp16_python=.venv/bin/python
+    "$fp16_python" benchmarks/fp16_check.py --out "$JOURNEY_DIR/fp16" | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
 fi
 exit "$failed"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,30 @@ FAST_ARGS = ["--seq_len", "64", "--micro_batch_size", "2", "--eval_iters", "2", 
 
 TIERS = ("unit", "distributed", "slurm")
 
+# Hermetic caches: every cache a test's process or its subprocesses (trainers, launchers, SLURM jobs) would write lives
+# in this session's temporary folder, never in the user's ~/.cache: a lock file or a build another environment left
+# there must not change a test's outcome. Torch's extension folder is one per session, so DeepSpeed's ops (cpu_adam,
+# the shared-memory collectives) build once per session; the dataset cache is the one session_cache fills.
+CACHE_SETTINGS = {"DEEPSPEED_LM_CACHE": "deepspeed-lm", "TORCH_EXTENSIONS_DIR": "torch-extensions",
+                  "HF_HOME": "huggingface", "HF_DATASETS_CACHE": "huggingface/datasets",
+                  "TRITON_CACHE_DIR": "triton"}
+
+
+_CACHES: list[Path] = []
+
+
+def pytest_configure(config):
+    root = Path(tempfile.mkdtemp(prefix="dslm-test-caches-"))
+    _CACHES.append(root)
+    for name, folder in CACHE_SETTINGS.items():
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        os.environ[name] = str(root / folder)
+
+
+def pytest_unconfigure(config):
+    for root in _CACHES:
+        shutil.rmtree(root, ignore_errors=True)
+
 
 def pytest_collection_modifyitems(items):
     """Each test is marked with its tier, the folder it lives in (`pytest -m "not slurm"` and the like)."""
@@ -63,8 +89,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def session_cache(tmp_path_factory) -> Path:
     """One cache (embedded corpus, packed tokens) for every trainer the tests start; built once, here."""
-    cache = tmp_path_factory.mktemp("data-cache")
-    os.environ["DEEPSPEED_LM_CACHE"] = str(cache)
+    cache = Path(os.environ["DEEPSPEED_LM_CACHE"])  # the session's own (pytest_configure)
     from model_utils.arguments import TrainConfig
     from model_utils.concat_dataset import build_token_files, cache_dir_for, resolve_source
     from model_utils.tokenizer import load_tokenizer

@@ -102,6 +102,8 @@ class TrainConfig:
                                                "estimate, at the micro-batch all of them allow: the memory left over "
                                                "buys back recomputation); or a count.", parse="layer_count")
     attn_implementation: str = _f("sdpa", "Attention backend passed to transformers: sdpa, eager, flash_attention_2.")
+    attention_dropout: float | None = _f(None, "Dropout on the attention weights in training (the config's "
+                                               "attention_dropout). Default: the model's own (0.0 for the presets).")
     # ----- data -----
     dataset: str | None = _f(None, "A save_to_disk directory, a text/JSONL/Parquet file or directory, or a hub dataset "
                                    "name. Default: the embedded corpus built offline from the Python standard library.")
@@ -333,6 +335,9 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     positive("log_interval")
     positive("eval_iters")
     positive("max_bad_steps")
+    if cfg.attention_dropout is not None and not 0.0 <= cfg.attention_dropout < 1.0:
+        problems.append(Problem("--attention_dropout", cfg.attention_dropout, "must be a probability in [0, 1)",
+                                "pass a value such as 0.1, or leave it out for the model's own"))
     if cfg.seq_len is not None and cfg.seq_len < 2:
         problems.append(Problem("--seq_len", cfg.seq_len, "a block needs at least 2 tokens to predict one",
                                 "use --seq_len 256 or more"))

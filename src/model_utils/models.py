@@ -51,8 +51,16 @@ def _round_up(n: int, multiple: int = 64) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def model_config(name: str, tokenizer=None):
-    """The transformers config for a preset, or the config of a pretrained model directory / hub id."""
+def model_config(name: str, tokenizer=None, attention_dropout: float | None = None):
+    """The transformers config for a preset, or the config of a pretrained model directory / hub id; with
+    `attention_dropout`, that dropout in place of the model's own."""
+    config = _model_config(name, tokenizer)
+    if attention_dropout is not None:
+        config.attention_dropout = attention_dropout
+    return config
+
+
+def _model_config(name: str, tokenizer=None):
     from transformers import AutoConfig, Qwen3Config
 
     if is_preset(name):

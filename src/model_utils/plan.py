@@ -121,7 +121,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
                                      "pass a local tokenizer directory or a hub id reachable from here"))
     if plan.tokenizer is not None:
         try:
-            plan.model_config = model_config(cfg.model, plan.tokenizer)
+            plan.model_config = model_config(cfg.model, plan.tokenizer, cfg.attention_dropout)
         except (OSError, ValueError) as e:
             plan.problems.append(Problem("--model", cfg.model, f"could not be loaded: {e}".split("\n")[0],
                                          "use a preset (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), a model "

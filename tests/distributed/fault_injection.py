@@ -4,6 +4,7 @@
 
 POINT is where the rank RANK acts at step STEP:
   kill-before-manifest   SIGKILL itself once its shards are written and fsynced, before the manifest exists
+  kill-in-save           SIGKILL itself once the first of its files is written and fsynced: its other files never are
   kill-after-manifest    (rank 0) SIGKILL itself after writing the manifest, before `latest` moves
   pause-before-manifest  stop writing forever once its shards are written and fsynced, before the manifest exists
                          (the save stays incomplete until something kills the run: a test's scancel)
@@ -79,6 +80,8 @@ elif point == "pause-before-manifest":
                 time.sleep(3600)
 
     on_fsync(pause)
+elif point == "kill-in-save":
+    on_fsync(lambda path: act(signal.SIGKILL))  # the first file fsynced: nothing after it
 elif point == "kill-after-manifest":
     original_write = checkpoint.atomic_write_text
 

@@ -62,7 +62,7 @@ def test_host_copy_pickles_exactly_as_the_original():
 
 
 @pytest.mark.parametrize("ds_config", ["ds_config.json", "configs/zero3.json"])
-def test_background_files_equal_a_synchronous_save(tmp_path, ds_config):
+def test_background_files_equal_a_synchronous_save(session_cache, tmp_path, ds_config):
     """Two runs, same seed: every file of step 3 (DeepSpeed's model and optimizer states, the RNG states) is
     byte-identical whether written in the background or not; the background run says when each became complete."""
     args = [*RESUME_ARGS, "--checkpoint_freq", "3", "--max_steps", "6", "--ds_config", ds_config]
@@ -87,7 +87,7 @@ def test_background_files_equal_a_synchronous_save(tmp_path, ds_config):
     assert len(stalls) == 2
 
 
-def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path):
+def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoint(session_cache, tmp_path):
     """Rank 1's writes of step 6 fail (ENOSPC, injected): every rank learns it at the next step's collective and
     exits 1 with the reason; step 3 stays `latest`, step 6 never gets a manifest, and a new run resumes from 3."""
     ckpt = tmp_path / "ckpt"

@@ -100,3 +100,21 @@ def test_export_and_generate_commands(pretrained, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "model_utils.export", str(tmp_path / "nothing-here")],
                              capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert missing.returncode == 2 and "error:" in missing.stderr and "Traceback" not in missing.stderr
+
+
+PATTERN = "one two three four five six seven eight nine ten"
+
+
+def test_generation_continues_the_pattern_the_model_was_trained_on(session_cache, tmp_path):
+    """A model trained on one sentence, each line of its corpus a document, continues the sentence's first words with
+    the rest: the sample the trainer prints after the export (greedy) is the sentence. Weights that did not train, or
+    a generation that lost the prompt or the trained weights, give other words."""
+    corpus = tmp_path / "pattern.txt"
+    corpus.write_text(f"{PATTERN}\n" * 300)
+    run = run_trainer(tmp_path / "ckpt", ["--dataset", str(corpus), "--seq_len", "64", "--micro_batch_size", "4",
+                                          "--max_steps", "40", "--learning_rate", "3e-3", "--warmup_steps", "2",
+                                          "--log_interval", "10", "--eval_interval", "0", "--eval_iters", "1",
+                                          "--checkpoint_freq", "0", "--generate_prompt", "one two three four"])
+    assert_ok(run)
+    sample = run.output.split("sample: ", 1)[1].splitlines()[0]
+    assert sample.startswith(PATTERN), sample

@@ -44,14 +44,20 @@ def run_with_fault(ckpt: Path, args: list[str], fault: str, timeout: float = 300
     return TrainerRun(codes, [log.read_text() for log in logs], ckpt)
 
 
-@pytest.mark.parametrize("writes", [[], ["--no-background_checkpoint"]], ids=["in-the-background", "synchronous"])
-def test_kill_9_of_one_rank_before_the_manifest(baseline, tmp_path, writes):
+@pytest.mark.parametrize("point, writes", [("kill-before-manifest", []),
+                                           ("kill-before-manifest", ["--no-background_checkpoint"]),
+                                           ("kill-in-save", [])],
+                         ids=["in-the-background", "synchronous", "after-its-first-file"])
+def test_kill_9_of_one_rank_before_the_manifest(baseline, tmp_path, point, writes):
     """Rank 1 dies once it has written and fsynced its files of step 7: in the background (while training went on)
-    or in a synchronous save. Step 7 never gets a manifest; the resumed run is exact from step 6."""
+    or in a synchronous save; or once it has written the first of them, the rest never written (the other rank is then
+    killed too, as srun does). Step 7 never gets a manifest; the resumed run skips it and is exact from step 6."""
     ckpt = tmp_path / "ckpt"
-    first = run_with_fault(ckpt, [*EVERY_STEP, *writes], "kill-before-manifest:1:7")
+    first = run_with_fault(ckpt, [*EVERY_STEP, *writes], f"{point}:1:7")
     assert first.returncodes[1] == -9
     assert (ckpt / "step-00000007").is_dir() and not (ckpt / "step-00000007" / "manifest.json").exists()
+    # rank 1's last file, its RNG state: written before the manifest would have been, or never
+    assert (ckpt / "step-00000007" / "rng_state_rank00001.pt").exists() == (point == "kill-before-manifest")
     assert (ckpt / "latest").read_text() == "step-00000006"
     resumed = run_trainer(ckpt, EVERY_STEP)
     assert_ok(resumed)

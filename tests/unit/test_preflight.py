@@ -57,6 +57,8 @@ def _unwritable_checkpoint_dir(tmp_path):
 CASES = [
     ("invalid-json", lambda t: ["--ds_config", _write(t, "{\n 'a': 1,\n}")], {}, "--ds_config", "fix the JSON syntax"),
     ("missing-ds-config", lambda t: ["--ds_config", str(t / "none.json")], {}, "--ds_config", "DeepSpeed JSON file"),
+    ("attention-dropout-not-a-probability", lambda t: ["--attention_dropout", "1.5"], {}, "--attention_dropout",
+     "leave it out for the model's own"),
     ("unknown-top-level-key", lambda t: ["--ds_config", ds_with(t, set_key(["gradient_cliping"], 1.0))], {},
      "ds_config gradient_cliping", "did you mean `gradient_clipping`?"),
     ("misspelt-zero-key", lambda t: ["--ds_config", ds_with(t, set_key(["zero_optimization", "overlap_com"], True))], {},
