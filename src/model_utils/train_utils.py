@@ -199,6 +199,7 @@ class Logger:
         self.metrics_path = metrics_path
         self.bar = None
         self.sinks = None  # monitor.Sinks (TensorBoard, W&B): set once the engine exists
+        self.metrics_failed = False  # the last append to metrics.jsonl failed (warned once per failing stretch)
         self.start_time = time.time()
 
     def info(self, msg: str):
@@ -216,9 +217,18 @@ class Logger:
 
     def metrics(self, record: dict):
         if self.dist.is_main and self.metrics_path is not None:
-            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.metrics_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:  # a full or vanished filesystem: training goes on, the next save names the cause
+                if not self.metrics_failed:
+                    self.warn(f"{self.metrics_path} could not be appended ({e.strerror or e}); its records are "
+                              f"missing from step {record.get('step', '?')} on while this lasts (the log still has "
+                              "them)")
+                self.metrics_failed = True
+            else:
+                self.metrics_failed = False
             if self.sinks is not None:
                 self.sinks.write(record)
 

@@ -142,3 +142,33 @@ def test_wandb_offline_logs_without_network_and_a_resumed_run_keeps_its_id(tmp_p
     assert ids[0] == ids[1] == (tmp_path / "wandb_run_id").read_text()
     runs = list((tmp_path / "wandb").glob(f"offline-run-*-{ids[0]}/run-{ids[0]}.wandb"))
     assert len(runs) == 2 and all(r.stat().st_size > 0 for r in runs)  # `wandb sync` uploads these
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    from inputs import mounted_tmpfs
+
+    yield from mounted_tmpfs(tmp_path / "small", "64k")
+
+
+def test_a_full_disk_under_metrics_jsonl_warns_once_and_training_goes_on(full_disk, capsys):
+    """Appending a record to metrics.jsonl on a full filesystem (a real 64 KiB tmpfs) is no traceback: one warning
+    naming the file and the cause, then the records that fit again are appended."""
+    from model_utils.train_utils import Dist, Logger
+
+    filler = full_disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"x" * 4096)
+        except OSError:
+            pass
+    log = Logger(Dist(0, 0, 1, torch.device("cpu"), "gloo"), full_disk / "metrics.jsonl")
+    for step in (1, 2):
+        log.metrics({"step": step, "loss": 1.0})
+    err = capsys.readouterr().err
+    assert err.count("could not be appended") == 1
+    assert f"{full_disk / 'metrics.jsonl'} could not be appended (No space left on device)" in err and "from step 1" in err
+    filler.unlink()
+    log.metrics({"step": 3, "loss": 1.0})
+    assert [json.loads(line)["step"] for line in (full_disk / "metrics.jsonl").read_text().splitlines()] == [3]
