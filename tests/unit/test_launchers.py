@@ -60,11 +60,11 @@ def test_the_resume_status_is_the_trainers_own():
 
 @pytest.mark.parametrize("env, world", [({"CUDA_VISIBLE_DEVICES": ""}, 2), ({"CUDA_VISIBLE_DEVICES": "", "CPU_PROCS": "3"}, 3),
                                         ({"GPUS_PER_NODE": "4"}, 4)])
-def test_preflight_plans_for_the_processes_the_launcher_would_start(env, world, session_cache):
+def test_preflight_plans_for_the_processes_the_launcher_would_start(env, world, session_cache, tmp_path):
     """PREFLIGHT=1 ./train-singlenode.sh plans the batch (and resume) for the ranks run_standalone would start: one per
     GPU, else CPU_PROCS; a plan for one process would size the batch and judge a checkpoint's world size wrongly."""
     run = launch("./train-singlenode.sh", "--seq_len", "64", PREFLIGHT="1", MAX_STEPS="4",
-                 DEEPSPEED_LM_CACHE=str(session_cache), timeout=300, **env)
+                 CHECKPOINT_DIR=str(tmp_path / "ckpt"), DEEPSPEED_LM_CACHE=str(session_cache), timeout=300, **env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"preflight: planned for the {world} processes this launcher would start (standalone)" in run.stdout
     assert re.search(rf"^batch: micro \d+ x grad_acc \d+ x world {world} = ", run.stdout, re.M), run.stdout
