@@ -68,6 +68,9 @@ def _model_config(name: str, tokenizer=None):
         if params["vocab_size"] is None:
             # Sized to the tokenizer, rounded up to a multiple of 64 for efficient matrix shapes.
             params["vocab_size"] = _round_up(len(tokenizer))
+        if tokenizer is not None:
+            # The special ids of the tokenizer the preset trains with, so that an export's generate() stops at its
+            # end of document (Qwen's own ids stand only where no tokenizer is known).
             params["eos_token_id"] = tokenizer.eos_token_id
             params["bos_token_id"] = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
             params["pad_token_id"] = tokenizer.pad_token_id
