@@ -376,8 +376,8 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     return problems
 
 
-# Environment variables that job scripts of earlier releases set for the speed levers: the trainer reads flags only, so
-# a script that sets one would silently lose that setting.
+# Environment variables that older job scripts set for the speed levers: the trainer reads flags only, so a script that
+# sets one would silently lose that setting (checked: a run refuses them, naming the flag to use).
 RETIRED_SWITCHES = {"DSLM_COMPILE": "--compile", "DSLM_LIGER": "--liger_kernels", "DSLM_FLCE_CHUNK": "--flce_chunk_budget",
                     "DSLM_ACTIVATION_BUDGET": "--activation_budget", "DSLM_OVERFLOW_CHECK": "--overflow_check",
                     "DSLM_GRAD_NORM": None, "DSLM_ATTN": "--attention_kernel", "DSLM_SDPA": "--sdpa_backend"}

@@ -30,7 +30,7 @@ IDLE, WRITING, FAILED = 0.0, 1.0, 2.0  # this rank's writer state, agreed across
 
 class HostBuffers:
     """Host storages reused from one save to the next: allocating gigabytes anew each time costs more than the copy
-    (Qwen3-0.6B on one H100: 7.0 s of page faults for 8.2 GiB, against 15 s for the whole synchronous save). Pinned
+    (its page faults alone take about half a synchronous save: docs/PERFORMANCE.md). Pinned
     where there is a GPU, so that the copies from it run at full speed."""
 
     def __init__(self, pinned: bool):

@@ -11,8 +11,8 @@ GIB = 1024**3
 # The automatic micro-batch (`"train_micro_batch_size_per_gpu": "auto"`, `--micro_batch_size auto`) fills at most this
 # share of the GPU by the estimate, which lands within 10% of every measured peak (docs/PERFORMANCE.md).
 AUTO_MEMORY_SHARE = 0.90
-# ...and holds at most this many tokens per micro-batch: on one H100, Qwen3-0.6B at seq 4096 ran fastest at 16, the
-# largest that fits (docs/PERFORMANCE.md); larger ones were not measured to gain, and lengthen evaluation and compilation.
+# ...and holds at most this many tokens per micro-batch: larger ones gain no speed (docs/PERFORMANCE.md) and lengthen
+# evaluation and compilation.
 AUTO_MAX_MICRO_TOKENS = 65_536
 # Eager decoder layers (ZeRO-3, where they are not compiled, or --compile off) keep every intermediate of their forward
 # for the backward: `eager_layer_activation_bytes_per_token` counts their 16-bit tensors, with this margin for the rest
@@ -46,15 +46,15 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     weights into (ZeRO-1/2 with the optimizer offloaded; plan._prefetch_applies decides where it exists).
     `accumulation`: micro-batches per optimizer step (None: not known). With one, ZeRO-1/2's 16-bit gradients on the
     GPU are made during the backward as the layers free their activations, after the peak at its start, so they are
-    not counted; with more, the earlier micro-batches' are held (Qwen3-0.6B, micro-batch 8, one H100: 39.6 GiB at
-    1, 40.7 at 2, 1.1 GiB its gradients; the LM head's own is in activation_bytes's fused-loss term)."""
+    not counted; with more, the earlier micro-batches' are held (docs/PERFORMANCE.md gives the measured peaks; the LM
+    head's own is in activation_bytes's fused-loss term)."""
     p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
     params_b = p_bytes * params / (world if stage >= 3 else 1)
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
     if fp32_grad_accumulation and bf16 and stage in (1, 2):
         grads_b = 4 * params / world
     elif offload_opt:
-        grads_b = 0  # they leave the GPU bucket by bucket (measured: Qwen3-4B, one H100, docs/PERFORMANCE.md)
+        grads_b = 0  # they leave the GPU bucket by bucket (docs/PERFORMANCE.md)
     elif stage in (1, 2) and accumulation == 1:
         grads_b = 0
     opt_b = 0 if offload_opt else opt_bytes * params / (world if stage >= 1 else 1)
@@ -113,8 +113,8 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     `eager_layer_activation_bytes_per_token` eager); a recomputed layer keeps only its input (2·s·b·h), and
     recomputing needs one layer's working set at a time. With `checkpointing`, the first `checkpointed_layers` layers
     recompute (None: all) and the rest keep their working sets; the backward pass frees those before it reaches a
-    recomputed layer, so the peak holds the kept working sets or the one being recomputed, not both (Qwen3-4B, ZeRO-3
-    with offload, 16 x 2 on one H100, 7 of 36 layers kept: 62.0 GiB measured, 61.2 by this, 68.3 with both). Logits:
+    recomputed layer, so the peak holds the kept working sets or the one being recomputed, not both (docs/PERFORMANCE.md sets this
+    beside measured peaks). Logits:
     16-bit logits, their fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
     h, layers = config.hidden_size, config.num_hidden_layers
     per_layer = micro * seq_len * layer_activation_bytes_per_token(config)
@@ -237,16 +237,12 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
 
 # Host memory of a rank that offloads: its share of the optimizer states (fp32 master weights, Adam moments, fp32
 # gradients: 16 bytes per parameter), 10% for pinned-buffer rounding, and what any training process holds (CUDA context,
-# libraries, compiled kernels, the data). One H100 host, Qwen3-4B: 73.4 GiB measured against 73.9 by this model (ZeRO-2
-# with the optimizer offloaded), 90.6 against 90.4 (ZeRO-3 with parameters and optimizer offloaded), 63.9 against 65.2
-# (ZeRO-3, half the optimizer offloaded: `"ratio": 0.5`).
+# libraries, compiled kernels, the data); docs/PERFORMANCE.md sets the estimates beside measured host peaks.
 HOST_STATE_OVERHEAD = 1.10
 HOST_BASELINE_GIB = 8.0
 # Loading a checkpoint with the optimizer offloaded holds about one fp32 copy of the rank's parameters beside the
-# offloaded states: Qwen3-4B on one H100 host peaked while resuming at 88.0 GiB against 73.7 GiB in the run that wrote
-# the checkpoint under ZeRO-2, and at 105.2 against 90.9 under ZeRO-3 with the parameters offloaded too (+14.3 GiB
-# both, 3.8 bytes per parameter; docs/JOURNEY.md, the *-large-resume journeys). Not measured with part of the
-# optimizer on the GPU (offload_optimizer.ratio).
+# offloaded states (measured in docs/JOURNEY.md's *-large-resume journeys). Not measured with part of the optimizer on
+# the GPU (offload_optimizer.ratio).
 RESUME_HOST_BYTES_PER_PARAM = 4.0
 
 

@@ -221,8 +221,7 @@ def _prefetch_applies(plan: Plan, ds: dict) -> bool:
 def _choose_prefetch(plan: Plan) -> None:
     """--delayed_update_prefetch resolved, after the micro-batch and the recomputed layers. auto: on where the run's
     estimated peak with the second buffer still fits AUTO_MEMORY_SHARE of the GPU (or no GPU size is known), so that
-    it never takes a larger micro-batch's or a kept layer's place (Qwen3-8B's 4 x 8 under configs/zero2-offload.json
-    leaves room for it on each of two H200s, not on one)."""
+    it never takes a larger micro-batch's or a kept layer's place."""
     from .memory import AUTO_MEMORY_SHARE
 
     setting = plan.cfg.perf.delayed_update_prefetch

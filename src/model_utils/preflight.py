@@ -263,7 +263,7 @@ def _note_offload_accumulation(plan: Plan, report: Report) -> None:
     report.notes.append(
         f"with the optimizer offloaded, DeepSpeed sends each of the {plan.batch.accumulation} micro-batches' gradients "
         "to the CPU and back: \"data_types\": {\"grad_accum_dtype\": \"fp32\"} accumulates them on the GPU and copies "
-        "them once per step (Qwen3-4B on one H100: 1.48x the tokens/s; configs/zero2-offload.json has it), for "
+        "them once per step (configs/zero2-offload.json has it; docs/PERFORMANCE.md gives the gain), for "
         f"~{extra / GIB:.1f} GiB more per GPU{room}")
 
 
@@ -285,8 +285,7 @@ def _note_parameter_fetches(plan: Plan, report: Report) -> None:
             f"ZeRO-3 with the parameters offloaded fetches all of them from host memory for each micro-batch's forward "
             f"and backward (~{fetched / GIB:.0f} GiB per rank), {batch.accumulation} times per step at micro-batch "
             f"{batch.micro}: micro-batch {best} (x {per_rank // best}) fits by the estimate and fetches them "
-            f"{per_rank // best} times (--micro_batch_size auto; Qwen3-4B on one H100 with configs/zero3-offload.json: "
-            "13.1k tokens/s at 4 x 8 against 6.7k at 2 x 16 with SDPA, docs/PERFORMANCE.md)")
+            f"{per_rank // best} times (--micro_batch_size auto; docs/PERFORMANCE.md measures the difference)")
     checkpointed = checkpointed_micro_that_fits(plan)
     if checkpointed is not None:
         micro, gpu = checkpointed
@@ -294,9 +293,7 @@ def _note_parameter_fetches(plan: Plan, report: Report) -> None:
             f"with --gradient_checkpointing, micro-batch {micro} (x {per_rank // micro}) fits by the estimate "
             f"(~{gpu / GIB:.1f} GiB) and fetches the offloaded parameters {per_rank // micro} times per step instead of "
             f"{batch.accumulation}, for a third more forward compute, less with --checkpointed_layers auto, which "
-            "recomputes only the layers the GPU needs (Qwen3-4B on one H100 with configs/zero3-offload.json and "
-            "--delayed_update_from_step 1: 14.8k tokens/s at 16 x 2 with checkpointing against 14.2k at 4 x 8 "
-            "without, 21.9 against 63.9 GiB; 15.6k with 28 of 36 layers recomputed, 68.4 GiB; docs/PERFORMANCE.md)")
+            "recomputes only the layers the GPU needs (docs/PERFORMANCE.md measures both)")
 
 
 def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
@@ -315,14 +312,12 @@ def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
     report.notes.append(
         f"the parameters ZeRO-3 offloads here, and fetches for every micro-batch, fit on the GPU: "
         f"configs/zero2-offload.json (ZeRO-2, the optimizer offloaded, gradients accumulated in fp32 on the "
-        f"GPU) fits at micro-batch {micro} by the estimate (~{gpu / GIB:.1f} GiB) and fetches nothing (Qwen3-4B on "
-        "one H100 with --delayed_update_from_step 1: 17.2k-18.0k tokens/s at 4 x 8 against 15.6k with "
-        "configs/zero3-offload.json at its fastest, 16 x 2 with --checkpointed_layers auto, in another call; "
-        "docs/PERFORMANCE.md)")
+        f"GPU) fits at micro-batch {micro} by the estimate (~{gpu / GIB:.1f} GiB) and fetches nothing, the faster of "
+        "the two where both fit (docs/PERFORMANCE.md)")
 
 
-# Host seconds of each part of an offload update per 10^9 parameters of a rank's offloaded partition, measured on one
-# H100's host (16 cores; benchmarks/offload_step.py; docs/PERFORMANCE.md, Where an offload step goes). Under ZeRO-3 the
+# Host seconds of each part of an offload update per 10^9 parameters of a rank's offloaded partition on a 16-core host
+# (benchmarks/offload_step.py measures them; docs/PERFORMANCE.md, Where an offload step goes). Under ZeRO-3 the
 # delayed update leaves the conversion at the step's boundary, since the forward fetches the weights from the 16-bit
 # partitions it writes.
 OFFLOAD_UPDATE_PARTS_S_PER_BILLION = {"clip": 0.058, "DeepSpeedCPUAdam": 0.205, "bf16 conversion": 0.072,
@@ -358,7 +353,7 @@ def _estimate_offload_update(plan: Plan, report: Report) -> None:
                     "which ZeRO-3 keeps at the step's boundary")
     share = "" if ratio is None else f" (the offloaded {ratio:g} of them)"
     report.estimate(f"offload update: ~{seconds:.1f} s per step on the host for each rank's "
-                    f"{offloaded / 1e9:.2f}B parameters{share} (as on one H100's 16-core host); {overlap}")
+                    f"{offloaded / 1e9:.2f}B parameters{share} (at a 16-core host's rate); {overlap}")
     if os.environ.get("OMP_NUM_THREADS") == "1":
         report.notes.append(
             "OMP_NUM_THREADS=1 (torchrun's default with several processes per node) runs the CPU optimizer update on "

@@ -1,18 +1,18 @@
 """ZeRO with the optimizer offloaded to the CPU: the one-step delayed parameter update (--delayed_update_from_step).
 
 DeepSpeed's offload step runs on the host while the GPU waits: the gradient clip, DeepSpeedCPUAdam over the fp32
-master weights, their conversion to bf16 and the copy back (about 1.4 s per step for Qwen3-4B on one H100, 15% of a
-131,072-token step). ZeRO-Offload's delayed parameter update (Ren et al., 2021) moves that work beside the next
+master weights, their conversion to bf16 and the copy back (docs/PERFORMANCE.md, Where an offload step goes, times
+it). ZeRO-Offload's delayed parameter update (Ren et al., 2021) moves that work beside the next
 step's forward and backward: the update of step t runs in a background thread while step t+1 computes its gradients on
 the weights before that update, and lands in the model at step t+1's boundary. What changes: from the given step on,
 each step's gradients are taken at the weights of one step earlier (the update applied is AdamW's, unchanged).
 ZeRO-1/2 (DelayedUpdate) and ZeRO-3 (DelayedUpdateZero3) each have their own step to replace. Under ZeRO-1/2 the
 thread also copies the new 16-bit weights to a GPU buffer of its own once its update is done (the prefetch), so that
-the boundary's copy of them stays within the GPU (Qwen3-4B on one H100: 7.84 against 8.02 s a step).
+the boundary's copy of them stays within the GPU.
 
 The thread steps DeepSpeedCPUAdam's own state (step count, moments) with torch's fused CPU AdamW, whose kernel releases
-Python's GIL (DeepSpeed's op holds it for the whole update, which starves the GPU of kernel launches: 21 against 675
-TFLOP/s of matrix products beside it, `benchmarks/offload_step.py`). The update in flight is applied (`settle`) before
+Python's GIL (DeepSpeed's op holds it for the whole update, which starves the GPU of kernel launches beside it:
+`benchmarks/offload_step.py` measures it). The update in flight is applied (`settle`) before
 anything reads the weights outside training: checkpoints, evaluations, the export. Those steps are fixed by the run's
 settings, so a run resumed from a checkpoint continues exactly as the run that wrote it.
 """
@@ -29,8 +29,9 @@ DELAYED_UPDATE = Patch(
     "update deferred to a thread, which also copies the new 16-bit partition to a GPU buffer of its own) and "
     ".scale_if_loss (waits for the update in flight before the boundary backward "
     "copies gradients to the host); DeepSpeedCPUAdam's state stepped by torch's fused AdamW",
-    "Qwen3-4B on one H100 (ZeRO-2 offload): the ~1.4 s host update per step runs beside the next step's GPU work "
-    "(docs/PERFORMANCE.md, Big models with CPU offload)",
+    "the host update of each step runs beside the next step's GPU work (docs/PERFORMANCE.md, Big models with CPU "
+    "offload)",
+
     ("tests/distributed/test_delayed_update.py::test_delayed_update_equals_deepspeed_with_gradients_one_step_late",
      "tests/distributed/test_delayed_update.py::test_a_delayed_update_run_resumes_exactly",
      "tests/distributed/test_delayed_update.py::test_the_prefetch_to_the_gpu_changes_no_weight"))
@@ -41,9 +42,9 @@ DELAYED_UPDATE_ZERO3 = Patch(
     "partition bookkeeping kept, the host update deferred to a thread, the 16-bit partitions rewritten from the fp32 "
     "master weights at the next step) and .scale_if_loss (waits for the update in flight before the boundary backward "
     "copies gradients to the host); DeepSpeedCPUAdam's state stepped by torch's fused AdamW",
-    "Qwen3-4B on one H100 (ZeRO-3, parameters and optimizer offloaded, 4 x 8, SDPA): 11,225 tokens/s against 10,361 "
-    "with DeepSpeed's step in the same invocation, 0.97 s off the 12.65 s step (its clip and AdamW: 1.05 s timed "
-    "alone) (docs/PERFORMANCE.md, ZeRO-3 with parameters and optimizer offloaded)",
+    "the host's clip and AdamW run beside the next step's GPU work (docs/PERFORMANCE.md, ZeRO-3 with parameters and "
+    "optimizer offloaded)",
+
     ("tests/distributed/test_delayed_update.py::test_delayed_update_equals_deepspeed_with_gradients_one_step_late",
      "tests/distributed/test_delayed_update.py::test_a_partial_zero3_offload_delays_its_gpu_part_alike",
      "tests/distributed/test_delayed_update.py::test_a_delayed_update_run_resumes_exactly",

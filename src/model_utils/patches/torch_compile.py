@@ -14,8 +14,9 @@ COMPILE_SETTINGS = Patch(
     "torch._dynamo.config's recompile_limit/cache_size_limit (and their accumulated forms) raised to 4 per layer + 8, "
     "and torch._functorch.config.activation_memory_budget set to --activation_budget",
     "the limits keep every layer compiled (a guard that specialises on the module would otherwise send layers past "
-    "the limit to eager); budget 0.9: -8.7 GiB peak on one H100 (Qwen3-0.6B, micro-batch 8: 48.3 -> 39.6 GiB) at "
-    "the same tokens/s, which lets micro-batch 16 fit in 80 GB (70.3 GiB; without the budget it does not)",
+    "the limit to eager); the budget lowers the compiled layers' peak at the same speed, which lets a larger "
+    "micro-batch fit (docs/PERFORMANCE.md, Memory and recomputation)",
+
     ("tests/unit/test_patches.py::test_compile_settings_raise_limits_and_set_the_budget",))
 
 
