@@ -237,11 +237,21 @@ configured_gpus() { # configured_gpus node NAME | configured_gpus partition [NAM
     sed -n 's/.*gpu:\([^:(,]*:\)\{0,1\}\([0-9][0-9]*\).*/\2/p; t; s/.*/0/p' <<<"$gres" | sort -n | head -n1
 }
 
-# Ask for the GPUs: GPUS_PER_NODE, else those SLURM has configured on the nodes
-# (without a GPU request, nodes that constrain devices show a job none).
+# The GPUs per node a job asks for: GPUS_PER_NODE, else those SLURM has configured on the nodes.
+gpus_to_request() { # gpus_to_request node NAME | gpus_to_request partition [NAME]
+    echo "${GPUS_PER_NODE:-$(configured_gpus "$@")}"
+}
+
+# The nodes a batch script asks for: NODES, else its #SBATCH --nodes line.
+script_nodes() { # script_nodes SCRIPT
+    echo "${NODES:-$(sed -n 's/^#SBATCH --nodes=//p' "$1")}"
+}
+
+# Ask for the GPUs (without a GPU request, nodes that constrain devices show a job none).
 GRES_ARGS=()
 request_gpus() { # request_gpus node NAME | request_gpus partition [NAME]
-    local gpus=${GPUS_PER_NODE:-$(configured_gpus "$@")}
+    local gpus
+    gpus=$(gpus_to_request "$@")
     GRES_ARGS=()
     ((${gpus:-0} > 0)) && GRES_ARGS=(--gres=gpu:"$gpus")
     return 0
@@ -335,14 +345,14 @@ planned_world_size() {
     local nodes=1 gpus
     case ${RUN_TARGET[0]:-} in
         standalone) standalone_world_size; return ;;
-        sbatch) nodes=${NODES:-$(sed -n 's/^#SBATCH --nodes=//p' "${RUN_TARGET[1]}")} ;;
+        sbatch) nodes=$(script_nodes "${RUN_TARGET[1]}") ;;
         salloc) ;;
         *) return 0 ;;
     esac
     if [[ -n ${RUN_TARGET[1]:-} && ${RUN_TARGET[0]} == salloc ]]; then
-        gpus=${GPUS_PER_NODE:-$(configured_gpus node "${RUN_TARGET[1]}")}
+        gpus=$(gpus_to_request node "${RUN_TARGET[1]}")
     else
-        gpus=${GPUS_PER_NODE:-$(configured_gpus partition "$PARTITION")}
+        gpus=$(gpus_to_request partition "$PARTITION")
     fi
     echo $((${nodes:-1} * $(tasks_per_node "${gpus:-0}")))
 }
@@ -630,7 +640,7 @@ sbatch_main() { # sbatch_main SCRIPT CONTAINER(0|1) TRAINER_ARGS...
     fi
     RUN_TARGET=(sbatch "$script")
     check_before_allocation "$@"
-    check_node_count "${NODES:-$(sed -n 's/^#SBATCH --nodes=//p' "$script")}"
+    check_node_count "$(script_nodes "$script")"
     request_gpus partition "$PARTITION"
     local submit=(sbatch ${PARTITION:+--partition="$PARTITION"} ${NODES:+--nodes="$NODES"} "${GRES_ARGS[@]}")
     [[ $DRY_RUN == 1 ]] || mkdir -p logs

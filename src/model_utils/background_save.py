@@ -210,7 +210,7 @@ class BackgroundSaves:
                  f"{time.perf_counter() - pending.started:.1f}s")
 
     def _fail(self):
-        from .checkpoint import save_failed
+        from .checkpoint import ANOTHER_RANKS_WRITE, save_failed
 
-        raise save_failed(self.pending.path.name, self.writer.error or "a write failed on another rank",
-                          self.writer.fix or "see the message of the rank whose write failed")
+        cause, fix = (self.writer.error, self.writer.fix) if self.writer.error else ANOTHER_RANKS_WRITE
+        raise save_failed(self.pending.path.name, cause, fix)

@@ -93,19 +93,29 @@ def _running_torch(torch_version: str | None) -> str:
     return torch.__version__
 
 
-def leftover_locks(torch_version: str | None = None) -> list[Path]:
-    """Lock files a FileBaton torch would wait for forever although no build holds them: files left by an OS-lock
-    torch of another environment after a finished build. None with an OS-lock torch (it ignores such files)."""
-    if torch_locks_with_os_lock(_running_torch(torch_version)):
+HELD, LEFTOVER, FREE = "held", "leftover", "free"
+
+
+def _filebaton_locks(torch_version: str) -> list[tuple[Path, str, float]]:
+    """Each lock file of the running torch's build directory that a FileBaton torch would wait for, with its state
+    (HELD by an OS-lock torch's build, a LEFTOVER of a finished one, else FREE) and its mtime; none for an OS-lock
+    torch, which waits only for a held lock (a build in progress)."""
+    if torch_locks_with_os_lock(torch_version):
         return []
     found = []
-    for lock in sorted(build_directory().glob("*/lock")):
+    for lock in sorted(build_directory().glob("*/lock")):  # <op>/lock
         try:
-            if not is_held(lock) and _built_after(lock):
-                found.append(lock)
+            state = HELD if is_held(lock) else LEFTOVER if _built_after(lock) else FREE
+            found.append((lock, state, lock.stat().st_mtime))
         except FileNotFoundError:  # a build finished meanwhile
             continue
     return found
+
+
+def leftover_locks(torch_version: str | None = None) -> list[Path]:
+    """Lock files a FileBaton torch would wait for forever although no build holds them: files left by an OS-lock
+    torch of another environment after a finished build. None with an OS-lock torch (it ignores such files)."""
+    return [lock for lock, state, _ in _filebaton_locks(_running_torch(torch_version)) if state == LEFTOVER]
 
 
 def remove_leftover_locks(log, torch_version: str | None = None) -> None:
@@ -122,31 +132,23 @@ def remove_leftover_locks(log, torch_version: str | None = None) -> None:
 
 def stale_build_lock_problems(now: float | None = None, torch_version: str | None = None) -> list[Problem]:
     """The op build locks in the running torch's build directory that would make the run wait forever: with
-    FileBaton (torch <= 2.13), a file nobody holds that is older than STALE_BUILD_LOCK_S and is not a leftover the run
-    removes, or a file an OS-lock torch holds (it keeps the file after its build); with an OS lock (torch >= 2.14),
-    none (a free file is no obstacle, a held one is a build in progress)."""
+    FileBaton (torch <= 2.13), a free file older than STALE_BUILD_LOCK_S (a killed build), or a file an OS-lock torch
+    holds (it keeps the file after its build); leftovers are not problems, the run removes them. With an OS lock
+    (torch >= 2.14), none (a free file is no obstacle, a held one is a build in progress)."""
     torch_version = _running_torch(torch_version)
-    if torch_locks_with_os_lock(torch_version):
-        return []
     root = build_directory()
     now = time.time() if now is None else now
     problems = []
-    for lock in sorted(root.glob("*/lock")):  # <op>/lock
-        op = lock.parent.name
-        try:
-            age = now - lock.stat().st_mtime
-            held = is_held(lock)
-            leftover = not held and _built_after(lock)
-        except FileNotFoundError:  # a build finished meanwhile
-            continue
-        if held:
+    for lock, state, mtime in _filebaton_locks(torch_version):
+        op, age = lock.parent.name, now - mtime
+        if state == HELD:
             problems.append(Problem(
                 "TORCH_EXTENSIONS_DIR", str(root),
                 f"{lock} is held by a build of the {op} op by a torch that keeps its lock files (>= 2.14, another "
                 f"environment): torch {torch_version} waits while the file exists, which would be forever",
                 "run again once that build has finished (the file it leaves is then removed at the start), or give "
                 "this environment its own TORCH_EXTENSIONS_DIR"))
-        elif age >= STALE_BUILD_LOCK_S and not leftover:
+        elif state == FREE and age >= STALE_BUILD_LOCK_S:
             problems.append(Problem(
                 "TORCH_EXTENSIONS_DIR", str(root),
                 f"{lock} is {age / 60:.0f} minutes old: a build of the {op} op was stopped before it finished, and "

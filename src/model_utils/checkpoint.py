@@ -323,6 +323,10 @@ def write_failure(error: BaseException, path: Path) -> tuple[str, str]:
     return f"writing {path} failed: {error}", f"fix what the error names in {ckpt_dir}"
 
 
+# The cause and fix a rank reports when the write that failed was another rank's (that rank's message names it).
+ANOTHER_RANKS_WRITE = ("a write failed on another rank", "see the message of the rank whose write failed")
+
+
 def save_failed(pending_name: str, cause: str, fix: str) -> SaveFailed:
     return SaveFailed(f"checkpoint {pending_name} could not be written ({cause}); the previous complete checkpoint "
                       f"stays `latest`. Fix: {fix}; then run again to resume from it")
@@ -428,8 +432,7 @@ def agree_on_failure(failure: tuple[str, str] | None, tag: str, dist) -> None:
     failed = torch.tensor([1.0 if failure else 0.0], device=dist.device)
     dist.all_reduce(failed, torch.distributed.ReduceOp.MAX)
     if failed.item():
-        raise save_failed(tag, *(failure or ("a write failed on another rank",
-                                             "see the message of the rank whose write failed")))
+        raise save_failed(tag, *(failure or ANOTHER_RANKS_WRITE))
 
 
 def commit_everywhere(pending: PendingSave, dist, log):
