@@ -40,13 +40,13 @@ from report import (best_per_side, flops_per_token, is_hf_liger_peer, loss_check
                     throughput, versions)
 from telemetry import GpuTelemetry  # noqa: E402
 
-from model_utils.arguments import PerfConfig  # noqa: E402  (src/ is on the path once common is imported)
+from model_utils.config import SpeedConfig  # noqa: E402  (src/ is on the path once common is imported)
 
 # Each speed lever's value that leaves it off (the libraries' own behaviour), for every lever a variant does not name.
 LEVERS_OFF = {"fused_kernels": "auto", "liger_kernels": "all", "flce_chunk_budget": 1, "compile": "off",
               "activation_budget": 1.0, "attention_kernel": "sdpa", "sdpa_backend": "auto", "overflow_check": "scan",
               "delayed_update_prefetch": "off"}
-assert set(LEVERS_OFF) == set(PerfConfig().as_dict()), "every speed lever needs its 'off' value here"
+assert set(LEVERS_OFF) == set(SpeedConfig().as_dict()), "every speed lever needs its 'off' value here"
 
 
 def _variant(**levers) -> dict:
@@ -103,7 +103,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     import torch
 
     from model_utils.models import gpu_peak_tflops
-    from model_utils.train_utils import distributed_env_problems, setup_distributed
+    from model_utils.distributed import distributed_env_problems, setup_distributed
     from train_deepspeed import agree_after_step, parse_args, setup, train_step
 
     steps, warmup = job["steps"], job["warmup"]
@@ -209,9 +209,9 @@ def gpu_count() -> int:
 def worker_env(environ, nproc: int, torch_threads: int) -> dict:
     """The environment of a measurement's processes: no rank variables of an enclosing launcher, and with several
     processes each one's share of this host's threads (`torch_threads`, torch's count here) as OMP_NUM_THREADS, by
-    train_utils.host_threads, the count the trainer takes for itself beside other ranks. Both sides get it: torchrun
+    process.host_threads, the count the trainer takes for itself beside other ranks. Both sides get it: torchrun
     would set 1, leaving an offloaded optimizer's CPU Adam one core per rank. A count the caller set is kept."""
-    from model_utils.train_utils import host_threads
+    from model_utils.process import host_threads
 
     env = dict(environ, PYTHONUNBUFFERED="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -19,7 +19,7 @@ GIB = 1024**3
 def normalize_env():
     """What every benchmark process sets up first: TORCH_CUDA_ARCH_LIST in the form DeepSpeed's op builder parses, as
     the trainer normalises it, and TOKENIZERS_PARALLELISM off unless it is set."""
-    from model_utils.train_utils import normalize_cuda_arch_list
+    from model_utils.distributed import normalize_cuda_arch_list
 
     normalize_cuda_arch_list()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -28,9 +28,9 @@ def normalize_env():
 def ds_config_for(job: dict, path_out: Path) -> Path:
     """The job's DeepSpeed config, written to `path_out`: the named file, with an optional ZeRO stage override and
     the --ds-set values."""
-    from model_utils.arguments import TrainConfig
+    from model_utils.config import TrainConfig
 
-    src = TrainConfig(ds_config=job.get("ds_config", "ds_config.json")).resolved_ds_config_path()
+    src = TrainConfig.from_flags(ds_config=job.get("ds_config", "ds_config.json")).optim.ds_config_path
     raw = json.loads(src.read_text())
     if job.get("zero_stage") is not None:
         stage = int(job["zero_stage"])

@@ -41,7 +41,7 @@ def hf_ds_config(job: dict, workdir: Path) -> dict:
 
 def worker_hf(job: dict, workdir: Path) -> dict:
     normalize_env()
-    from model_utils.train_utils import distributed_env_problems
+    from model_utils.distributed import distributed_env_problems
 
     assert not distributed_env_problems()  # a single process gets RANK/WORLD_SIZE/MASTER_* like the trainer's
     import numpy as np

@@ -2,7 +2,7 @@
 `memory.layer_activation_bytes_per_token` (compiled layers) and `memory.eager_layer_activation_bytes_per_token`.
 
 For each model it builds the preset with 1 and with 3 decoder layers, applies the trainer's speed levers (the same
-`apply_speed_levers`), and reads the memory a forward pass leaves allocated for the backward at micro-batches 1 and 2.
+`apply_speed_options`), and reads the memory a forward pass leaves allocated for the backward at micro-batches 1 and 2.
 The difference between 3 layers and 1, over 2 layers and the batch's tokens, is one layer's activations per token;
 the embedding, the loss and the logits cancel. One JSON line per model, layer count and micro-batch goes to --json.
 
@@ -26,7 +26,7 @@ def measure(model_name: str, layers: int, micros, seq_len: int, perf, log) -> li
     which compiles)."""
     import torch
 
-    from model_utils.levers import apply_speed_levers
+    from model_utils.speed import apply_speed_options
     from model_utils.memory import eager_layer_activation_bytes_per_token, layer_activation_bytes_per_token
     from model_utils.models import build_model, model_config
 
@@ -34,7 +34,7 @@ def measure(model_name: str, layers: int, micros, seq_len: int, perf, log) -> li
     config.num_hidden_layers = layers
     model = build_model(model_name, config, torch.bfloat16, "sdpa", gradient_checkpointing=False)
     model.to("cuda")
-    applied = apply_speed_levers(model, perf, cuda=True, log=log)
+    applied = apply_speed_options(model, perf, cuda=True, log=log)
     model.train()
     rows = []
     for micro in micros:
@@ -89,12 +89,12 @@ def main(argv=None) -> int:
     normalize_env()
     import torch
 
-    from model_utils.arguments import PerfConfig
+    from model_utils.config import SpeedConfig
 
     if not torch.cuda.is_available():
         print("layer_activations.py measures GPU memory: no GPU here", file=sys.stderr)
         return 2
-    perf = PerfConfig(compile=a.compile, attention_kernel=a.attention_kernel)
+    perf = SpeedConfig(compile=a.compile, attention_kernel=a.attention_kernel)
     for name in a.models:
         rows = [row for layers in LAYER_COUNTS
                 for row in measure(name, layers, MICRO_BATCHES, a.seq_len, perf, lambda m: print(f"  {m}"))]

@@ -25,7 +25,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_fixtures import *  # noqa: E402,F401,F403
 from slurm_fixtures import LAUNCHER_SETTINGS  # noqa: E402
-from model_utils.train_utils import free_port  # noqa: E402
+from model_utils.distributed import free_port# noqa: E402
 
 # Hermetic: what a user's shell commonly exports must not change a test's outcome. Every launcher setting
 # (scripts/launch_common.sh), SLURM's job variables, a distributed rank environment and its OpenMP threads, GPU
@@ -90,11 +90,11 @@ def pytest_collection_modifyitems(items):
 def session_cache(tmp_path_factory) -> Path:
     """One cache (embedded corpus, packed tokens) for every trainer the tests start; built once, here."""
     cache = Path(os.environ["DEEPSPEED_LM_CACHE"])  # the session's own (pytest_configure)
-    from model_utils.arguments import TrainConfig
+    from model_utils.config import DataConfig
     from model_utils.concat_dataset import build_token_files, cache_dir_for, resolve_source
     from model_utils.tokenizer import load_tokenizer
 
-    cfg = TrainConfig()
+    cfg = DataConfig()
     tokenizer = load_tokenizer(None)
     out = cache_dir_for(cfg, resolve_source(cfg), tokenizer)
     build_token_files(cfg, tokenizer, out, log=lambda *_: None)

@@ -9,7 +9,7 @@ import os
 import time
 
 from conftest import REPO
-from model_utils.run_lock import LOCK_FILE
+from model_utils.run_lock import LOCK
 
 SHIPPED = json.loads((REPO / "ds_config.json").read_text())
 
@@ -50,7 +50,7 @@ def bad_jsonl_line(d):
 
 def write_lock(directory, age_s=0.0, **holder):
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / LOCK_FILE
+    path = directory / LOCK
     path.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "job_id": None, "started": "earlier",
                                 "token": "theirs", **holder}))
     past = time.time() - age_s

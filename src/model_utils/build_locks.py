@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import Problem
+from .config import Problem
 
 STALE_BUILD_LOCK_S = 15 * 60
 # The first torch release whose JIT builder locks with filelock instead of FileBaton.

@@ -30,16 +30,8 @@ from pathlib import Path
 
 import torch
 
-from .arguments import REPO_ROOT
-
-TAG_RE = re.compile(r"^step-(\d{8})$")
-MANIFEST = "manifest.json"
-LATEST = "latest"
-INCOMPLETE_DIR = "incomplete"
-
-
-def tag_for(step: int) -> str:
-    return f"step-{step:08d}"
+from .config import REPO_ROOT
+from .run_dir import CHECKPOINT_NAME, INCOMPLETE, LATEST, MANIFEST, checkpoint_name  # noqa: F401  (names of the protocol)
 
 
 def _fsync_file(path: Path):
@@ -90,7 +82,7 @@ class CheckpointInfo:
 
 
 def inspect_checkpoint(path: Path) -> CheckpointInfo:
-    m = TAG_RE.match(path.name)
+    m = CHECKPOINT_NAME.match(path.name)
     info = CheckpointInfo(path, int(m.group(1)) if m else -1)
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
@@ -116,7 +108,7 @@ def inspect_checkpoint(path: Path) -> CheckpointInfo:
 def list_checkpoints(ckpt_dir: Path) -> list[CheckpointInfo]:
     if not ckpt_dir.is_dir():
         return []
-    dirs = [p for p in ckpt_dir.iterdir() if p.is_dir() and TAG_RE.match(p.name)]
+    dirs = [p for p in ckpt_dir.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)]
     return sorted((inspect_checkpoint(p) for p in dirs), key=lambda c: c.step, reverse=True)
 
 
@@ -142,7 +134,7 @@ def read_latest(ckpt_dir: Path) -> tuple[str | None, str | None]:
         return None, f"{latest} holds {len(raw)} bytes that are not text ({raw[:16]!r}...)"
     if not name:
         return None, f"{latest} is empty"
-    if not TAG_RE.match(name):
+    if not CHECKPOINT_NAME.match(name):
         return None, f"{latest} holds {name[:60]!r}, not a checkpoint name (step-XXXXXXXX)"
     if not (ckpt_dir / name).is_dir():
         return None, f"{latest} names {name}, which does not exist"
@@ -168,10 +160,10 @@ def find_resume_checkpoint(ckpt_dir: Path, warn) -> CheckpointInfo | None:
 def aside_path(ckpt_dir: Path, name: str) -> Path:
     """Where an incomplete checkpoint `name` is moved: incomplete/NAME, or incomplete/NAME.N where that is taken (the
     same step cut short again)."""
-    target = ckpt_dir / INCOMPLETE_DIR / name
+    target = ckpt_dir / INCOMPLETE / name
     n = 1
     while target.exists():
-        target = ckpt_dir / INCOMPLETE_DIR / f"{name}.{n}"
+        target = ckpt_dir / INCOMPLETE / f"{name}.{n}"
         n += 1
     return target
 
@@ -196,7 +188,7 @@ def move_incomplete_aside(ckpt_dir: Path, warn) -> list[str]:
 
 def resolve_explicit(path: Path, warn) -> CheckpointInfo:
     """--resume_from_checkpoint: a step directory, or a checkpoint directory (newest complete one inside)."""
-    if TAG_RE.match(path.name):
+    if CHECKPOINT_NAME.match(path.name):
         info = inspect_checkpoint(path)
         if not info.complete:
             raise ResumeError(f"--resume_from_checkpoint {path}: {info.problem}")
@@ -217,7 +209,7 @@ def data_position_problems(manifest: dict, path: Path, data: dict) -> list:
     """What makes the checkpoint's data position (blocks of its --seq_len, in its data, by its tokenizer) mean other
     tokens in this run: one Problem per differing setting, with both values and the fix. `data`: this run's entries
     as save() records them (seq_len, tokenizer_identity, data); an entry the manifest lacks is not compared."""
-    from .arguments import Problem
+    from .config import Problem
 
     problems = []
     fix = "or start a new run in another --checkpoint_dir"
@@ -397,7 +389,7 @@ def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng
     """Save on every rank. Without `writer`, returns once the checkpoint is complete and visible (manifest, `latest`).
     With a background_save.HostCopyWriter installed as the engine's checkpoint engine, returns once the state is in
     host memory; commit_save makes it visible after every rank's writes are done."""
-    tag = tag_for(step)
+    tag = checkpoint_name(step)
     path = ctx.ckpt_dir / tag
     pending = PendingSave(ctx, path, step, {k: v for k, v in client_state.items()
                                             if k in ("tokens_seen", "data_position")}, time.perf_counter())

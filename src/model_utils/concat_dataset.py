@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .arguments import Problem, TrainConfig
+from .config import Problem, TrainConfig
 from .corpus import build_embedded_corpus, default_cache_root
 
 VALIDATION_SPLIT_NAMES = ("validation", "valid", "val", "dev")
@@ -539,11 +539,12 @@ def dummy_packed(num_blocks: int, seq_len: int, vocab_size: int, seed: int) -> P
     return PackedData(packed, train_ids, packed, val_ids, f"dummy data: {num_blocks} random blocks of {seq_len}")
 
 
-def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, source: DataSource | None = None) -> PackedData:
+def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, source: DataSource | None = None,
+                 seed: int = 0) -> PackedData:
     """Build the token cache once (global rank 0; a node that cannot see it builds its own), then open it everywhere.
     `source`: what --dataset means, as the run's plan resolved it (resolved here where not given)."""
     if cfg.dummy_data:
-        return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), cfg.seed)
+        return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), seed)
     error: DataError | None = None
     out_dir = None
     if dist.rank == 0:

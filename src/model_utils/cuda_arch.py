@@ -1,5 +1,5 @@
 """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it, in one place: the trainer normalises its own
-environment with it (train_utils.normalize_cuda_arch_list), and the launchers run this file to check and normalise
+environment with it (distributed.normalize_cuda_arch_list), and the launchers run this file to check and normalise
 the value they export (scripts/launch_common.sh), so a malformed entry stops a launch before any job starts.
 
     python3 src/model_utils/cuda_arch.py "8.0 9.0a;10.0f+PTX"     prints 8.0;9.0;10.0+PTX (exit 1 with the reason)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .arguments import Problem, TrainConfig
+from .config import BatchConfig, Problem, TrainConfig
 from .memory import choose_micro_batch
 
 AUTO = "auto"
@@ -85,25 +85,42 @@ def check_optimizer(opt: dict, where: str = "optimizer") -> list[Problem]:
 
 
 def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_size: int | None = None,
-            check_classes: bool = True, seq_len: int | None = None,
-            choose_micro=None) -> tuple[dict, list[str], list[Problem]]:
-    """Return (resolved config, notes for the log, problems).
+            check_classes: bool = True, seq_len: int | None = None) -> tuple[dict, list[str], list[Problem]]:
+    """The whole config resolved at once, with the default micro-batch where the batch asks for an automatic one (no
+    memory estimate: a machine without the model, the tests). plan.py composes the same steps with the automatic
+    micro-batch its memory model chooses: `resolve_settings`, `BatchRequest.of`, `settle_batch`, `with_batch`."""
+    ds, notes, problems = resolve_settings(raw, cfg, hardware, hidden_size, check_classes)
+    request, notes_, problems_ = BatchRequest.of(raw, cfg.batch, world_size, seq_len)
+    notes += notes_
+    problems += problems_
+    if request is not None:
+        micro = request.micro or choose_micro_batch(seq_len or 1, None, None, request.divides)[0]
+        batch, notes_, problems_ = settle_batch(request, micro, seq_len or 0)
+        notes += notes_
+        problems += problems_
+        if batch is not None:
+            return with_batch(ds, batch, notes, problems)
+    return ds, notes, problems
+
+
+def resolve_settings(raw: dict, cfg: TrainConfig, hardware: str, hidden_size: int | None = None,
+                     check_classes: bool = True) -> tuple[dict, list[str], list[Problem]]:
+    """Return (config, notes for the log, problems): everything but the batch resolved (the batch keys stay as
+    written; `with_batch` writes them).
 
     "auto" takes the matching flag's value or the default written here; a flag given explicitly replaces a concrete
-    config value, and a note says so. The batch: see `_resolve_batch`; `choose_micro(allowed, ds)` picks the automatic
-    micro-batch from the config resolved so far (plan.py: by the memory estimate), memory.AUTO_MICRO_WITHOUT_GPU where
-    none is given. `hardware` is the best
-    precision the training devices support (`hardware_precision`): "bf16", "fp16" or "fp32". `check_classes` False
-    skips checking the optimizer's and scheduler's parameters against their classes (a machine without torch and
-    DeepSpeed).
+    config value, and a note says so. `hardware` is the best precision the training devices support
+    (`hardware_precision`): "bf16", "fp16" or "fp32". `check_classes` False skips checking the optimizer's and
+    scheduler's parameters against their classes (a machine without torch and DeepSpeed).
     """
     ds = copy.deepcopy(raw)
     notes: list[str] = []
     problems: list[Problem] = []
+    optim, max_steps = cfg.optim, cfg.batch.max_steps
 
     def setting(container: dict, key: str, flag: str | None, flag_value, auto_value, label: str):
         current = container.get(key, AUTO)
-        if flag and flag in cfg.explicit and flag_value is not None:
+        if flag and flag_value is not None:  # the overriding flags default to None: set means given
             if current not in (AUTO, flag_value):
                 notes.append(f"--{flag} {flag_value} overrides {label}={current} from the DeepSpeed config")
             container[key] = flag_value
@@ -111,16 +128,9 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
             container[key] = auto_value
         return container[key]
 
-    # Precision first: the automatic micro-batch sizes the model states by it.
     notes_, problems_ = resolve_precision(ds, hardware)
     notes += notes_
     problems += problems_
-    batch_problems = _resolve_batch(ds, cfg, world_size, seq_len, choose_micro, setting, notes)
-    if batch_problems:  # reported once, as what is wrong with the batch, not again as an "auto" left unresolved
-        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-            if ds.get(key) == AUTO:
-                ds[key] = None
-    problems += batch_problems
 
     setting(ds, "gradient_clipping", None, None, 1.0, "gradient_clipping")
 
@@ -128,7 +138,7 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
     opt = ds.get("optimizer")
     if isinstance(opt, dict):
         params = opt.setdefault("params", {})
-        setting(params, "lr", "learning_rate", cfg.learning_rate, 3e-4, "optimizer.params.lr")
+        setting(params, "lr", "learning_rate", optim.learning_rate, 3e-4, "optimizer.params.lr")
         if check_classes:
             problems += check_optimizer(opt)
 
@@ -139,20 +149,20 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
             problems += check_scheduler(sched)
         if "total_num_steps" in params or sched.get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
             total = params.get("total_num_steps", AUTO)
-            if total not in (AUTO, cfg.max_steps):
-                notes.append(f"scheduler total_num_steps={total} replaced by --max_steps {cfg.max_steps}")
-            params["total_num_steps"] = cfg.max_steps
+            if total not in (AUTO, max_steps):
+                notes.append(f"scheduler total_num_steps={total} replaced by --max_steps {max_steps}")
+            params["total_num_steps"] = max_steps
         if "warmup_num_steps" in params or sched.get("type") in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-            auto_warmup = max(1, math.ceil(0.05 * cfg.max_steps))
-            warmup = setting(params, "warmup_num_steps", "warmup_steps", cfg.warmup_steps, auto_warmup,
+            auto_warmup = max(1, math.ceil(0.05 * max_steps))
+            warmup = setting(params, "warmup_num_steps", "warmup_steps", optim.warmup_steps, auto_warmup,
                              "scheduler.params.warmup_num_steps")
             if isinstance(warmup, int) and warmup < 1:
                 problems.append(Problem("scheduler.params.warmup_num_steps", warmup,
                                         f"{sched.get('type')} needs at least one warmup step",
                                         "use 1 for (almost) no warmup"))
-            elif isinstance(warmup, int) and warmup >= cfg.max_steps:
+            elif isinstance(warmup, int) and warmup >= max_steps:
                 problems.append(Problem("scheduler.params.warmup_num_steps", warmup,
-                                        f"warmup is not shorter than the run (--max_steps {cfg.max_steps})",
+                                        f"warmup is not shorter than the run (--max_steps {max_steps})",
                                         'lower it, use "auto" (5% of max_steps), or raise --max_steps'))
         if "warmup_max_lr" in params and params["warmup_max_lr"] == AUTO and isinstance(opt, dict):
             params["warmup_max_lr"] = opt["params"]["lr"]
@@ -167,16 +177,13 @@ def resolve(raw: dict, cfg: TrainConfig, world_size: int, hardware: str, hidden_
                 zero[key] = value
 
     problems += _check_partial_offload(ds)
-    problems += check_delayed_update(ds, cfg.delayed_update_from_step)
+    problems += check_delayed_update(ds, optim.delayed_update_from_step)
     ratio = partial_offload_ratio(ds)
     if ratio is not None and not _partial_offload_state_kept():
         notes.append(f"zero_optimization.offload_optimizer.ratio {ratio:g}: this DeepSpeed's ZeRO-3 checkpoints hold "
                      "the Adam moments of the offloaded part only (its CPU Adam's state, not that of the AdamW updating "
                      "the rest on the GPU), and the patch that adds them is tested with another release: a resume "
                      "restarts the GPU part's moments and does not continue exactly")
-    for path, value in _leftover_autos(ds):
-        problems.append(Problem(path, value, "has no automatic value in this project",
-                                "replace \"auto\" by a concrete value"))
     return ds, notes, problems
 
 
@@ -280,100 +287,135 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def accumulation_at(ds: dict, cfg: TrainConfig, world: int, seq_len: int | None, micro: int) -> int | None:
-    """The gradient accumulation `_resolve_batch` gives micro-batch `micro` with this (possibly partly resolved)
-    config: derived from the global batch where one is stated (--global_batch_tokens, else a concrete
-    train_batch_size), else the flag's, else the config's, else 1; None where the global batch does not divide."""
-    blocks = ds.get("train_batch_size", AUTO)
-    if cfg.global_batch_tokens is not None and seq_len:
-        blocks = cfg.global_batch_tokens // seq_len
-    if _positive_int(blocks):
-        return blocks // (micro * world) if blocks % (micro * world) == 0 else None
-    if "gradient_accumulation_steps" in cfg.explicit:
-        return cfg.gradient_accumulation_steps
-    config_accum = ds.get("gradient_accumulation_steps", AUTO)
-    return config_accum if _positive_int(config_accum) else 1
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
-def _resolve_batch(ds: dict, cfg: TrainConfig, world: int, seq_len: int | None, choose_micro, setting,
-                   notes: list[str]) -> list[Problem]:
-    """The batch in place: micro x accumulation x world = train_batch_size (blocks per optimizer step).
+@dataclass(frozen=True)
+class BatchRequest:
+    """The batch as the flags and the config state it, before a micro-batch is chosen: micro x accumulation x world =
+    blocks per optimizer step.
 
-    The global batch is stated once: --global_batch_tokens, else a concrete train_batch_size; accumulation is then
-    derived, so a change of node count keeps the optimisation the same. The micro-batch is the flag's, else the
-    config's, else ("auto") chosen, among those that divide the global batch. Without a global batch, accumulation is
-    the flag's, else the config's, else 1."""
-    problems: list[Problem] = []
-    blocks = None  # blocks per optimizer step, where stated
-    given = ds.get("train_batch_size", AUTO)
-    if cfg.global_batch_tokens is not None and seq_len:
-        if cfg.global_batch_tokens % seq_len:
-            low = max(seq_len, cfg.global_batch_tokens // seq_len * seq_len)
-            problems.append(Problem("--global_batch_tokens", cfg.global_batch_tokens,
-                                    f"is not a whole number of blocks of {seq_len} tokens (--seq_len)",
-                                    f"use a multiple of {seq_len}, e.g. {low} or {low + seq_len}"))
-            return problems
-        blocks = cfg.global_batch_tokens // seq_len
-        if given not in (AUTO, blocks):
-            notes.append(f"--global_batch_tokens {cfg.global_batch_tokens:,} ({blocks} blocks of {seq_len}) overrides "
-                         f"train_batch_size={given}")
-    elif given != AUTO:
-        if not _positive_int(given):
-            return [Problem("train_batch_size", given, "must be a positive integer (blocks per optimizer step)",
-                            'set "train_batch_size": "auto" and state the batch with --global_batch_tokens')]
-        blocks = given
+    The global batch is stated once: --global_batch_tokens, else a concrete train_batch_size; the accumulation is then
+    derived (`accumulation_at`), so a change of node count keeps the optimisation the same. The micro-batch is the
+    flag's, else the config's, else (None) chosen automatically among those that `divides`. Without a global batch
+    the accumulation is the flag's, else the config's, else 1."""
 
-    def divides(micro: int) -> bool:
-        return blocks is None or blocks % (micro * world) == 0
+    world: int
+    blocks: int | None  # blocks per optimizer step where stated
+    micro: int | None  # the micro-batch given; None: automatic
+    accumulation: int | None  # the accumulation given (flag or config); derived where `blocks` is stated
+    accumulation_flag: int | None  # --gradient_accumulation_steps, checked against a derived accumulation
+    config_accumulation: object  # the config's gradient_accumulation_steps as written
+    global_batch_tokens: int | None  # --global_batch_tokens, for messages
+    seq_len: int
 
-    micro_flag = cfg.micro_batch_size if "micro_batch_size" in cfg.explicit else None
-    current = ds.get("train_micro_batch_size_per_gpu", AUTO)
-    if micro_flag == AUTO or (micro_flag is None and current == AUTO):
-        micro = choose_micro(divides, ds) if choose_micro else choose_micro_batch(seq_len or 1, None, None, divides)[0]
-        ds["train_micro_batch_size_per_gpu"] = micro
-    else:
-        micro = setting(ds, "train_micro_batch_size_per_gpu", "micro_batch_size", micro_flag, 1,
-                        "train_micro_batch_size_per_gpu")
-    if not _positive_int(micro):
-        return [Problem("train_micro_batch_size_per_gpu", micro, "must be a positive integer",
-                        'set "train_micro_batch_size_per_gpu" to 1 or more, or "auto" (sized by the GPU memory)')]
+    @classmethod
+    def of(cls, raw: dict, batch: BatchConfig, world: int, seq_len: int | None
+           ) -> tuple[BatchRequest | None, list[str], list[Problem]]:
+        """(the request, notes, problems); None where the batch cannot be stated (a problem says why)."""
+        notes: list[str] = []
+        blocks = None
+        given = raw.get("train_batch_size", AUTO)
+        if batch.global_batch_tokens is not None and seq_len:
+            if batch.global_batch_tokens % seq_len:
+                low = max(seq_len, batch.global_batch_tokens // seq_len * seq_len)
+                return None, notes, [Problem("--global_batch_tokens", batch.global_batch_tokens,
+                                             f"is not a whole number of blocks of {seq_len} tokens (--seq_len)",
+                                             f"use a multiple of {seq_len}, e.g. {low} or {low + seq_len}")]
+            blocks = batch.global_batch_tokens // seq_len
+            if given not in (AUTO, blocks):
+                notes.append(f"--global_batch_tokens {batch.global_batch_tokens:,} ({blocks} blocks of {seq_len}) "
+                             f"overrides train_batch_size={given}")
+        elif given != AUTO:
+            if not _positive_int(given):
+                return None, notes, [Problem("train_batch_size", given,
+                                             "must be a positive integer (blocks per optimizer step)",
+                                             'set "train_batch_size": "auto" and state the batch with '
+                                             '--global_batch_tokens')]
+            blocks = given
+        micro = batch.micro_batch_size if batch.micro_batch_size is not None else raw.get(
+            "train_micro_batch_size_per_gpu", AUTO)
+        if micro != AUTO and not _positive_int(micro):
+            return None, notes, [Problem("train_micro_batch_size_per_gpu", micro, "must be a positive integer",
+                                         'set "train_micro_batch_size_per_gpu" to 1 or more, or "auto" (sized by '
+                                         'the GPU memory)')]
+        config_micro = raw.get("train_micro_batch_size_per_gpu", AUTO)
+        if batch.micro_batch_size not in (None, AUTO) and config_micro not in (AUTO, batch.micro_batch_size):
+            notes.append(f"--micro_batch_size {batch.micro_batch_size} overrides "
+                         f"train_micro_batch_size_per_gpu={config_micro} from the DeepSpeed config")
+        config_accum = raw.get("gradient_accumulation_steps", AUTO)
+        accumulation = None
+        if blocks is None:
+            accumulation = batch.gradient_accumulation_steps or (1 if config_accum == AUTO else config_accum)
+            if not _positive_int(accumulation):
+                return None, notes, [Problem("gradient_accumulation_steps", accumulation, "must be a positive integer",
+                                             'set "gradient_accumulation_steps" to 1 or more, or "auto"')]
+            if batch.gradient_accumulation_steps and config_accum not in (AUTO, accumulation):
+                notes.append(f"--gradient_accumulation_steps {accumulation} overrides "
+                             f"gradient_accumulation_steps={config_accum} from the DeepSpeed config")
+        return cls(world, blocks, None if micro == AUTO else micro, accumulation, batch.gradient_accumulation_steps,
+                   config_accum, batch.global_batch_tokens, seq_len or 0), notes, []
 
-    accum_flag = cfg.gradient_accumulation_steps if "gradient_accumulation_steps" in cfg.explicit else None
-    config_accum = ds.get("gradient_accumulation_steps", AUTO)
-    if blocks is None:
-        accum = setting(ds, "gradient_accumulation_steps", "gradient_accumulation_steps", accum_flag, 1,
-                        "gradient_accumulation_steps")
-        if not _positive_int(accum):
-            return [Problem("gradient_accumulation_steps", accum, "must be a positive integer",
-                            'set "gradient_accumulation_steps" to 1 or more, or "auto"')]
-    else:
-        stated = (f"--global_batch_tokens {cfg.global_batch_tokens:,}" if cfg.global_batch_tokens is not None
-                  else f"train_batch_size {blocks}")
-        if not divides(micro):
-            if cfg.global_batch_tokens is not None:
-                return [Problem("--global_batch_tokens", cfg.global_batch_tokens,
-                                f"{blocks} blocks per step is not a multiple of micro-batch {micro} x world size {world}",
-                                f"use a multiple of {micro * world * seq_len:,} tokens, or another micro-batch")]
-            return [Problem("train_batch_size", blocks,
-                            f"is not a multiple of micro-batch {micro} x world size {world}",
-                            f'set "train_batch_size": "auto" (or a multiple of {micro * world}), or another micro-batch')]
-        accum = blocks // (micro * world)
-        if accum_flag is not None and accum_flag != accum:
-            problems.append(Problem("--gradient_accumulation_steps", accum_flag,
-                                    f"contradicts {stated}: {blocks} blocks / (micro {micro} x world {world}) = {accum}",
-                                    "drop --gradient_accumulation_steps: it is derived from the global batch"))
-        elif config_accum not in (AUTO, accum):
-            if cfg.global_batch_tokens is not None:
-                notes.append(f"gradient_accumulation_steps={config_accum} replaced by {accum}, derived from {stated}")
-            else:
-                problems.append(Problem("train_batch_size", blocks,
-                                        f"must equal micro ({micro}) x grad_acc ({config_accum}) x world size ({world}) "
-                                        f"= {micro * config_accum * world}",
-                                        'set "gradient_accumulation_steps": "auto" to derive it from train_batch_size, '
-                                        'or "train_batch_size": "auto"'))
-        ds["gradient_accumulation_steps"] = accum
-    ds["train_batch_size"] = blocks if blocks is not None else micro * accum * world
-    return problems
+    def divides(self, micro: int) -> bool:
+        """Whether `micro` blocks per rank make up the global batch in whole micro-batches."""
+        return self.blocks is None or self.blocks % (micro * self.world) == 0
+
+    def accumulation_at(self, micro: int) -> int | None:
+        """The accumulation with micro-batch `micro`: the one rule. None where the global batch does not divide."""
+        if self.blocks is None:
+            return self.accumulation
+        return self.blocks // (micro * self.world) if self.divides(micro) else None
+
+    @property
+    def stated(self) -> str:
+        return (f"--global_batch_tokens {self.global_batch_tokens:,}" if self.global_batch_tokens is not None
+                else f"train_batch_size {self.blocks}")
+
+
+def settle_batch(request: BatchRequest, micro: int, seq_len: int) -> tuple[Batch | None, list[str], list[Problem]]:
+    """The batch at micro-batch `micro` (the given one or the automatic choice): (Batch, notes, problems)."""
+    notes: list[str] = []
+    accumulation = request.accumulation_at(micro)
+    world, blocks = request.world, request.blocks
+    if accumulation is None:
+        if request.global_batch_tokens is not None:
+            return None, notes, [Problem("--global_batch_tokens", request.global_batch_tokens,
+                                         f"{blocks} blocks per step is not a multiple of micro-batch {micro} x world "
+                                         f"size {world}", f"use a multiple of {micro * world * request.seq_len:,} "
+                                         "tokens, or another micro-batch")]
+        return None, notes, [Problem("train_batch_size", blocks,
+                                     f"is not a multiple of micro-batch {micro} x world size {world}",
+                                     f'set "train_batch_size": "auto" (or a multiple of {micro * world}), or another '
+                                     'micro-batch')]
+    if blocks is not None:
+        flag, config_accum = request.accumulation_flag, request.config_accumulation
+        if flag is not None and flag != accumulation:
+            return None, notes, [Problem("--gradient_accumulation_steps", flag,
+                                         f"contradicts {request.stated}: {blocks} blocks / (micro {micro} x world "
+                                         f"{world}) = {accumulation}",
+                                         "drop --gradient_accumulation_steps: it is derived from the global batch")]
+        if config_accum not in (AUTO, accumulation):
+            if request.global_batch_tokens is None:
+                return None, notes, [Problem("train_batch_size", blocks,
+                                             f"must equal micro ({micro}) x grad_acc ({config_accum}) x world size "
+                                             f"({world}) = {micro * config_accum * world}",
+                                             'set "gradient_accumulation_steps": "auto" to derive it from '
+                                             'train_batch_size, or "train_batch_size": "auto"')]
+            notes.append(f"gradient_accumulation_steps={config_accum} replaced by {accumulation}, derived from "
+                         f"{request.stated}")
+    return Batch(micro, accumulation, world, seq_len), notes, []
+
+
+def with_batch(ds: dict, batch: Batch, notes: list[str], problems: list[Problem]
+               ) -> tuple[dict, list[str], list[Problem]]:
+    """`ds` with the settled batch written (DeepSpeed's three keys) and no "auto" left: the config the engine takes."""
+    ds = copy.deepcopy(ds)
+    ds.update(train_micro_batch_size_per_gpu=batch.micro, gradient_accumulation_steps=batch.accumulation,
+              train_batch_size=batch.blocks_per_step)
+    for path, value in _leftover_autos(ds):
+        problems.append(Problem(path, value, "has no automatic value in this project",
+                                "replace \"auto\" by a concrete value"))
+    return ds, notes, problems
 
 
 # DeepSpeed's dynamic loss scaling, as its fp16 defaults: the scale starts at 2^16, halves on an overflow (that step's

@@ -80,7 +80,7 @@ def _model_config(name: str, tokenizer=None):
 
 def check_vocab_covers_tokenizer(config, tokenizer, model_name: str, tokenizer_name: str | None):
     """A token id past the embedding table is a CUDA device assert mid-run; say it up front instead."""
-    from .arguments import Problem
+    from .config import Problem
 
     if len(tokenizer) > config.vocab_size:
         return Problem("--tokenizer", tokenizer_name or "default",
@@ -113,7 +113,7 @@ def build_model(name: str, config, dtype, attn_implementation: str, gradient_che
 
 def checkpointable_layers(model) -> list:
     """The model's decoder layers that transformers checkpoints one by one (GradientCheckpointingLayer), in order:
-    --checkpointed_layers counts these. (The compiled layers are the base model's `layers`: levers._decoder_layers.)"""
+    --checkpointed_layers counts these. (The compiled layers are the base model's `layers`: speed._decoder_layers.)"""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]

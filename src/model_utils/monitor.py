@@ -19,11 +19,8 @@ import warnings
 from pathlib import Path
 
 from . import patches
-from .arguments import flag_values
-
-SUMMARY_FILE = "summary.json"
-TENSORBOARD_DIR = "tensorboard"
-WANDB_ID_FILE = "wandb_run_id"
+from .config import TrainConfig
+from .run_dir import METRICS, SUMMARY, TENSORBOARD, RunDir
 
 # metrics.jsonl key -> TensorBoard / W&B tag
 TAGS = {
@@ -93,7 +90,7 @@ def header_lines(cfg, dist) -> list[str]:
         where = f"nodes {e['nodelist']} ({e['nnodes']}), rank 0 on {e['host']}"
     else:
         job, where = "no SLURM job", f"host {e['host']}"
-    flags = flag_values(cfg)
+    flags = cfg.flags()
     return [
         "=" * 100,
         f"run: {job}; {where}; world size {e['world_size']} ({e['backend']}, {e['device']})",
@@ -144,16 +141,16 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def prepare_ds_monitor(ds: dict, checkpoint_dir) -> None:
+def prepare_ds_monitor(ds: dict, run_dir: RunDir) -> None:
     """DeepSpeed's own monitor (``"tensorboard": {"enabled": true}`` in ds_config) writes into CHECKPOINT_DIR/tensorboard
     unless the config names another place (DeepSpeed's default would be ./DeepSpeedJobName)."""
     tb = ds.get("tensorboard")
     if isinstance(tb, dict) and tb.get("enabled") and not tb.get("output_path"):
-        tb["output_path"] = str(checkpoint_dir)
-        tb.setdefault("job_name", TENSORBOARD_DIR)
+        tb["output_path"] = str(run_dir.root)
+        tb.setdefault("job_name", TENSORBOARD)
     csv = ds.get("csv_monitor")
     if isinstance(csv, dict) and csv.get("enabled") and not csv.get("output_path"):
-        csv["output_path"] = str(checkpoint_dir)
+        csv["output_path"] = str(run_dir.root)
         csv.setdefault("job_name", "csv_monitor")
 
 
@@ -165,7 +162,7 @@ def _ds_enabled(ds: dict, key: str) -> bool:
 class Sinks:
     """Rank 0 forwards each metrics record to TensorBoard and W&B; other ranks hold nothing and do nothing."""
 
-    def __init__(self, cfg, dist, ds: dict, engine=None, start_step: int = 0, log=None):
+    def __init__(self, cfg, run_dir: RunDir, dist, ds: dict, engine=None, start_step: int = 0, log=None):
         self.tb = None
         self.wandb = None
         self.ds_monitor = None
@@ -174,7 +171,6 @@ class Sinks:
             return
         info = log.info if log else print
         warn = log.warn if log else print
-        ckpt = Path(cfg.checkpoint_dir)
         ds_monitor = getattr(engine, "monitor", None)
         if ds_monitor is not None and getattr(ds_monitor, "enabled", False):
             # DeepSpeed's MonitorMaster fans records out to the sinks enabled in ds_config; those are not doubled here.
@@ -184,29 +180,29 @@ class Sinks:
             if _ds_enabled(ds, "tensorboard"):
                 tb = ds["tensorboard"]
                 self.paths["tensorboard"] = str(Path(tb.get("output_path") or ".") / tb.get("job_name", "DeepSpeedJobName"))
-        if cfg.tensorboard and not _ds_enabled(ds, "tensorboard"):
+        if cfg.logging.tensorboard and not _ds_enabled(ds, "tensorboard"):
             if not tensorboard_available():
                 warn("tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard, or "
                      "the project's `monitor` extra; --no-tensorboard silences this)")
             else:
                 from torch.utils.tensorboard import SummaryWriter
 
-                log_dir = ckpt / TENSORBOARD_DIR
+                log_dir = run_dir.tensorboard
                 # purge_step: a resumed run drops the events a killed run wrote after the checkpoint it resumes from
                 self.tb = SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1 if start_step else None,
                                         flush_secs=30)
                 self.paths["tensorboard"] = str(log_dir)
-        if getattr(cfg, "wandb", False) and not _ds_enabled(ds, "wandb"):
+        if cfg.logging.wandb and not _ds_enabled(ds, "wandb"):
             # Only rank 0 gets here: a failure must not stop it while the other ranks wait in the first collective.
             try:
-                self.wandb = _start_wandb(cfg, ds, ckpt)
+                self.wandb = _start_wandb(cfg, ds, run_dir)
             except Exception as e:  # noqa: BLE001 (network, login, version problems)
                 warn(f"W&B logging is off for this run: {type(e).__name__}: {e} (WANDB_MODE=offline needs no network)")
             else:
                 self.paths["wandb"] = f"{self.wandb.project}/{self.wandb.id}" + (
                     " (offline: `wandb sync` uploads it)" if self.wandb.settings.mode == "offline" else "")
         if self.paths:
-            info("metrics: " + "; ".join(f"{k} {v}" for k, v in self.paths.items()) + f"; jsonl {ckpt / 'metrics.jsonl'}")
+            info("metrics: " + "; ".join(f"{k} {v}" for k, v in self.paths.items()) + f"; jsonl {run_dir.metrics}")
 
     def write(self, record: dict):
         step = record.get("step")
@@ -238,20 +234,21 @@ def wandb_missing_message() -> str:
             "extra); WANDB_MODE=offline logs without network")
 
 
-def _start_wandb(cfg, ds: dict, ckpt: Path):
+def _start_wandb(cfg, ds: dict, run_dir: RunDir):
     try:
         import wandb
     except ImportError as e:  # validate_args refuses --wandb without the package; this is the safety net
         raise RuntimeError(wandb_missing_message()) from e
+    ckpt = run_dir.root
     ckpt.mkdir(parents=True, exist_ok=True)
-    id_file = ckpt / WANDB_ID_FILE
+    id_file = run_dir.wandb_run_id
     run_id = id_file.read_text().strip() if id_file.exists() else "".join(
         secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     id_file.write_text(run_id)  # a resumed run (same checkpoint dir) continues the same W&B run
     name = os.environ.get("WANDB_NAME") or (f"{ckpt.name}-{os.environ['SLURM_JOB_ID']}"
                                             if "SLURM_JOB_ID" in os.environ else ckpt.name)
-    flags = flag_values(cfg)
-    return wandb.init(project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "deepspeed-lm", name=name,
+    flags = cfg.flags()
+    return wandb.init(project=cfg.logging.wandb_project or os.environ.get("WANDB_PROJECT") or "deepspeed-lm", name=name,
                       id=run_id, resume="allow", dir=str(ckpt), config={**flags, "deepspeed": ds})
 
 
@@ -264,7 +261,7 @@ def read_metrics(path) -> tuple[list[dict], list[dict]]:
     train, evals = {}, {}
     path = Path(path)
     if path.is_dir():
-        path = path / "metrics.jsonl"
+        path = path / METRICS
     if not path.exists():
         return [], []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -282,7 +279,7 @@ def read_metrics(path) -> tuple[list[dict], list[dict]]:
 def _save_stalls(metrics_path) -> dict:
     """How many checkpoints were saved and how long training stood still for them (the `checkpoint_s` records)."""
     path = Path(metrics_path)
-    path = path / "metrics.jsonl" if path.is_dir() else path
+    path = path / METRICS if path.is_dir() else path
     stalls = []
     for line in (path.read_text(encoding="utf-8").splitlines() if path.exists() else []):
         try:
@@ -377,32 +374,32 @@ def format_summary(s: dict) -> list[str]:
 
 
 def write_summary(run, status: str, export: str | None = None) -> dict | None:
-    """Rank 0: print the summary table and write CHECKPOINT_DIR/summary.json; returns the summary (None elsewhere)."""
+    """Rank 0: print the summary table and write CHECKPOINT_DIR/summary.json; returns the summary (None elsewhere).
+    `run`: trainer.Run."""
     from .checkpoint import read_latest
 
-    log, ckpt = run.log, Path(run.cfg.checkpoint_dir)
-    sinks = getattr(log, "sinks", None)
-    if sinks is not None:
-        sinks.close()
+    log, run_dir = run.log, run.run_dir
+    if log.sinks is not None:
+        log.sinks.close()
     if not run.dist.is_main:
         return None
-    name, _ = read_latest(ckpt)  # a `latest` that names no complete checkpoint was warned about at the start
-    checkpoint = str(ckpt / name) if name else None
-    start = getattr(log, "start_time", None)
-    summary = summarize(ckpt / "metrics.jsonl", status=status, steps=run.step, tokens=run.tokens_seen,
-                        wall_time_s=time.time() - start if start else None, checkpoint=checkpoint, export=export)
-    summary["incomplete_checkpoints_moved"] = getattr(run, "incomplete_moved", None) or []
+    name, _ = read_latest(run_dir.root)  # a `latest` that names no complete checkpoint was warned about at the start
+    checkpoint = str(run_dir.root / name) if name else None
+    summary = summarize(run_dir.metrics, status=status, steps=run.step, tokens=run.tokens_seen,
+                        wall_time_s=time.time() - log.start_time, checkpoint=checkpoint, export=export)
+    summary["incomplete_checkpoints_moved"] = list(run.incomplete_moved)
     summary["environment"] = environment(run.dist)
-    summary["speed_levers"] = {"settings": run.cfg.perf.as_dict(), "in_force": getattr(run, "levers", None)}
-    if sinks is not None and sinks.paths:
-        summary["sinks"] = sinks.paths
-    ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt / (SUMMARY_FILE + ".tmp")
+    summary["speed_levers"] = {"settings": run.cfg.speed.as_dict(), "in_force": run.speed_in_force}
+    if log.sinks is not None and log.sinks.paths:
+        summary["sinks"] = log.sinks.paths
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir.summary.with_name(SUMMARY + ".tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(ckpt / SUMMARY_FILE)
-    for line in format_summary(summary) + [f"  (also {ckpt / SUMMARY_FILE})"]:
+    tmp.replace(run_dir.summary)
+    for line in format_summary(summary) + [f"  (also {run_dir.summary})"]:
         log.info(line)
     return summary
+
 
 
 __all__ = ["Sinks", "environment", "format_summary", "header_lines", "prepare_ds_monitor", "read_metrics",

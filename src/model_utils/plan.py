@@ -1,65 +1,186 @@
-"""The plan of a run: one pass from the configuration to everything the run is built from.
+"""The plan of a run: configuration -> frozen results, each computed once by a plain function from the ones before.
 
-`make_plan` loads the tokenizer and the model's config, resolves the DeepSpeed config (flags, "auto", the precision the
-hardware has), the batch (the micro-batch, automatic by the memory estimate where asked; accumulation derived from the
-global batch), sizes the model on the meta device, estimates each phase's GPU memory, decides how checkpoints are
-written, and, on the rank that decides for all, finds the resume point and the data source. The preflight
-(`preflight.check_plan`) checks and prints a plan; `setup()` builds the run from the same plan. What cannot be resolved
-is a Problem in `plan.problems`; nothing here builds the model or reads the data.
+    make_plan(cfg, world)
+      hardware      where the plan is made and what it plans for (GPU memory, host memory, precision, fused loss)
+      model         the tokenizer, the model's config, its size on the meta device, its FLOPs
+      settings      the DeepSpeed config resolved but for the batch (flags applied, "auto" filled, precision)
+      batch         stated by the flags and config (ds_config.BatchRequest), the micro-batch given or chosen by the
+                    memory model, the accumulation derived once; the DeepSpeed config with it written
+      memory        recomputed layers, the delayed update's prefetch, each phase's GPU memory, the host's share
+      checkpoints   their size on disk and how they are written
+      resume        the checkpoint to resume from (the deciding rank), incomplete ones moved aside
+      data source   what --dataset means (the deciding rank)
+
+What cannot be resolved is a Problem in `plan.problems`; nothing here builds the model or reads the data. The
+preflight (`preflight.check_plan`) checks and prints a plan; the trainer (`trainer.build_run`) builds the run from it.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .arguments import Problem, TrainConfig, validate_args
-from .memory import GIB, PhaseMemory, choose_micro_batch, phase_memory
+from .config import REPO_ROOT, Problem, SpeedConfig, TrainConfig, validate_args
+from .memory import AUTO_MEMORY_SHARE, GIB, PhaseMemory, choose_micro_batch, phase_memory
 
 
-@dataclass
-class Plan:
-    cfg: TrainConfig
-    world: int  # data-parallel ranks the run has (or will have: the launchers export WORLD_SIZE)
-    here: bool  # planned on the training hardware (a run's start, or a GPU node): levers and memory are this machine's
-    raw_ds_config: dict | None = None  # ds_config.json as written
-    ds_config: dict | None = None  # resolved: flags applied, no "auto" left
-    tokenizer: object = None
-    model_config: object = None
-    seq_len: int = 0
-    batch: object = None  # ds_config.Batch
-    micro_batch_choice: str | None = None  # how "auto" chose the micro-batch; None where it was given
-    num_params: int | None = None
-    param_groups: list[list[int]] = field(default_factory=list)  # the optimizer's groups' parameter sizes
-    flops: object = None  # models.FlopsModel
-    fused_loss: bool = False  # Liger's fused linear cross-entropy (the logits' memory depends on it)
-    compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); not under ZeRO-3
-    checkpointable_layers: int = 0  # the model's layers transformers checkpoints one by one (models.checkpointable_layers)
-    checkpointed_layers: int | None = None  # decoder layers --gradient_checkpointing recomputes (None: it is off)
-    checkpointed_layers_choice: str | None = None  # how --checkpointed_layers auto chose; None where it was given
-    delayed_prefetch: bool = False  # the delayed update's second GPU buffer (--delayed_update_prefetch, resolved)
-    delayed_prefetch_choice: str | None = None  # how --delayed_update_prefetch auto chose; None where it was not asked
-    memory: PhaseMemory | None = None
-    gpu_memory_gib: float | None = None
-    gpu_memory_source: str = ""  # the GPU's name, GPU_MEMORY_GIB, or why no size is known
-    host_bytes: float = 0.0  # host memory per node for the offloaded states (0 without offload)
-    resume_host_bytes: float = 0.0  # what a node needs beyond host_bytes while it loads a checkpoint
-    host_available: float | None = None  # this node's MemAvailable where the run starts; None on a login node
-    ranks_per_node: int = 1
-    checkpoint_bytes: float = 0.0  # one checkpoint on disk (16-bit weights, fp32 master weights and Adam moments)
-    background_checkpoint: bool = False  # --background_checkpoint, and this node's memory holds a host copy
-    checkpoint_writes: str = ""  # how checkpoints are written, and why
-    resume: object = None  # checkpoint.CheckpointInfo to resume from; None: a fresh start (or not the deciding rank)
-    incomplete_moved: list[str] = field(default_factory=list)  # incomplete checkpoints moved aside by this start
-    data_source: object = None  # concat_dataset.DataSource; None for --dummy_data or on other ranks than the deciding one
-    problems: list[Problem] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+@dataclass(frozen=True)
+class Hardware:
+    """Where the plan is made, and the machines it plans for."""
+
+    on_training_hardware: bool  # planned where the run trains (its own start, or a GPU node): this machine decides
+    gpus: bool  # the run trains on GPUs: this machine's, or those of the nodes a login node plans for
+    precision: str  # the best the training devices support: bf16, fp16 or fp32 (ds_config.hardware_precision)
+    gpu_memory_gib: float | None  # one GPU's memory; None where no size is known
+    gpu_memory_source: str  # the GPU's name, GPU_MEMORY_GIB, or why no size is known
+    host_available: float | None  # this node's MemAvailable where the run starts; None on a login node
+    ranks_per_node: int
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The model as the run will build it, sized on the meta device."""
+
+    tokenizer: object
+    config: object  # transformers PretrainedConfig
+    num_params: int
+    param_groups: tuple[tuple[int, ...], ...]  # the optimizer's groups' parameter sizes (models.decay_groups)
+    checkpointable_layers: int  # the layers transformers checkpoints one by one (models.checkpointable_layers)
+    flops: object  # models.FlopsModel
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Each phase's estimated GPU memory, and the host memory of offloaded states, for any DeepSpeed config and
+    micro-batch of this model on this hardware: what the automatic micro-batch, the recomputed layers and the
+    preflight's alternatives are chosen by."""
+
+    model: ModelPlan
+    hardware: Hardware
+    world: int
+    seq_len: int
+    speed: SpeedConfig
+    fused_loss: bool  # Liger's fused linear cross-entropy (the logits' memory depends on it)
+    gradient_checkpointing: bool
+    generation: bool  # the end-of-run sample loads the export beside the engine
+    delayed_update_from_step: int
+    batch: object  # ds_config.BatchRequest: the accumulation at each micro-batch
+
+    def compiles(self, ds: dict) -> bool:
+        """Whether the run compiles its decoder layers (speed.use_compile), on the GPUs it trains on."""
+        from . import ds_config as dsc
+        from .speed import use_compile
+
+        return use_compile(self.hardware.gpus, dsc.zero_stage(ds) == 3, self.speed)
+
+    def prefetch_applies(self, ds: dict) -> bool:
+        """Whether the delayed update can keep a second GPU copy of the 16-bit partition: ZeRO-1/2 with the optimizer
+        offloaded to the CPU, --delayed_update_from_step, GPUs."""
+        from . import ds_config as dsc
+
+        return bool(self.delayed_update_from_step and dsc.cpu_optimizer_offload(ds) and dsc.zero_stage(ds) in (1, 2)
+                    and self.hardware.gpus)
+
+    def phases(self, ds: dict, micro: int, checkpointed_layers: int | None = None,
+               prefetch: bool | None = None) -> PhaseMemory:
+        """Each phase's estimated peak per GPU with `ds` and micro-batch `micro`; with --gradient_checkpointing,
+        `checkpointed_layers` of the layers recompute (None: all of them); `prefetch`: the delayed update's second GPU
+        buffer (None: where --delayed_update_prefetch is on, not auto, and applies)."""
+        from . import ds_config as dsc
+
+        if prefetch is None:
+            prefetch = self.speed.delayed_update_prefetch == "on" and self.prefetch_applies(ds)
+        off_opt, off_par = dsc.offloads(ds)
+        return phase_memory(self.model.num_params, self.model.config, self.world, self.seq_len, micro,
+                            dsc.zero_stage(ds), off_opt, off_par, dsc.precision(ds) != "fp32",
+                            ds.get("zero_optimization", {}), self.gradient_checkpointing, self.fused_loss,
+                            self.speed.flce_chunk_budget, self.generation,
+                            fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), compiled=self.compiles(ds),
+                            gpu_optimizer_share=self.gpu_optimizer_share(ds),
+                            checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
+                            accumulation=self.batch.accumulation_at(micro))
+
+    def peak(self, ds: dict, micro: int, checkpointed_layers: int | None = None, prefetch: bool | None = None) -> float:
+        return self.phases(ds, micro, checkpointed_layers, prefetch).peak[1]
+
+    def gpu_optimizer_share(self, ds: dict) -> float:
+        from . import ds_config as dsc
+
+        return dsc.gpu_optimizer_share(ds, [list(g) for g in self.model.param_groups], self.world)
+
+    def host_bytes(self, ds: dict) -> float:
+        """Host memory a node needs for the states `ds` offloads (memory.offload_host_bytes)."""
+        from . import ds_config as dsc
+        from .memory import offload_host_bytes
+
+        return offload_host_bytes(self.model.num_params, self.world, self.hardware.ranks_per_node, dsc.zero_stage(ds),
+                                  *dsc.offloads(ds), dsc.fp32_grad_accumulation(ds), gpu=self.hardware.gpus,
+                                  gpu_optimizer_share=self.gpu_optimizer_share(ds),
+                                  pinned_optimizer=bool(dsc.offload_setting(ds, "offload_optimizer", "pin_memory")))
+
+    def largest_fitting_micro(self, ds: dict, allowed) -> tuple[int, str]:
+        """The automatic micro-batch (memory.choose_micro_batch) with `ds`; the default where no GPU size is known."""
+        if self.hardware.gpu_memory_gib is None:
+            return choose_micro_batch(self.seq_len, None, None, allowed)
+        return choose_micro_batch(self.seq_len, self.hardware.gpu_memory_gib, lambda m: self.peak(ds, m), allowed)
 
     @property
-    def resolved(self) -> bool:
-        """The DeepSpeed config, the batch and the model are known: the plan can be sized and built."""
-        return self.ds_config is not None and self.batch is not None and self.model_config is not None
+    def budget(self) -> float | None:
+        """The bytes of one GPU an automatic choice may fill (AUTO_MEMORY_SHARE); None where no size is known."""
+        memory = self.hardware.gpu_memory_gib
+        return None if memory is None else AUTO_MEMORY_SHARE * memory * GIB
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The run's memory at the chosen settings."""
+
+    phases: PhaseMemory  # each phase's peak per GPU
+    checkpointed_layers: int | None  # decoder layers --gradient_checkpointing recomputes (None: it is off)
+    checkpointed_layers_choice: str | None  # how --checkpointed_layers auto chose; None where it was given
+    delayed_prefetch: bool  # the delayed update's second GPU buffer (--delayed_update_prefetch, resolved)
+    delayed_prefetch_choice: str | None  # how --delayed_update_prefetch auto chose; None where it was not asked
+    host_bytes: float  # host memory per node for the offloaded states (0 without offload)
+    resume_host_bytes: float  # what a node needs beyond host_bytes while it loads a checkpoint
+
+
+@dataclass(frozen=True)
+class CheckpointWrites:
+    """What a checkpoint weighs and how it is written."""
+
+    bytes: float  # one checkpoint on disk (16-bit weights, fp32 master weights and Adam moments)
+    background: bool  # --background_checkpoint, and this node's memory holds a host copy
+    description: str  # how checkpoints are written, and why
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run is built from, resolved once. A field is None where an earlier one could not be resolved
+    (its problem is in `problems`)."""
+
+    cfg: TrainConfig
+    world: int  # data-parallel ranks the run has (or will have: the launchers export WORLD_SIZE)
+    hardware: Hardware
+    fused_loss: bool
+    seq_len: int
+    raw_ds_config: dict | None = None  # the DeepSpeed config as written
+    model: ModelPlan | None = None
+    tokenizer: object = None  # also where the model could not be loaded
+    ds_config: dict | None = None  # resolved: flags applied, the batch written, no "auto" left
+    batch: object = None  # ds_config.Batch
+    micro_batch_choice: str | None = None  # how "auto" chose the micro-batch; None where it was given
+    memory_model: MemoryModel | None = None
+    memory: MemoryEstimate | None = None
+    compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); not under ZeRO-3
+    checkpoints: CheckpointWrites | None = None
+    resume: object = None  # checkpoint.CheckpointInfo to resume from; None: a fresh start (or not the deciding rank)
+    incomplete_moved: tuple[str, ...] = ()  # incomplete checkpoints moved aside by this start
+    data_source: object = None  # concat_dataset.DataSource; None for --dummy_data or on ranks that do not decide
+    problems: tuple[Problem, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 def gpu_memory_gib() -> tuple[float | None, str]:
@@ -92,247 +213,292 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
     loss by this machine, where a login node without GPUs assumes GPU nodes that have them. `decides` False (a run's
     ranks other than 0) leaves the resume point and the data source to the deciding rank. `move_incomplete` (the
     deciding rank of a run, holding the run lock) moves incomplete checkpoints aside; a preflight only names them."""
-    import torch
-
     from . import ds_config as dsc
-    from .levers import use_fused_kernels
-    from .models import default_seq_len, model_config, tokenizer_source
-    from .tokenizer import load_tokenizer
-    from .train_utils import bf16_supported
+    from .models import default_seq_len
 
-    cuda = torch.cuda.is_available()
-    plan = Plan(cfg, world, here=cuda or on_training_hardware)
-    plan.problems += validate_args(cfg)
-    plan.seq_len = cfg.seq_len or default_seq_len(cfg.model)
-    plan.gpu_memory_gib, plan.gpu_memory_source = gpu_memory_gib()
-    # Where the run starts, the fused loss is what this machine can run; on a login node, what the GPU nodes will run
-    # by default (the run's own start plans again with what they have).
-    plan.fused_loss = use_fused_kernels(cfg.perf.fused_kernels, cuda) if plan.here else cfg.perf.fused_kernels != "off"
+    problems, notes = list(validate_args(cfg)), []
+    hardware = probe_hardware(on_training_hardware, world)
+    fused = fused_loss(cfg.speed, hardware)
+    seq_len = cfg.model.seq_len or default_seq_len(cfg.model.model)
+    plan = Plan(cfg, world, hardware, fused, seq_len)
 
-    ds_path = cfg.resolved_ds_config_path()
-    raw, problems = dsc.load_json(ds_path) if ds_path.is_file() else (None, [])  # a missing file: validate_args
-    plan.raw_ds_config = raw
-    plan.problems += problems
-
-    try:
-        plan.tokenizer = load_tokenizer(tokenizer_source(cfg.tokenizer, cfg.model))
-    except (OSError, ValueError) as e:
-        plan.problems.append(Problem("--tokenizer", cfg.tokenizer or cfg.model, f"could not be loaded: {e}".split("\n")[0],
-                                     "pass a local tokenizer directory or a hub id reachable from here"))
-    if plan.tokenizer is not None:
-        try:
-            plan.model_config = model_config(cfg.model, plan.tokenizer, cfg.attention_dropout)
-        except (OSError, ValueError) as e:
-            plan.problems.append(Problem("--model", cfg.model, f"could not be loaded: {e}".split("\n")[0],
-                                         "use a preset (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), a model "
-                                         "directory with config.json, or a reachable hub id"))
-    if plan.model_config is not None:
-        _size_model(plan)
+    ds_path = cfg.optim.ds_config_path
+    raw, found = dsc.load_json(ds_path) if ds_path.is_file() else (None, [])  # a missing file: validate_args
+    problems += found
+    tokenizer, model, found = load_model(cfg, seq_len)
+    problems += found
+    plan = dataclasses.replace(plan, raw_ds_config=raw, tokenizer=tokenizer, model=model)
 
     if raw is not None:
-        # A login node without GPUs assumes GPU nodes with bf16; the run's own start checks its hardware.
-        hardware = dsc.hardware_precision(cuda, bf16_supported()) if plan.here else "bf16"
-        mconf = plan.model_config
-        ds, notes, problems = dsc.resolve(raw, cfg, world, hardware, mconf.hidden_size if mconf else None,
-                                          seq_len=plan.seq_len, choose_micro=_micro_chooser(plan))
-        plan.notes += notes
-        plan.problems += problems
-        if not any(p.setting.startswith(dsc.BATCH_SETTINGS) for p in problems):
-            plan.ds_config = ds
-            plan.batch = dsc.Batch.of(ds, world, plan.seq_len)
-        if not plan.here and raw.get("bf16", {}).get("enabled") is True:
-            plan.notes.append("bf16 is on: the GPU nodes must support it (A100/H100 or newer); not checkable here")
-    if plan.resolved and plan.num_params:
-        plan.compiled_layers = _compiles(plan, plan.ds_config)
-        _choose_checkpointed_layers(plan)
-        _choose_prefetch(plan)
-        plan.memory = _phase_memory(plan, plan.ds_config, plan.batch.micro, plan.checkpointed_layers,
-                                    plan.delayed_prefetch)
-        bf16 = dsc.precision(plan.ds_config) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
-        plan.checkpoint_bytes = plan.num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
-        _plan_host_memory(plan)
-        _plan_checkpoint_writes(plan)
+        if not hardware.on_training_hardware and raw.get("bf16", {}).get("enabled") is True:
+            notes.append("bf16 is on: the GPU nodes must support it (A100/H100 or newer); not checkable here")
+        plan, found, said = plan_batch(plan, raw)
+        problems += found
+        notes += said
+    if plan.ds_config is not None and model is not None:
+        plan, found = plan_memory(plan)
+        problems += found
     if decides:
-        _find_resume_point(plan, move_incomplete)
-        _find_data_source(plan)
-    return plan
+        resume, moved, found, said = find_resume_point(cfg, move_incomplete)
+        problems += found
+        notes += said
+        source, found = find_data_source(cfg, tokenizer)
+        problems += found
+        plan = dataclasses.replace(plan, resume=resume, incomplete_moved=tuple(moved), data_source=source)
+    return dataclasses.replace(plan, problems=tuple(problems), notes=tuple(notes))
 
 
-def _size_model(plan: Plan) -> None:
+def probe_hardware(on_training_hardware: bool, world: int) -> Hardware:
+    """This machine where the run trains on it; on a login node without GPUs, GPU nodes with bf16 (the run's own
+    start checks its hardware)."""
+    import torch
+
+    from .distributed import bf16_supported
+    from .ds_config import hardware_precision
+
+    cuda = torch.cuda.is_available()
+    here = cuda or on_training_hardware
+    memory, source = gpu_memory_gib()
+    return Hardware(on_training_hardware=here, gpus=cuda or not here,
+                    precision=hardware_precision(cuda, bf16_supported()) if here else "bf16",
+                    gpu_memory_gib=memory, gpu_memory_source=source,
+                    host_available=host_memory_available() if here else None,
+                    ranks_per_node=world if not cuda else min(world, torch.cuda.device_count()))
+
+
+def fused_loss(speed: SpeedConfig, hardware: Hardware) -> bool:
+    """Liger's fused loss: what this machine runs where the run starts; on a login node, what the GPU nodes run by
+    default (the run's own start plans again with what they have)."""
+    from .speed import use_fused_kernels
+
+    if hardware.on_training_hardware:
+        return use_fused_kernels(speed.fused_kernels, hardware.gpus)
+    return speed.fused_kernels != "off"
+
+
+def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None, list[Problem]]:
+    """(tokenizer, the model sized on the meta device, problems)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import FlopsModel, checkpointable_layers, decay_groups
+    from .models import FlopsModel, checkpointable_layers, decay_groups, model_config, tokenizer_source
+    from .tokenizer import load_tokenizer
 
+    try:
+        tokenizer = load_tokenizer(tokenizer_source(cfg.model.tokenizer, cfg.model.model))
+    except (OSError, ValueError) as e:
+        return None, None, [Problem("--tokenizer", cfg.model.tokenizer or cfg.model.model,
+                                    f"could not be loaded: {e}".split("\n")[0],
+                                    "pass a local tokenizer directory or a hub id reachable from here")]
+    try:
+        config = model_config(cfg.model.model, tokenizer, cfg.model.attention_dropout)
+    except (OSError, ValueError) as e:
+        return tokenizer, None, [Problem("--model", cfg.model.model, f"could not be loaded: {e}".split("\n")[0],
+                                         "use a preset (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), a model "
+                                         "directory with config.json, or a reachable hub id")]
     with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(plan.model_config)
-    plan.num_params = sum(p.numel() for p in meta_model.parameters())
-    plan.checkpointable_layers = len(checkpointable_layers(meta_model))
-    plan.param_groups = [[p.numel() for p in group] for group in decay_groups(meta_model.parameters())]
-    del meta_model
-    plan.flops = FlopsModel.from_config(plan.model_config, plan.num_params, plan.seq_len)
+        meta_model = AutoModelForCausalLM.from_config(config)
+    num_params = sum(p.numel() for p in meta_model.parameters())
+    model = ModelPlan(tokenizer, config, num_params,
+                      param_groups=tuple(tuple(p.numel() for p in group)
+                                         for group in decay_groups(meta_model.parameters())),
+                      checkpointable_layers=len(checkpointable_layers(meta_model)),
+                      flops=FlopsModel.from_config(config, num_params, seq_len))
+    return tokenizer, model, []
 
 
-def _compiles(plan: Plan, ds: dict) -> bool:
-    """Whether the run compiles its decoder layers (levers.use_compile): this machine's answer where the run starts; on
-    a login node, the GPU nodes'."""
-    import torch
-
-    from . import ds_config as dsc
-    from .levers import use_compile
-
-    cuda = torch.cuda.is_available() or not plan.here
-    return use_compile(cuda, dsc.zero_stage(ds) == 3, plan.cfg.perf)
-
-
-def _phase_memory(plan: Plan, ds: dict, micro: int, checkpointed_layers: int | None = None,
-                  prefetch: bool | None = None) -> PhaseMemory:
-    """Each phase's estimated peak per GPU with this (possibly partly resolved) DeepSpeed config and micro-batch;
-    with --gradient_checkpointing, `checkpointed_layers` of the layers recompute (None: all of them); `prefetch`: the
-    delayed update's second GPU buffer (None: where --delayed_update_prefetch is on, not auto: the micro-batch and the
-    layers are chosen without what auto would add only if it still fits)."""
+def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
+    """The DeepSpeed config and the batch: the settings resolved, the micro-batch given or the largest the memory
+    model fits, the accumulation derived from the global batch (ds_config.BatchRequest holds the rule)."""
     from . import ds_config as dsc
 
-    if prefetch is None:
-        prefetch = plan.cfg.perf.delayed_update_prefetch == "on" and _prefetch_applies(plan, ds)
-    off_opt, off_par = dsc.offloads(ds)
-    return phase_memory(plan.num_params, plan.model_config, plan.world, plan.seq_len, micro, dsc.zero_stage(ds),
-                        off_opt, off_par, dsc.precision(ds) != "fp32", ds.get("zero_optimization", {}),
-                        plan.cfg.gradient_checkpointing, plan.fused_loss, plan.cfg.perf.flce_chunk_budget,
-                        bool(plan.cfg.generate_prompt and plan.cfg.export),
-                        fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds),
-                        compiled=_compiles(plan, ds),
-                        gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world),
-                        checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
-                        accumulation=dsc.accumulation_at(ds, plan.cfg, plan.world, plan.seq_len, micro))
+    cfg, model = plan.cfg, plan.model
+    ds, notes, problems = dsc.resolve_settings(raw, cfg, plan.hardware.precision,
+                                               model.config.hidden_size if model else None)
+    request, said, found = dsc.BatchRequest.of(raw, cfg.batch, plan.world, plan.seq_len)
+    notes += said
+    problems += found
+    if request is None:
+        return plan, problems, notes
+    memory_model = None if model is None else MemoryModel(
+        model, plan.hardware, plan.world, plan.seq_len, cfg.speed, plan.fused_loss, cfg.model.gradient_checkpointing,
+        bool(cfg.logging.generate_prompt and cfg.checkpoint.export), cfg.optim.delayed_update_from_step, request)
+    choice = None
+    micro = request.micro
+    if micro is None:
+        if memory_model is not None:
+            micro, choice = memory_model.largest_fitting_micro(ds, request.divides)
+        else:
+            micro, choice = choose_micro_batch(plan.seq_len, None, None, request.divides)
+    batch, said, found = dsc.settle_batch(request, micro, plan.seq_len)
+    notes += said
+    problems += found
+    if batch is None:
+        return dataclasses.replace(plan, memory_model=memory_model), problems, notes
+    ds, notes, problems = dsc.with_batch(ds, batch, notes, problems)
+    return (dataclasses.replace(plan, ds_config=ds, batch=batch, micro_batch_choice=choice, memory_model=memory_model,
+                                compiled_layers=memory_model.compiles(ds) if memory_model else False),
+            problems, notes)
 
 
-def _prefetch_applies(plan: Plan, ds: dict) -> bool:
-    """Whether the delayed update can keep a second GPU copy of the 16-bit partition: ZeRO-1/2 with the optimizer
-    offloaded to the CPU, --delayed_update_from_step, GPUs (this machine's, or those a login node plans for)."""
-    import torch
-
-    from . import ds_config as dsc
-
-    return bool(plan.cfg.delayed_update_from_step and dsc.cpu_optimizer_offload(ds) and dsc.zero_stage(ds) in (1, 2)
-                and (torch.cuda.is_available() or not plan.here))
-
-
-def _choose_prefetch(plan: Plan) -> None:
-    """--delayed_update_prefetch resolved, after the micro-batch and the recomputed layers. auto: on where the run's
-    estimated peak with the second buffer still fits AUTO_MEMORY_SHARE of the GPU (or no GPU size is known), so that
-    it never takes a larger micro-batch's or a kept layer's place."""
-    from .memory import AUTO_MEMORY_SHARE
-
-    setting = plan.cfg.perf.delayed_update_prefetch
-    plan.delayed_prefetch = setting != "off" and _prefetch_applies(plan, plan.ds_config)
-    if not plan.delayed_prefetch or setting == "on":
-        return
-    if plan.gpu_memory_gib is None:
-        plan.delayed_prefetch_choice = f"auto: on ({plan.gpu_memory_source}: no GPU size to fill)"
-        return
-    need = _phase_memory(plan, plan.ds_config, plan.batch.micro, plan.checkpointed_layers, prefetch=True).peak[1]
-    budget = AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB
-    plan.delayed_prefetch = need <= budget
-    plan.delayed_prefetch_choice = (f"auto: {'on' if plan.delayed_prefetch else 'off'}, ~{need / GIB:.1f} GiB with "
-                                    f"it, {AUTO_MEMORY_SHARE:.0%} of the GPU is {budget / GIB:.1f}")
-
-
-def _choose_checkpointed_layers(plan: Plan) -> None:
-    """--checkpointed_layers resolved to a count. auto: the fewest recomputed layers with which the run's estimated
-    peak fits AUTO_MEMORY_SHARE of the GPU at the micro-batch chosen with all of them recomputed (so "auto" micro-batch
-    and layers together never pick a smaller micro-batch than all layers would); all where no GPU size is known."""
-    from .memory import AUTO_MEMORY_SHARE
-
-    cfg, layers = plan.cfg, plan.model_config.num_hidden_layers
-    if not cfg.gradient_checkpointing:
-        return
-    wanted = cfg.checkpointed_layers
-    if wanted != "all" and plan.checkpointable_layers != layers:
-        plan.problems.append(Problem("--checkpointed_layers", wanted,
-                                     f"needs layers transformers checkpoints one by one: {cfg.model} has "
-                                     f"{plan.checkpointable_layers} of its {layers}",
-                                     "leave --checkpointed_layers at all (every layer recomputes)"))
-        wanted = "all"
-    if isinstance(wanted, int):
-        if wanted > layers:
-            plan.problems.append(Problem("--checkpointed_layers", wanted,
-                                         f"exceeds the {layers} decoder layers of {cfg.model}",
-                                         f"pass at most {layers}, or all"))
-        plan.checkpointed_layers = min(wanted, layers)
-        return
-    plan.checkpointed_layers = layers
-    if wanted == "all":
-        return
-    if plan.gpu_memory_gib is None:
-        plan.checkpointed_layers_choice = f"auto: all ({plan.gpu_memory_source}: no GPU size to fill)"
-        return
-    budget = AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB
-    for count in range(layers + 1):
-        peak = _phase_memory(plan, plan.ds_config, plan.batch.micro, count).peak[1]
-        if peak <= budget:
-            plan.checkpointed_layers = count
-            plan.checkpointed_layers_choice = (
-                f"auto: the fewest with which the run fits {AUTO_MEMORY_SHARE:.0%} of the GPU by the estimate "
-                f"(~{peak / GIB:.1f} GiB of {plan.gpu_memory_gib:.1f})")
-            return
-    plan.checkpointed_layers_choice = f"auto: all (fewer do not fit {AUTO_MEMORY_SHARE:.0%} of the GPU)"
-
-
-def _largest_fitting_micro(plan: Plan, ds: dict, allowed) -> tuple[int, str]:
-    """memory.choose_micro_batch for this plan's model on this GPU with `ds` (resolved so far: its ZeRO stage, offloads
-    and precision size the model states); the default where no GPU size or model is known."""
-    if plan.num_params is None or plan.gpu_memory_gib is None:
-        return choose_micro_batch(plan.seq_len, None, None, allowed)
-    return choose_micro_batch(plan.seq_len, plan.gpu_memory_gib, lambda m: _phase_memory(plan, ds, m).peak[1], allowed)
-
-
-def automatic_micro_batch(plan: Plan) -> int | None:
-    """The micro-batch "auto" would take for this plan's resolved config and per-rank batch (the largest that divides
-    it and fits by the estimate); None where no GPU size is known."""
-    if plan.gpu_memory_gib is None or not plan.num_params or not plan.resolved:
-        return None
-    per_rank = plan.batch.micro * plan.batch.accumulation
-    return _largest_fitting_micro(plan, plan.ds_config, lambda m: per_rank % m == 0)[0]
-
-
-def _micro_chooser(plan: Plan):
-    """For ds_config.resolve: the automatic micro-batch, recording how it was chosen."""
-
-    def choose(allowed, ds: dict) -> int:
-        micro, plan.micro_batch_choice = _largest_fitting_micro(plan, ds, allowed)
-        return micro
-
-    return choose
-
-
-def _offloaded_host_bytes(plan: Plan, ds: dict) -> float:
-    """Host memory a node needs for the states `ds` offloads (memory.offload_host_bytes for this plan's model, world,
-    ranks per node and GPU ranks)."""
-    import torch
-
-    from . import ds_config as dsc
-    from .memory import offload_host_bytes
-
-    return offload_host_bytes(plan.num_params, plan.world, plan.ranks_per_node, dsc.zero_stage(ds), *dsc.offloads(ds),
-                              dsc.fp32_grad_accumulation(ds), gpu=torch.cuda.is_available() or not plan.here,
-                              gpu_optimizer_share=dsc.gpu_optimizer_share(ds, plan.param_groups, plan.world),
-                              pinned_optimizer=bool(dsc.offload_setting(ds, "offload_optimizer", "pin_memory")))
-
-
-def _plan_host_memory(plan: Plan) -> None:
-    """The node's host memory for offloaded optimizer states and parameters, and what this node has (where it runs)."""
-    import torch
-
+def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
+    """The recomputed layers, the prefetch, each phase's memory, the host's share, and the checkpoints' writes."""
     from . import ds_config as dsc
     from .memory import resume_host_bytes
 
-    plan.ranks_per_node = plan.world if not torch.cuda.is_available() else min(plan.world, torch.cuda.device_count())
-    plan.host_bytes = _offloaded_host_bytes(plan, plan.ds_config)
-    plan.resume_host_bytes = resume_host_bytes(
-        plan.num_params, plan.world, plan.ranks_per_node, dsc.offloads(plan.ds_config)[0],
-        dsc.gpu_optimizer_share(plan.ds_config, plan.param_groups, plan.world))
-    plan.host_available = host_memory_available() if plan.here else None
+    memory_model, ds, batch, model = plan.memory_model, plan.ds_config, plan.batch, plan.model
+    layers, layers_choice, problems = choose_checkpointed_layers(plan.cfg, memory_model, ds, batch.micro)
+    prefetch, prefetch_choice = choose_prefetch(plan.cfg.speed, memory_model, ds, batch.micro, layers)
+    memory = MemoryEstimate(
+        phases=memory_model.phases(ds, batch.micro, layers, prefetch),
+        checkpointed_layers=layers, checkpointed_layers_choice=layers_choice,
+        delayed_prefetch=prefetch, delayed_prefetch_choice=prefetch_choice,
+        host_bytes=memory_model.host_bytes(ds),
+        resume_host_bytes=resume_host_bytes(model.num_params, plan.world, plan.hardware.ranks_per_node,
+                                            dsc.offloads(ds)[0], memory_model.gpu_optimizer_share(ds)))
+    bf16 = dsc.precision(ds) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
+    checkpoint_bytes = model.num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
+    writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,
+                                    any(dsc.offloads(ds)), plan.hardware, plan.world)
+    return dataclasses.replace(plan, memory=memory, checkpoints=writes), problems
+
+
+def choose_prefetch(speed: SpeedConfig, memory_model: MemoryModel, ds: dict, micro: int,
+                    layers: int | None) -> tuple[bool, str | None]:
+    """--delayed_update_prefetch resolved, after the micro-batch and the recomputed layers. auto: on where the run's
+    estimated peak with the second buffer still fits AUTO_MEMORY_SHARE of the GPU (or no GPU size is known), so that
+    it never takes a larger micro-batch's or a kept layer's place."""
+    setting = speed.delayed_update_prefetch
+    if setting == "off" or not memory_model.prefetch_applies(ds):
+        return False, None
+    if setting == "on":
+        return True, None
+    budget = memory_model.budget
+    if budget is None:
+        return True, f"auto: on ({memory_model.hardware.gpu_memory_source}: no GPU size to fill)"
+    need = memory_model.peak(ds, micro, layers, prefetch=True)
+    on = need <= budget
+    return on, (f"auto: {'on' if on else 'off'}, ~{need / GIB:.1f} GiB with it, {AUTO_MEMORY_SHARE:.0%} of the GPU is "
+                f"{budget / GIB:.1f}")
+
+
+def choose_checkpointed_layers(cfg: TrainConfig, memory_model: MemoryModel, ds: dict,
+                               micro: int) -> tuple[int | None, str | None, list[Problem]]:
+    """--checkpointed_layers resolved to a count: (count, how auto chose, problems). auto: the fewest recomputed
+    layers with which the run's estimated peak fits AUTO_MEMORY_SHARE of the GPU at the micro-batch chosen with all
+    of them recomputed (so "auto" micro-batch and layers together never pick a smaller micro-batch than all layers
+    would); all where no GPU size is known."""
+    if not cfg.model.gradient_checkpointing:
+        return None, None, []
+    layers, problems = memory_model.model.config.num_hidden_layers, []
+    wanted, checkpointable = cfg.model.checkpointed_layers, memory_model.model.checkpointable_layers
+    if wanted != "all" and checkpointable != layers:
+        problems.append(Problem("--checkpointed_layers", wanted,
+                                f"needs layers transformers checkpoints one by one: {cfg.model.model} has "
+                                f"{checkpointable} of its {layers}",
+                                "leave --checkpointed_layers at all (every layer recomputes)"))
+        wanted = "all"
+    if isinstance(wanted, int):
+        if wanted > layers:
+            problems.append(Problem("--checkpointed_layers", wanted, f"exceeds the {layers} decoder layers of "
+                                    f"{cfg.model.model}", f"pass at most {layers}, or all"))
+        return min(wanted, layers), None, problems
+    if wanted == "all":
+        return layers, None, problems
+    budget = memory_model.budget
+    if budget is None:
+        return layers, f"auto: all ({memory_model.hardware.gpu_memory_source}: no GPU size to fill)", problems
+    for count in range(layers + 1):
+        peak = memory_model.peak(ds, micro, count)
+        if peak <= budget:
+            return count, (f"auto: the fewest with which the run fits {AUTO_MEMORY_SHARE:.0%} of the GPU by the "
+                           f"estimate (~{peak / GIB:.1f} GiB of {memory_model.hardware.gpu_memory_gib:.1f})"), problems
+    return layers, f"auto: all (fewer do not fit {AUTO_MEMORY_SHARE:.0%} of the GPU)", problems
+
+
+def plan_checkpoint_writes(background: bool, checkpoint_bytes: float, offloaded: bool, hardware: Hardware,
+                           world: int) -> CheckpointWrites:
+    """--background_checkpoint copies each rank's share of a checkpoint to host memory: on when a node's copy, beside
+    the optimizer states an offload keeps there, fits in 3/4 of the memory this node has available."""
+    if not background:
+        return CheckpointWrites(checkpoint_bytes, False, "synchronous (--no-background_checkpoint)")
+    copy_bytes = checkpoint_bytes * hardware.ranks_per_node / world
+    need = copy_bytes * (2 if offloaded else 1)  # the offloaded states (~ the checkpoint's size) live in host memory
+    beside = ", beside the offloaded optimizer states" if offloaded else ""
+    if not hardware.on_training_hardware:  # a login node's memory says nothing of the GPU nodes'
+        return CheckpointWrites(checkpoint_bytes, False,
+                                f"in the background where a GPU node's host copy (~{copy_bytes / GIB:.1f} GiB{beside}) "
+                                "fits in 3/4 of its free memory, else synchronous: decided when the run starts")
+    available = hardware.host_available
+    if available is not None and need > 0.75 * available:
+        return CheckpointWrites(checkpoint_bytes, False,
+                                f"synchronous: the host copy (~{copy_bytes / GIB:.1f} GiB per node{beside}) does not "
+                                f"fit in 3/4 of the {available / GIB:.0f} GiB available")
+    return CheckpointWrites(checkpoint_bytes, True,
+                            f"in the background, from a host copy of ~{copy_bytes / GIB:.1f} GiB per node"
+                            + (f" ({available / GIB:.0f} GiB available)" if available is not None else ""))
+
+
+def find_resume_point(cfg: TrainConfig, move_incomplete: bool) -> tuple[object, list[str], list[Problem], list[str]]:
+    """(the checkpoint to resume from or None, incomplete ones moved aside, problems, notes). Incomplete checkpoints
+    never stop a start: a run moves them aside (a preflight says it will), then takes the newest complete one, or
+    starts from step 0 with a warning. An unreadable directory or an explicit --resume_from_checkpoint that is not
+    complete is a problem."""
+    from pathlib import Path
+
+    from .checkpoint import ResumeError, find_resume_checkpoint, list_checkpoints, move_incomplete_aside, \
+        resolve_explicit
+    from .run_dir import RunDir
+
+    ckpt = cfg.checkpoint
+    run_dir = RunDir.of(ckpt.checkpoint_dir)
+    notes: list[str] = []
+    moved: list[str] = []
+    try:
+        if move_incomplete:
+            moved = move_incomplete_aside(run_dir.root, notes.append)
+        else:
+            for info in list_checkpoints(run_dir.root):
+                if not info.complete:
+                    notes.append(f"checkpoint: {info.path.name} is incomplete ({info.problem}): the run will "
+                                 f"move it to {run_dir.incomplete} and not resume from it")
+        resume = (resolve_explicit(Path(ckpt.resume_from_checkpoint), notes.append) if ckpt.resume_from_checkpoint
+                  else find_resume_checkpoint(run_dir.root, notes.append) if ckpt.resume == "auto"
+                  else None)
+    except (ResumeError, OSError) as e:  # an unreadable directory too: every rank waits for rank 0's verdict
+        lines = str(e).splitlines()
+        message = "\n      ".join(lines[:-1]) if len(lines) > 1 else lines[0]  # keep the list of damaged files
+        return None, moved, [Problem("--checkpoint_dir", ckpt.checkpoint_dir, message,
+                                     "remove the damaged checkpoints listed, or use another --checkpoint_dir")], notes
+    if moved and resume is None and ckpt.resume == "auto" and not ckpt.resume_from_checkpoint:
+        notes.append(f"resume: NO complete checkpoint in {run_dir.root}: {len(moved)} incomplete one(s) moved to "
+                     f"{run_dir.incomplete}; this run STARTS FROM STEP 0")
+    return resume, moved, [], notes
+
+
+def find_data_source(cfg: TrainConfig, tokenizer) -> tuple[object, list[Problem]]:
+    """What --dataset means (files, a saved dataset, the hub, the embedded corpus); the data themselves are read by
+    the preflight's sample check and the run's tokenization."""
+    from .concat_dataset import DataError, resolve_source
+
+    if cfg.data.dummy_data or tokenizer is None:
+        return None, []
+    try:
+        return resolve_source(cfg.data), []
+    except DataError as e:
+        return None, [e.problem]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Alternatives the preflight proposes (what-ifs on a plan; none changes the user's config)
+# ----------------------------------------------------------------------------------------------------------------------
+def automatic_micro_batch(plan: Plan) -> int | None:
+    """The micro-batch "auto" would take for this plan's config and per-rank batch (the largest that divides it and
+    fits by the estimate); None where no GPU size or model is known."""
+    if plan.memory_model is None or plan.memory_model.budget is None or plan.batch is None:
+        return None
+    per_rank = plan.batch.micro * plan.batch.accumulation
+    return plan.memory_model.largest_fitting_micro(plan.ds_config, lambda m: per_rank % m == 0)[0]
 
 
 # The share of a node's available memory a proposed offload may plan to fill: the model of the offloaded states came
@@ -346,11 +512,8 @@ def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float,
     GPU part fits AUTO_MEMORY_SHARE of the GPU at micro-batch 1. The parameters stay on the GPU where they fit there
     (offload_param none: each micro-batch would otherwise fetch all of them from host memory twice), and are offloaded
     otherwise. Returns (ratio, offload_param device, host bytes, GPU bytes), or None."""
-    import copy
-
-    from .memory import AUTO_MEMORY_SHARE
-
-    if plan.gpu_memory_gib is None or plan.ds_config is None or not plan.param_groups:
+    memory_model = plan.memory_model
+    if memory_model is None or memory_model.budget is None or plan.ds_config is None:
         return None
     ds = copy.deepcopy(plan.ds_config)
     ds.pop("data_types", None)  # as configs/zero3-offload.json, which the fix names: gradients accumulate in bf16
@@ -362,11 +525,11 @@ def partial_offload_that_fits(plan: Plan, host_available: float) -> tuple[float,
         zero.setdefault("offload_param", {})["device"] = param_device
         for step in range(19, 0, -1):
             offload["ratio"] = step / 20
-            host = _offloaded_host_bytes(plan, ds)
+            host = memory_model.host_bytes(ds)
             if host > HOST_MEMORY_SHARE * host_available:
                 continue
-            gpu = _phase_memory(plan, ds, 1).peak[1]
-            if gpu <= AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB:
+            gpu = memory_model.peak(ds, 1)
+            if gpu <= memory_model.budget:
                 return offload["ratio"], param_device, host, gpu
             break  # a smaller ratio keeps more of the optimizer on the GPU
     return None
@@ -376,21 +539,18 @@ def checkpointed_micro_that_fits(plan: Plan) -> tuple[int, float] | None:
     """For a run without activation checkpointing: the automatic micro-batch of the same config and per-rank batch with
     --gradient_checkpointing, and its GPU bytes, where that micro-batch is larger than this run's (under ZeRO-3 with
     the parameters offloaded it fetches them fewer times per step); else None."""
-    import dataclasses
-
-    if plan.cfg.gradient_checkpointing:
+    if plan.cfg.model.gradient_checkpointing or plan.memory_model is None:
         return None
-    checkpointed = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, gradient_checkpointing=True))
+    checkpointed = dataclasses.replace(plan, memory_model=dataclasses.replace(plan.memory_model,
+                                                                              gradient_checkpointing=True))
     micro = automatic_micro_batch(checkpointed)
     if micro is None or micro <= plan.batch.micro:  # None: no GPU size known; a micro-batch of 1 where none fits
         return None
-    return micro, _phase_memory(checkpointed, plan.ds_config, micro).peak[1]
+    return micro, checkpointed.memory_model.peak(plan.ds_config, micro)
 
 
 def _zero2_offload_buckets() -> dict:
     """configs/zero2-offload.json's gradient bucket settings (none where the repository's configs are not at hand)."""
-    from .arguments import REPO_ROOT
-
     path = REPO_ROOT / "configs" / "zero2-offload.json"
     if not path.is_file():
         return {}
@@ -403,12 +563,8 @@ def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
     offloaded, fp32 gradient accumulation on the GPU) at this world and per-rank batch, which keeps the parameters on
     every GPU and so fetches none from host memory. Returns (its automatic micro-batch, its GPU bytes) where that fits
     the GPU and its host part no more than this config's, else None."""
-    import copy
-
-    from . import ds_config as dsc
-    from .memory import AUTO_MEMORY_SHARE
-
-    if plan.gpu_memory_gib is None or plan.ds_config is None or not plan.num_params or not plan.resolved:
+    memory_model = plan.memory_model
+    if memory_model is None or memory_model.budget is None or plan.ds_config is None or plan.memory is None:
         return None
     ds = copy.deepcopy(plan.ds_config)
     zero = ds.setdefault("zero_optimization", {})
@@ -418,83 +574,8 @@ def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
     zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     ds["data_types"] = {"grad_accum_dtype": "fp32"}
     per_rank = plan.batch.micro * plan.batch.accumulation
-    micro = _largest_fitting_micro(plan, ds, lambda m: per_rank % m == 0)[0]
-    gpu = _phase_memory(plan, ds, micro).peak[1]
-    if gpu > AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB or _offloaded_host_bytes(plan, ds) > (plan.host_bytes or 0):
+    micro = memory_model.largest_fitting_micro(ds, lambda m: per_rank % m == 0)[0]
+    gpu = memory_model.peak(ds, micro)
+    if gpu > memory_model.budget or memory_model.host_bytes(ds) > (plan.memory.host_bytes or 0):
         return None
     return micro, gpu
-
-
-def _plan_checkpoint_writes(plan: Plan) -> None:
-    """--background_checkpoint copies each rank's share of a checkpoint to host memory: on when a node's copy, beside
-    the optimizer states an offload keeps there, fits in 3/4 of the memory this node has available."""
-    from . import ds_config as dsc
-
-    if not plan.cfg.background_checkpoint:
-        plan.checkpoint_writes = "synchronous (--no-background_checkpoint)"
-        return
-    offloaded = any(dsc.offloads(plan.ds_config))
-    copy = plan.checkpoint_bytes * plan.ranks_per_node / plan.world
-    need = copy * (2 if offloaded else 1)  # the offloaded states (~ the checkpoint's size) live in host memory too
-    if not plan.here:  # a login node's memory says nothing of the GPU nodes'
-        plan.checkpoint_writes = (f"in the background where a GPU node's host copy (~{copy / GIB:.1f} GiB"
-                                  + (", beside the offloaded optimizer states" if offloaded else "")
-                                  + ") fits in 3/4 of its free memory, else synchronous: decided when the run starts")
-        return
-    available = host_memory_available()
-    if available is not None and need > 0.75 * available:
-        plan.checkpoint_writes = (f"synchronous: the host copy (~{copy / GIB:.1f} GiB per node"
-                                  + (", beside the offloaded optimizer states" if offloaded else "")
-                                  + f") does not fit in 3/4 of the {available / GIB:.0f} GiB available")
-        return
-    plan.background_checkpoint = True
-    plan.checkpoint_writes = (f"in the background, from a host copy of ~{copy / GIB:.1f} GiB per node"
-                              + (f" ({available / GIB:.0f} GiB available)" if available is not None else ""))
-
-
-def _find_resume_point(plan: Plan, move_incomplete: bool) -> None:
-    """The checkpoint this run resumes from (None: a fresh start). Incomplete checkpoints in --checkpoint_dir never
-    stop a start: a run moves them aside (a preflight says it will), then takes the newest complete one, or starts
-    from step 0 with a warning. An unreadable directory or an explicit --resume_from_checkpoint that is not complete
-    is a problem."""
-    from pathlib import Path
-
-    from .checkpoint import INCOMPLETE_DIR, ResumeError, find_resume_checkpoint, list_checkpoints, \
-        move_incomplete_aside, resolve_explicit
-
-    cfg = plan.cfg
-    ckpt_dir = Path(cfg.checkpoint_dir)
-    try:
-        if move_incomplete:
-            plan.incomplete_moved = move_incomplete_aside(ckpt_dir, plan.notes.append)
-        else:
-            for info in list_checkpoints(ckpt_dir):
-                if not info.complete:
-                    plan.notes.append(f"checkpoint: {info.path.name} is incomplete ({info.problem}): the run will "
-                                      f"move it to {ckpt_dir / INCOMPLETE_DIR} and not resume from it")
-        plan.resume = (resolve_explicit(Path(cfg.resume_from_checkpoint), plan.notes.append)
-                       if cfg.resume_from_checkpoint else
-                       find_resume_checkpoint(ckpt_dir, plan.notes.append) if cfg.resume == "auto"
-                       else None)
-    except (ResumeError, OSError) as e:  # an unreadable directory too: every rank waits for rank 0's verdict
-        lines = str(e).splitlines()
-        message = "\n      ".join(lines[:-1]) if len(lines) > 1 else lines[0]  # keep the list of damaged files
-        plan.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, message,
-                                     "remove the damaged checkpoints listed, or use another --checkpoint_dir"))
-        return
-    if plan.incomplete_moved and plan.resume is None and cfg.resume == "auto" and not cfg.resume_from_checkpoint:
-        plan.notes.append(f"resume: NO complete checkpoint in {ckpt_dir}: {len(plan.incomplete_moved)} incomplete "
-                          f"one(s) moved to {ckpt_dir / INCOMPLETE_DIR}; this run STARTS FROM STEP 0")
-
-
-def _find_data_source(plan: Plan) -> None:
-    """What --dataset means (files, a saved dataset, the hub, the embedded corpus); the data themselves are read by
-    the preflight's sample check and the run's tokenization."""
-    from .concat_dataset import DataError, resolve_source
-
-    if plan.cfg.dummy_data or plan.tokenizer is None:
-        return
-    try:
-        plan.data_source = resolve_source(plan.cfg)
-    except DataError as e:
-        plan.problems.append(e.problem)

@@ -50,7 +50,7 @@ def load_run(arg: str, label: str | None = None) -> RunMetrics:
     from .monitor import read_metrics
 
     path = Path(arg)
-    metrics = path / "metrics.jsonl" if path.is_dir() else path
+    metrics = path / METRICS if path.is_dir() else path
     if not metrics.is_file():
         raise SystemExit(f"error: {arg}: no metrics.jsonl there (pass a checkpoint directory or a metrics.jsonl file)")
     train, evals = read_metrics(metrics)

@@ -1,25 +1,29 @@
 """Preflight: check everything a run needs in seconds, on a login node, before GPUs are allocated.
 
 `python src/train_deepspeed.py ... --preflight` prints the effective configuration and the plan, then every problem at
-once (setting, bad value, fix) and exits 0 or 2. `setup()` runs the same checks at the start of every real run.
+once (setting, bad value, fix) and exits 0 or 2. `checked_plan` runs the same checks at the start of every real run,
+before the trainer builds it.
 Nothing here builds the model or tokenizes the whole dataset: the model is sized from its config on the meta device,
 the data is checked on a sample (or read from the packed cache when it exists).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
 import os
 import shutil
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arguments import ConfigError, Problem, TrainConfig, validate_args
+from .config import ConfigError, Problem, TrainConfig, validate_args
 from .ds_config import suggest
 from .memory import GIB, activation_bytes, cheapest_fit
 from .plan import Plan, make_plan, partial_offload_that_fits
+
 SAMPLE_DOCUMENTS = 200
 # Section name -> DeepSpeed's pydantic model that validates it (unknown keys there are errors in DeepSpeed too).
 SECTION_MODELS = {
@@ -145,34 +149,52 @@ def run_preflight(cfg: TrainConfig, world_size: int | None = None, check_data: b
     return report
 
 
+def checked_plan(cfg: TrainConfig, dist, log) -> Plan:
+    """A run's own plan, checked on every rank before anything expensive. Rank 0 decides what all ranks share (the
+    resume point, the data source): a save or a retention delete in between must not split them. Every rank plans
+    and checks its own node, and all stop together on any rank's problem (ConfigError), which rank 0 reports. The
+    data are checked while the run tokenizes them."""
+    plan = make_plan(cfg, dist.world_size, on_training_hardware=True, decides=dist.is_main,
+                     move_incomplete=dist.is_main)
+    report = check_plan(plan, check_data=False)
+    report.problems = merge_rank_problems(dist.all_gather_object((socket.gethostname(), report.problems)))
+    raise_on_problems(report)
+    for note in report.notes:
+        log.warn(note)
+    for line in report.estimates:  # memory and checkpoint disk; the run logs its config, batch and model lines
+        log.info(line)
+    resume, source = dist.broadcast_object((plan.resume, plan.data_source))
+    return dataclasses.replace(plan, resume=resume, data_source=source)
+
+
 def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> Report:
     """Every check of a plan, and the lines that describe it. Nothing here is built or resolved: the run builds from the
     same plan. `check_data` False leaves the data to the run (which checks it while tokenizing); `check_disk` False is
     for a caller that never saves (the benchmark), whose checkpoint directory needs no room."""
     import torch
 
-    from .levers import fused_kernels_problem
+    from .speed import fused_kernels_problem
     from .models import check_vocab_covers_tokenizer, masks_documents_by_position
 
-    cfg, mconf, seq_len = plan.cfg, plan.model_config, plan.seq_len
+    cfg, mconf, seq_len = plan.cfg, plan.model.config if plan.model else None, plan.seq_len
     report = Report(plan, problems=list(plan.problems), notes=list(plan.notes))
     if mconf is not None:
-        p = check_vocab_covers_tokenizer(mconf, plan.tokenizer, cfg.model, cfg.tokenizer)
+        p = check_vocab_covers_tokenizer(mconf, plan.tokenizer, cfg.model.model, cfg.model.tokenizer)
         if p:
             report.problems.append(p)
         max_pos = getattr(mconf, "max_position_embeddings", None)
         if max_pos and seq_len > max_pos:
             report.problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings ({max_pos})",
                                            f"use --seq_len {max_pos} or less"))
-        if cfg.document_mask and not masks_documents_by_position(mconf):
+        if cfg.data.document_mask and not masks_documents_by_position(mconf):
             report.problems.append(Problem("--document_mask", True, f"this model ({type(mconf).__name__}) does not build "
                                            "its attention mask with transformers' create_causal_mask, which turns "
                                            "restarting positions into a mask per document",
                                            "leave out --document_mask (documents are then separated by EOS only)"))
-        if cfg.document_mask and plan.tokenizer.eos_token_id is None:
+        if cfg.data.document_mask and plan.tokenizer.eos_token_id is None:
             report.problems.append(Problem("--document_mask", True, "the tokenizer has no EOS token to end documents",
                                            "use a tokenizer with an eos_token, or leave out --document_mask"))
-    p = fused_kernels_problem(cfg.perf, torch.cuda.is_available())
+    p = fused_kernels_problem(cfg.speed, torch.cuda.is_available())
     if p:
         report.problems.append(p)
     if plan.raw_ds_config is not None:
@@ -184,12 +206,12 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         report.lines.append(f"batch: {batch.describe()}")
         if plan.micro_batch_choice:
             report.lines.append(f"micro-batch: {plan.micro_batch_choice}")
-        if plan.checkpointed_layers_choice:
-            report.lines.append(f"checkpointed layers: {plan.checkpointed_layers} of "
-                                f"{plan.model_config.num_hidden_layers} recompute ({plan.checkpointed_layers_choice})")
-        if plan.delayed_prefetch_choice:
-            report.lines.append(f"delayed update prefetch: {plan.delayed_prefetch_choice}")
-        report.lines.append(f"plan: {batch.plan(cfg.max_steps)}")
+        if plan.memory and plan.memory.checkpointed_layers_choice:
+            report.lines.append(f"checkpointed layers: {plan.memory.checkpointed_layers} of "
+                                f"{plan.model.config.num_hidden_layers} recompute ({plan.memory.checkpointed_layers_choice})")
+        if plan.memory and plan.memory.delayed_prefetch_choice:
+            report.lines.append(f"delayed update prefetch: {plan.memory.delayed_prefetch_choice}")
+        report.lines.append(f"plan: {batch.plan(cfg.batch.max_steps)}")
     if plan.memory is not None:
         _check_memory(plan, report)
         _note_offload_accumulation(plan, report)
@@ -198,8 +220,8 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         _estimate_offload_update(plan, report)
         _check_host_memory(plan, report)
         if check_disk:
-            _check_checkpoint_dir(cfg, plan.checkpoint_bytes, report)
-        report.estimate(f"checkpoint writes: {plan.checkpoint_writes}")
+            _check_checkpoint_dir(cfg, plan.checkpoints.bytes, report)
+        report.estimate(f"checkpoint writes: {plan.checkpoints.description}")
     if ds is not None and check_data:
         _check_data(plan, report)
     _check_resume(plan, report)
@@ -208,19 +230,19 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
 
 def _check_host_memory(plan: Plan, report: Report) -> None:
     """Offloaded states live in the node's memory: a node without room for them would be killed minutes into setup."""
-    if not plan.host_bytes:
+    if not plan.memory.host_bytes:
         return
-    need, available = plan.host_bytes / GIB, plan.host_available
-    loading = plan.host_bytes + plan.resume_host_bytes
-    report.estimate(f"host memory: ~{need:.0f} GiB per node for the offloaded states of {plan.ranks_per_node} rank(s)"
-                    + (f", ~{loading / GIB:.0f} GiB while a resume loads a checkpoint" if plan.resume_host_bytes else "")
+    need, available = plan.memory.host_bytes / GIB, plan.hardware.host_available
+    loading = plan.memory.host_bytes + plan.memory.resume_host_bytes
+    report.estimate(f"host memory: ~{need:.0f} GiB per node for the offloaded states of {plan.hardware.ranks_per_node} rank(s)"
+                    + (f", ~{loading / GIB:.0f} GiB while a resume loads a checkpoint" if plan.memory.resume_host_bytes else "")
                     + (f"; {available / GIB:.0f} GiB available" if available is not None else
                        " (the GPU nodes' memory is checked when the run starts there)"))
-    if available is not None and plan.host_bytes <= available < loading:
+    if available is not None and plan.memory.host_bytes <= available < loading:
         if plan.resume is not None:  # the kernel would kill the ranks while they load, with no message of ours
             cfg = plan.cfg
-            setting, value = (("--resume_from_checkpoint", cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint
-                              else ("--resume", cfg.resume))
+            setting, value = (("--resume_from_checkpoint", cfg.checkpoint.resume_from_checkpoint) if cfg.checkpoint.resume_from_checkpoint
+                              else ("--resume", cfg.checkpoint.resume))
             report.problems.append(Problem(
                 setting, value,
                 f"loading {plan.resume.path.name} needs ~{loading / GIB:.0f} GiB of host memory on this node beside "
@@ -231,10 +253,10 @@ def _check_host_memory(plan: Plan, report: Report) -> None:
             report.notes.append(
                 f"this node holds the offloaded states (~{need:.0f} GiB of {available / GIB:.0f}) but not a resume "
                 f"of their checkpoint (~{loading / GIB:.0f} GiB while it loads): resume on nodes with more memory")
-    if available is not None and plan.host_bytes > available:
+    if available is not None and plan.memory.host_bytes > available:
         partial = partial_offload_that_fits(plan, available)
         report.problems.append(Problem(
-            "zero_optimization.offload_optimizer / offload_param", f"{plan.num_params / 1e9:.1f}B parameters",
+            "zero_optimization.offload_optimizer / offload_param", f"{plan.model.num_params / 1e9:.1f}B parameters",
             f"the offloaded states need ~{need:.0f} GiB of host memory on this node, {available / GIB:.0f} GiB are "
             "available",
             (f"keep part of the optimizer on the GPU: configs/zero3-offload.json with "
@@ -256,9 +278,9 @@ def _note_offload_accumulation(plan: Plan, report: Report) -> None:
     if not (dsc.zero12_optimizer_offload(ds) and dsc.precision(ds) != "fp32"
             and plan.batch.accumulation > 1 and not dsc.fp32_grad_accumulation(ds)):
         return
-    extra = 4 * plan.num_params / plan.world
-    budget = AUTO_MEMORY_SHARE * plan.gpu_memory_gib * GIB if plan.gpu_memory_gib else None
-    room = ("" if budget is None else ", which fits beside this run" if plan.memory.peak[1] + extra <= budget
+    extra = 4 * plan.model.num_params / plan.world
+    budget = AUTO_MEMORY_SHARE * plan.hardware.gpu_memory_gib * GIB if plan.hardware.gpu_memory_gib else None
+    room = ("" if budget is None else ", which fits beside this run" if plan.memory.phases.peak[1] + extra <= budget
             else ", more than this micro-batch leaves (with \"auto\" the micro-batch makes room)")
     report.notes.append(
         f"with the optimizer offloaded, DeepSpeed sends each of the {plan.batch.accumulation} micro-batches' gradients "
@@ -280,7 +302,7 @@ def _note_parameter_fetches(plan: Plan, report: Report) -> None:
     per_rank = batch.micro * batch.accumulation
     best = None if plan.micro_batch_choice else automatic_micro_batch(plan)  # "auto" already took the largest
     if best is not None and best > batch.micro:
-        fetched = 2 * 2 * plan.num_params / plan.world  # 16-bit parameters, forward and backward
+        fetched = 2 * 2 * plan.model.num_params / plan.world  # 16-bit parameters, forward and backward
         report.notes.append(
             f"ZeRO-3 with the parameters offloaded fetches all of them from host memory for each micro-batch's forward "
             f"and backward (~{fetched / GIB:.0f} GiB per rank), {batch.accumulation} times per step at micro-batch "
@@ -331,11 +353,11 @@ def _estimate_offload_update(plan: Plan, report: Report) -> None:
     from . import ds_config as dsc
 
     ds = plan.ds_config
-    if not (dsc.cpu_optimizer_offload(ds) and plan.num_params):
+    if not (dsc.cpu_optimizer_offload(ds) and plan.model.num_params):
         return
-    from_step = plan.cfg.delayed_update_from_step
+    from_step = plan.cfg.optim.delayed_update_from_step
     ratio = dsc.partial_offload_ratio(ds)
-    offloaded = plan.num_params / plan.world * (1.0 if ratio is None else ratio)
+    offloaded = plan.model.num_params / plan.world * (1.0 if ratio is None else ratio)
     seconds = OFFLOAD_UPDATE_S_PER_BILLION * offloaded / 1e9
     zero3 = dsc.zero_stage(ds) == 3
     if not from_step:
@@ -364,24 +386,24 @@ def _estimate_offload_update(plan: Plan, report: Report) -> None:
 def _check_memory(plan: Plan, report: Report) -> None:
     """The model, its size and FLOPs; each phase's memory against the GPU's, with the cheapest fix when it does not fit."""
     from . import ds_config as dsc
-    from .levers import liger_available
+    from .speed import liger_available
 
-    cfg, ds, mconf, micro = plan.cfg, plan.ds_config, plan.model_config, plan.batch.micro
+    cfg, ds, mconf, micro = plan.cfg, plan.ds_config, plan.model.config, plan.batch.micro
     stage, (off_opt, off_par) = dsc.zero_stage(ds), dsc.offloads(ds)
     bf16 = dsc.precision(ds) != "fp32"
-    report.lines.append(f"model: {cfg.model}, {plan.num_params / 1e6:,.1f}M parameters, "
-                        f"{plan.flops.per_token() / 1e9:.2f} GFLOP/token, ZeRO stage {stage}"
+    report.lines.append(f"model: {cfg.model.model}, {plan.model.num_params / 1e6:,.1f}M parameters, "
+                        f"{plan.model.flops.per_token() / 1e9:.2f} GFLOP/token, ZeRO stage {stage}"
                         f"{', optimizer offload' if off_opt else ''}{', parameter offload' if off_par else ''}")
-    phases = plan.memory
+    phases = plan.memory.phases
     peak_phase, total = phases.peak
-    memory, where = plan.gpu_memory_gib, plan.gpu_memory_source
+    memory, where = plan.hardware.gpu_memory_gib, plan.hardware.gpu_memory_source
     report.estimate(f"memory: ~{total / GIB:.1f} GiB per GPU estimated, at its peak in {peak_phase} (train "
                     f"step {phases.train / GIB:.1f}: model states, ZeRO buckets, activations; evaluation "
                     f"{phases.evaluation / GIB:.1f}; export {phases.export / GIB:.1f}"
                     + (f"; generation {phases.generation / GIB:.1f}" if phases.generation else "")
                     + f"); GPU: {f'{memory:.0f} GiB' if memory else where}")
-    chunk = cfg.perf.flce_chunk_budget
-    if plan.fused_loss and not plan.here and not liger_available():
+    chunk = cfg.speed.flce_chunk_budget
+    if plan.fused_loss and not plan.hardware.on_training_hardware and not liger_available():
         logits = activation_bytes(mconf, plan.seq_len, micro, False, False, bf16, chunk) - activation_bytes(
             mconf, plan.seq_len, micro, False, True, bf16, chunk)
         report.estimate(f"memory: assumes Liger's fused cross-entropy on the GPU nodes (not installed "
@@ -390,16 +412,16 @@ def _check_memory(plan: Plan, report: Report) -> None:
         report.notes.append(f"the memory estimate is within 8% of the GPU's {memory:.0f} GiB: expect little headroom")
     if memory and total > memory * GIB and peak_phase == "generation":
         report.problems.append(Problem(
-            "--generate_prompt", cfg.generate_prompt, f"loading the exported model for the sample needs "
+            "--generate_prompt", cfg.logging.generate_prompt, f"loading the exported model for the sample needs "
             f"~{total / GIB:.0f} GiB per GPU beside the engine, more than the {memory:.0f} GiB available",
             "drop --generate_prompt and run `python -m model_utils.generate --model EXPORT_DIR` after the run"))
     elif memory and total > memory * GIB:
         report.problems.append(Problem(
             "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
             f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
-            cheapest_fit(plan.num_params, mconf, plan.world, plan.seq_len, micro, bf16, plan.fused_loss, chunk,
-                         memory, ds.get("zero_optimization", {}), plan.compiled_layers, plan.host_available,
-                         plan.ranks_per_node)))
+            cheapest_fit(plan.model.num_params, mconf, plan.world, plan.seq_len, micro, bf16, plan.fused_loss, chunk,
+                         memory, ds.get("zero_optimization", {}), plan.compiled_layers, plan.hardware.host_available,
+                         plan.hardware.ranks_per_node)))
 
 
 def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> Report:
@@ -409,18 +431,18 @@ def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> R
 
     report = Report()
     report.problems += validate_args(cfg)
-    ds_path = cfg.resolved_ds_config_path()
+    ds_path = cfg.optim.ds_config_path
     raw, problems = dsc.load_json(ds_path) if ds_path.is_file() else (None, [])
     report.problems += problems
     if raw is not None:
-        ds, notes, problems = dsc.resolve(raw, cfg, world, "bf16", None, check_classes=False, seq_len=cfg.seq_len)
+        ds, notes, problems = dsc.resolve(raw, cfg, world, "bf16", None, check_classes=False, seq_len=cfg.model.seq_len)
         report.notes += notes
         report.problems += problems
         if not any(p.setting.startswith(dsc.BATCH_SETTINGS) for p in problems):
-            batch = dsc.Batch.of(ds, world, cfg.seq_len or 0)  # the block length needs the model: not known here
+            batch = dsc.Batch.of(ds, world, cfg.model.seq_len or 0)  # the block length needs the model: not known here
             report.lines.append("effective DeepSpeed config:\n" + json.dumps(ds, indent=2))
             report.lines.append(f"batch: micro {batch.micro} x grad_acc {batch.accumulation} x world {world} = "
-                                f"{batch.blocks_per_step} blocks per step; {cfg.max_steps} steps")
+                                f"{batch.blocks_per_step} blocks per step; {cfg.batch.max_steps} steps")
     report.notes.append(f"{', '.join(missing)} not installed here: checked the arguments and the DeepSpeed config's "
                         "JSON, batch and schedule; not checked: DeepSpeed key names, optimizer and scheduler "
                         "parameters, tokenizer, model, memory, data and checkpoints (pip install -e . here checks "
@@ -429,24 +451,24 @@ def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> R
 
 
 def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
-    path = Path(cfg.checkpoint_dir)
+    path = cfg.checkpoint.run_dir.root
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
-        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, f"{probe} is a file, not a directory",
+        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint.checkpoint_dir, f"{probe} is a file, not a directory",
                                        "choose a directory path (on a filesystem all nodes share)"))
         return
     if not os.access(probe, os.W_OK):
-        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, f"{probe} is not writable",
+        report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint.checkpoint_dir, f"{probe} is not writable",
                                        "choose a directory you can write to (on a filesystem all nodes share)"))
         return
     # Periodic saves (by steps or by the clock) keep K complete checkpoints plus the one being written; without them
     # the run saves only at the end (or on a stop signal): one checkpoint. Keeping all (K = 0) by the clock alone:
     # at least two.
-    periodic = bool(cfg.checkpoint_freq or cfg.checkpoint_minutes)
+    periodic = bool(cfg.checkpoint.checkpoint_freq or cfg.checkpoint.checkpoint_minutes)
     if periodic:
-        keep = cfg.keep_last_checkpoints or (max(1, cfg.max_steps // cfg.checkpoint_freq) if cfg.checkpoint_freq else 1)
+        keep = cfg.checkpoint.keep_last_checkpoints or (max(1, cfg.batch.max_steps // cfg.checkpoint.checkpoint_freq) if cfg.checkpoint.checkpoint_freq else 1)
     else:
         keep = 0
     count = keep + 1
@@ -463,10 +485,10 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
     if need > free:
         shortfall = f"{new} more checkpoint(s) need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free"
         if periodic:
-            report.problems.append(Problem("--keep_last_checkpoints", cfg.keep_last_checkpoints, shortfall,
+            report.problems.append(Problem("--keep_last_checkpoints", cfg.checkpoint.keep_last_checkpoints, shortfall,
                                            "free space, keep fewer checkpoints, or use another --checkpoint_dir"))
         else:  # the last step's checkpoint alone does not fit: keeping fewer would not help
-            report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint_dir, shortfall,
+            report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint.checkpoint_dir, shortfall,
                                            "free space there or use another --checkpoint_dir"))
 
 
@@ -476,32 +498,32 @@ def _check_data(plan: Plan, report: Report):
 
     cfg, tokenizer, seq_len, world, micro = plan.cfg, plan.tokenizer, plan.seq_len, plan.world, plan.batch.micro
     source = plan.data_source
-    if cfg.dummy_data:
-        report.lines.append(f"data: dummy, {cfg.dummy_data} random blocks")
-        blocks = cfg.dummy_data - held_out_count(cfg.dummy_data, DUMMY_VALIDATION_FRACTION)
+    if cfg.data.dummy_data:
+        report.lines.append(f"data: dummy, {cfg.data.dummy_data} random blocks")
+        blocks = cfg.data.dummy_data - held_out_count(cfg.data.dummy_data, DUMMY_VALIDATION_FRACTION)
     elif source is None:  # not resolved: the plan's problems say why
         return
     else:
         try:
-            cache = cache_dir_for(cfg, source, tokenizer)
+            cache = cache_dir_for(cfg.data, source, tokenizer)
             if (cache / "meta.json").exists():
                 meta = json.loads((cache / "meta.json").read_text())
                 tokens = meta["tokens"]["train"]
                 report.lines.append(f"data: {source.location}: {tokens:,} tokens (packed cache {cache})")
                 blocks = block_count(tokens, seq_len)
                 if "validation" not in meta["tokens"]:
-                    blocks -= held_out_count(blocks, cfg.validation_fraction)
+                    blocks -= held_out_count(blocks, cfg.data.validation_fraction)
             else:
                 sample, total_docs = _sample(source, cfg)
-                tokenized = tokenize_split(sample, tokenizer, cfg.text_column, 1, "train (sample)")
+                tokenized = tokenize_split(sample, tokenizer, cfg.data.text_column, 1, "train (sample)")
                 sample_tokens = sum(len(x) for x in tokenized["input_ids"])
                 if sample_tokens == 0:
-                    raise DataError(Problem("--text_column", cfg.text_column, "the sampled documents hold no text",
+                    raise DataError(Problem("--text_column", cfg.data.text_column, "the sampled documents hold no text",
                                             "check the column's contents"))
                 est = sample_tokens * (total_docs / len(sample)) if total_docs else None
-                report.lines.append(f"data: {source.location}: column '{cfg.text_column}' present; "
+                report.lines.append(f"data: {source.location}: column '{cfg.data.text_column}' present; "
                                     f"~{est:,.0f} tokens estimated from {len(sample)} documents" if est else
-                                    f"data: {source.location}: column '{cfg.text_column}' present (streamed sample)")
+                                    f"data: {source.location}: column '{cfg.data.text_column}' present (streamed sample)")
                 blocks = int(est // seq_len) if est else None
         except DataError as e:
             report.problems.append(e.problem)
@@ -519,15 +541,15 @@ def _sample(source, cfg):
 
     if source.kind == "hub":
         try:
-            wanted = min(SAMPLE_DOCUMENTS, cfg.max_documents or SAMPLE_DOCUMENTS)
-            rows = list(stream_documents(source.location, cfg.dataset_config_name, None, "train", wanted))
+            wanted = min(SAMPLE_DOCUMENTS, cfg.data.max_documents or SAMPLE_DOCUMENTS)
+            rows = list(stream_documents(source.location, cfg.data.dataset_config_name, None, "train", wanted))
         except LOAD_ERRORS as e:
             raise load_problem(source, e) from e
         if not rows:
             raise DataError(Problem("--dataset", source.location, "is empty", "point --dataset at data with documents"))
         # The document count is known when the sample holds them all, or when --max_documents caps it.
-        return datasets.Dataset.from_list(rows), len(rows) if len(rows) < wanted else (cfg.max_documents or None)
-    train, _ = load_splits(source, cfg)
+        return datasets.Dataset.from_list(rows), len(rows) if len(rows) < wanted else (cfg.data.max_documents or None)
+    train, _ = load_splits(source, cfg.data)
     if len(train) == 0:
         raise DataError(Problem("--dataset", source.location, "is empty", "point --dataset at data with documents"))
     return train.select(range(min(SAMPLE_DOCUMENTS, len(train)))), len(train)
@@ -553,11 +575,11 @@ def print_report(report: Report, stream=None) -> int:
 def _check_resume(plan: Plan, report: Report):
     """What is wrong with the plan's resume point, or with --resume."""
     from . import ds_config as dsc
-    from .checkpoint import TAG_RE, data_position_problems, needs_universal, universal_command
+    from .checkpoint import CHECKPOINT_NAME, data_position_problems, needs_universal, universal_command
 
     cfg, info = plan.cfg, plan.resume
-    if cfg.resume == "never" and any(TAG_RE.match(p.name) for p in Path(cfg.checkpoint_dir).glob("step-*")):
-        report.problems.append(Problem("--resume", cfg.resume, f"{cfg.checkpoint_dir} already holds checkpoints",
+    if cfg.checkpoint.resume == "never" and any(CHECKPOINT_NAME.match(p.name) for p in cfg.checkpoint.run_dir.root.glob("step-*")):
+        report.problems.append(Problem("--resume", cfg.checkpoint.resume, f"{cfg.checkpoint.checkpoint_dir} already holds checkpoints",
                                        "choose another --checkpoint_dir or move them away (nothing is deleted for you)"))
     if info is None:
         return
@@ -567,12 +589,12 @@ def _check_resume(plan: Plan, report: Report):
         report.notes.append(f"{info.path} was saved by {m.get('world_size')} ranks and this run has {plan.world}: it "
                             f"will be converted to a universal checkpoint ({' '.join(universal_command(info))}) "
                             "and loaded with load_universal")
-    if m.get("model") not in (None, cfg.model):
-        report.problems.append(Problem("--model", cfg.model, f"{info.path} holds a checkpoint of {m.get('model')}",
+    if m.get("model") not in (None, cfg.model.model):
+        report.problems.append(Problem("--model", cfg.model.model, f"{info.path} holds a checkpoint of {m.get('model')}",
                                        f"use --model {m.get('model')}, or another --checkpoint_dir"))
     # The data position counts blocks of the checkpoint's seq_len in its tokens: another block length or tokenizer
     # would continue at another place (the data themselves are compared when the run has read them).
-    identity = {"seq_len": plan.seq_len, "tokenizer": cfg.tokenizer}
+    identity = {"seq_len": plan.seq_len, "tokenizer": cfg.model.tokenizer}
     if plan.tokenizer is not None:
         from .concat_dataset import tokenizer_identity
         identity["tokenizer_identity"] = tokenizer_identity(plan.tokenizer)

@@ -20,9 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arguments import Problem
-
-LOCK_FILE = "run.lock"
+from .config import Problem
+from .run_dir import LOCK, RunDir
 HEARTBEAT_S = 30.0
 STALE_S = 300.0  # ten heartbeats missed
 
@@ -85,9 +84,8 @@ class RunLock:
 
 def acquire(checkpoint_dir: str, force: bool, log) -> tuple[RunLock | None, Problem | None]:
     """Take the lock (rank 0). Returns the lock, or the Problem that names its holder and the way out."""
-    directory = Path(checkpoint_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / LOCK_FILE
+    path = RunDir.of(checkpoint_dir).lock
+    path.parent.mkdir(parents=True, exist_ok=True)
     me = holder_identity()
     for _ in range(3):  # a stale lock removed by us can be raced by another starter: try again
         try:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .train_utils import Dist
+from .distributed import Dist
 
 GPU_SIZES_MIB = [0.0625, 1, 16, 64, 256, 1024]
 CPU_SIZES_MIB = [0.0625, 1, 4, 16]

@@ -46,7 +46,7 @@ def act(sig):
     os.kill(os.getpid(), sig)
 
 
-tag = checkpoint.tag_for(step)
+tag = checkpoint.checkpoint_name(step)
 
 
 def in_this_save(path) -> bool:

@@ -29,11 +29,11 @@ def _first_step_loss_of(model_dir, seq_len, micro, world, seed):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from model_utils.arguments import TrainConfig
+    from model_utils.config import TrainConfig
     from model_utils.concat_dataset import BlockOrder, DataPosition, cache_dir_for, open_packed, resolve_source
     from model_utils.tokenizer import load_tokenizer
 
-    cfg = TrainConfig(model=str(model_dir), seq_len=seq_len, seed=seed)
+    cfg = TrainConfig.from_flags(model=str(model_dir), seq_len=seq_len, seed=seed).data
     tokenizer = load_tokenizer(str(model_dir))
     data = open_packed(cfg, cache_dir_for(cfg, resolve_source(cfg), tokenizer), seq_len)
     order = BlockOrder(data.train_ids, seed, world, micro)

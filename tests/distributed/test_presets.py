@@ -139,8 +139,8 @@ def leaves(node, prefix=""):
 def report(preset: str, out: str):
     """Run in a fresh process: the trainer's setup() on one CPU rank, then each key's effective value as JSON."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    from model_utils.arguments import parse_args
-    from model_utils.train_utils import free_port, setup_distributed
+    from model_utils.config import parse_args
+    from model_utils.distributed import free_port, setup_distributed
     from train_deepspeed import setup
 
     os.environ["MASTER_PORT"] = str(free_port())
@@ -159,8 +159,8 @@ def partial_offload_checkpoint(preset: str, out: str):
     Stand-in: the CPU accelerator names every sub-group's device "cpu", so sub-group 0 is labelled "cuda" (no GPU here)
     to take DeepSpeed's GPU path: its backup torch AdamW, on this machine's tensors."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    from model_utils.arguments import parse_args
-    from model_utils.train_utils import free_port, setup_distributed
+    from model_utils.config import parse_args
+    from model_utils.distributed import free_port, setup_distributed
     from train_deepspeed import setup, train_step
 
     os.environ["MASTER_PORT"] = str(free_port())
@@ -189,8 +189,8 @@ def partial_offload_losses(spec: str, out: str):
     SAVE_AT (0: never); the losses as JSON."""
     preset, stop_at, save_at = spec.split()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    from model_utils.arguments import parse_args
-    from model_utils.train_utils import free_port, setup_distributed
+    from model_utils.config import parse_args
+    from model_utils.distributed import free_port, setup_distributed
     from train_deepspeed import save, setup, train_step
 
     os.environ["MASTER_PORT"] = str(free_port())

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import FAST_ARGS, Trainer, assert_ok, run_trainer
 from inputs import write_lock
-from model_utils.run_lock import LOCK_FILE, STALE_S
+from model_utils.run_lock import LOCK, STALE_S
 
 
 def test_second_run_on_the_same_directory_refuses_at_once(session_cache, tmp_path):
@@ -22,7 +22,7 @@ def test_second_run_on_the_same_directory_refuses_at_once(session_cache, tmp_pat
     t0 = time.monotonic()
     second = run_trainer(ckpt, args)
     refused_in = time.monotonic() - t0
-    holder = json.loads((ckpt / LOCK_FILE).read_text())
+    holder = json.loads((ckpt / LOCK).read_text())
     assert second.returncode == 2 and "Traceback" not in second.output
     assert f"--checkpoint_dir = {ckpt}: is in use by another run (host {socket.gethostname()}, pid {holder['pid']}" \
            in second.output and "--force_unlock" in second.output
@@ -31,7 +31,7 @@ def test_second_run_on_the_same_directory_refuses_at_once(session_cache, tmp_pat
     first_run = first.wait()
     assert_ok(first_run)
     assert [r["step"] for r in first_run.train_records()] == list(range(1, 61))  # untouched by the second
-    assert not (ckpt / LOCK_FILE).exists()  # released at the end
+    assert not (ckpt / LOCK).exists()  # released at the end
 
 
 @pytest.mark.parametrize("age, extra, taken", [(STALE_S + 60, [], True), (0, [], False), (0, ["--force_unlock"], True)],
@@ -45,4 +45,4 @@ def test_locks_of_other_hosts(session_cache, tmp_path, age, extra, taken):
         assert "run lock: taking over" in run.output and "node-elsewhere pid 4242" in run.output
     else:
         assert run.returncode == 2 and "is in use by another run (host node-elsewhere, pid 4242" in run.output
-        assert (ckpt / LOCK_FILE).exists()  # theirs, left alone
+        assert (ckpt / LOCK).exists()  # theirs, left alone

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, TrainerRun, assert_ok, rank_environment, run_trainer
 from inputs import mounted_tmpfs
 from model_utils.checkpoint import inspect_checkpoint
-from model_utils.train_utils import free_port
+from model_utils.distributed import free_port
 from test_training import RESUME_ARGS, _assert_continues_exactly, baseline  # noqa: F401 (the fixture)
 
 INJECT = Path(__file__).with_name("fault_injection.py")

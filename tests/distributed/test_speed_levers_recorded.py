@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from conftest import FAST_ARGS, assert_ok, run_trainer
-from model_utils.arguments import PerfConfig
+from model_utils.config import SpeedConfig
 
 
 def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cache, tmp_path):
@@ -17,14 +17,14 @@ def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cach
     assert_ok(first)
     assert '"perf": {"fused_kernels": "auto", "liger_kernels": "auto", "flce_chunk_budget": 8' in first.output
     manifest = json.loads((ckpt / "step-00000002" / "manifest.json").read_text())
-    assert manifest["perf"] == PerfConfig().as_dict()
+    assert manifest["perf"] == SpeedConfig().as_dict()
     # No GPU: every lever takes the libraries' own path, and the record says so.
     in_force = {"fused_kernels": "off", "flce_chunk_budget": None, "compile": "off", "attention_kernel": "sdpa",
                 "sdpa_backend": "auto", "overflow_check": "scan", "delayed_update_from_step": 0,
                 "delayed_update_prefetch": "off"}
     assert manifest["levers_in_force"] == in_force
     summary = json.loads((ckpt / "summary.json").read_text())
-    assert summary["speed_levers"] == {"settings": PerfConfig().as_dict(), "in_force": in_force}
+    assert summary["speed_levers"] == {"settings": SpeedConfig().as_dict(), "in_force": in_force}
 
     same = run_trainer(ckpt, [*args, "--max_steps", "3"])
     assert_ok(same)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from conftest import SRC
-from model_utils.train_utils import free_port
+from model_utils.distributed import free_port
 
 
 # Runs in a fresh process (DeepSpeed initialises torch.distributed): bf16 ZeRO-2 on CPU, the same optimizer class and

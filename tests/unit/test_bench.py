@@ -17,13 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 def test_variants_set_every_lever_by_flag():
     """A variant names its levers and turns every other one off, as trainer flags the trainer's parser accepts."""
     import bench
-    from model_utils.arguments import PerfConfig, parse_args
+    from model_utils.config import SpeedConfig, parse_args
 
     cfg = parse_args(bench.VARIANTS["compile"]["args"])
-    assert cfg.perf == PerfConfig(liger_kernels="flce", flce_chunk_budget=1, compile="layers", activation_budget=1.0,
+    assert cfg.speed == SpeedConfig(liger_kernels="flce", flce_chunk_budget=1, compile="layers", activation_budget=1.0,
                                   attention_kernel="sdpa", overflow_check="scan", delayed_update_prefetch="off")
-    assert parse_args(bench.VARIANTS["nofused"]["args"]).perf.fused_kernels == "off"
-    assert parse_args(bench.VARIANTS["default"].get("args", [])).perf == PerfConfig()
+    assert parse_args(bench.VARIANTS["nofused"]["args"]).speed.fused_kernels == "off"
+    assert parse_args(bench.VARIANTS["default"].get("args", [])).speed == SpeedConfig()
     for name, spec in bench.VARIANTS.items():
         parse_args(spec.get("args", []))  # every variant's flags parse
 

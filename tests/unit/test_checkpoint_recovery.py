@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from model_utils.checkpoint import (INCOMPLETE_DIR, LATEST, MANIFEST, find_resume_checkpoint, move_incomplete_aside,
-                                    read_latest, resolve_explicit, ResumeError, tag_for)
+from model_utils.checkpoint import (INCOMPLETE, LATEST, MANIFEST, find_resume_checkpoint, move_incomplete_aside,
+                                    read_latest, resolve_explicit, ResumeError, checkpoint_name)
 
 
 def complete(ckpt, step: int):
-    path = ckpt / tag_for(step)
+    path = ckpt / checkpoint_name(step)
     path.mkdir(parents=True)
     (path / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
     (path / MANIFEST).write_text(json.dumps({"step": step, "files": {"mp_rank_00_model_states.pt": 100}}))
@@ -21,7 +21,7 @@ def complete(ckpt, step: int):
 
 
 def incomplete(ckpt, step: int):
-    path = ckpt / tag_for(step)
+    path = ckpt / checkpoint_name(step)
     path.mkdir(parents=True)
     (path / "mp_rank_00_model_states.pt").write_bytes(b"x" * 50)  # the save died before its manifest
     return path
@@ -77,7 +77,7 @@ def test_incomplete_checkpoints_are_moved_aside_and_kept(ckpt):
     assert "has 10 bytes, the manifest recorded 100" in moved[0] and "manifest.json is missing" in moved[1]
     assert all(w.startswith("checkpoint: incomplete checkpoint moved aside: ") for w in warnings)
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000002", "step-00000004"]
-    aside = ckpt / INCOMPLETE_DIR
+    aside = ckpt / INCOMPLETE
     assert (aside / "step-00000006" / "mp_rank_00_model_states.pt").stat().st_size == 50  # kept as it was
     assert (aside / "step-00000008" / MANIFEST).exists()
     assert find_resume_checkpoint(ckpt, warnings.append).path.name == "step-00000004"
@@ -86,13 +86,13 @@ def test_incomplete_checkpoints_are_moved_aside_and_kept(ckpt):
 def test_the_same_step_cut_short_twice_is_kept_twice(tmp_path):
     ckpt = tmp_path / "ckpt"
     incomplete(ckpt, 2)
-    assert move_incomplete_aside(ckpt, print) == [f"step-00000002 -> {INCOMPLETE_DIR}/step-00000002 "
+    assert move_incomplete_aside(ckpt, print) == [f"step-00000002 -> {INCOMPLETE}/step-00000002 "
                                                   f"({ckpt / 'step-00000002' / MANIFEST} is missing (the save did "
                                                   "not finish))"]
     incomplete(ckpt, 2)
     moved = move_incomplete_aside(ckpt, print)
-    assert moved[0].startswith(f"step-00000002 -> {INCOMPLETE_DIR}/step-00000002.1 ")
-    assert sorted(p.name for p in (ckpt / INCOMPLETE_DIR).iterdir()) == ["step-00000002", "step-00000002.1"]
+    assert moved[0].startswith(f"step-00000002 -> {INCOMPLETE}/step-00000002.1 ")
+    assert sorted(p.name for p in (ckpt / INCOMPLETE).iterdir()) == ["step-00000002", "step-00000002.1"]
     assert find_resume_checkpoint(ckpt, print) is None  # nothing complete: the caller starts from step 0
 
 

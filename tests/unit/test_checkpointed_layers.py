@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model_utils.arguments import TrainConfig, parse_args, validate_args
+from model_utils.config import TrainConfig, parse_args, validate_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,12 +19,12 @@ def test_the_setting_needs_checkpointing_and_a_count_or_all_or_auto():
     assert parse_args(["--gradient_checkpointing", "--checkpointed_layers", "7"]).checkpointed_layers == 7
     with pytest.raises(SystemExit):
         parse_args(["--checkpointed_layers", "most"])
-    problems = validate_args(TrainConfig(checkpointed_layers=3))
+    problems = validate_args(TrainConfig.from_flags(checkpointed_layers=3))
     assert [(p.setting, p.value) for p in problems] == [("--checkpointed_layers", 3)]
     assert "add --gradient_checkpointing" in problems[0].fix
-    problems = validate_args(TrainConfig(gradient_checkpointing=True, checkpointed_layers=-1))
+    problems = validate_args(TrainConfig.from_flags(gradient_checkpointing=True, checkpointed_layers=-1))
     assert [p.setting for p in problems] == ["--checkpointed_layers"]
-    assert not validate_args(TrainConfig(gradient_checkpointing=True, checkpointed_layers=0))
+    assert not validate_args(TrainConfig.from_flags(gradient_checkpointing=True, checkpointed_layers=0))
 
 
 def test_each_layer_left_out_keeps_its_working_set_instead_of_its_input():
@@ -52,7 +52,7 @@ def test_each_layer_left_out_keeps_its_working_set_instead_of_its_input():
 
 
 def _plan(monkeypatch, *flags, gpu_gib="79.2"):
-    from model_utils import levers
+    from model_utils import speed
     from model_utils import plan as plan_module
 
     if gpu_gib is None:

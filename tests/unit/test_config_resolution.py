@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import REPO
-from model_utils.arguments import TrainConfig, parse_args, validate_args
+from model_utils.config import TrainConfig, parse_args, validate_args
 from model_utils.ds_config import load_json, resolve
 
 SHIPPED = json.loads((REPO / "ds_config.json").read_text())
@@ -154,7 +154,7 @@ def test_invalid_json_names_line_and_column(tmp_path):
 
 
 def test_validate_args_reports_every_problem_at_once(tmp_path):
-    cfg = TrainConfig(max_steps=0, seq_len=1, log_interval=0, ds_config=str(tmp_path / "missing.json"),
+    cfg = TrainConfig.from_flags(max_steps=0, seq_len=1, log_interval=0, ds_config=str(tmp_path / "missing.json"),
                       dataset=str(tmp_path / "nope"), local_dataset="true", learning_rate=-1.0, max_documents=-5)
     settings = {p.setting for p in validate_args(cfg)}
     assert {"--max_steps", "--seq_len", "--log_interval", "--ds_config", "--dataset", "--learning_rate",

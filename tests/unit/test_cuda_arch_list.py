@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from model_utils import train_utils
+from model_utils import distributed
 
 
 @pytest.mark.parametrize("given, expected", [
@@ -14,7 +14,7 @@ from model_utils import train_utils
 ])
 def test_cuda_arch_list_is_normalised_for_deepspeed(monkeypatch, given, expected):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
-    assert train_utils.normalize_cuda_arch_list() == expected
+    assert distributed.normalize_cuda_arch_list() == expected
     for item in expected.split(";"):
         major, minor = item.replace("+PTX", "").split(".")
         int(major), int(minor)  # what DeepSpeed's op builder does
@@ -22,11 +22,11 @@ def test_cuda_arch_list_is_normalised_for_deepspeed(monkeypatch, given, expected
 
 def test_a_malformed_entry_is_a_problem_before_any_work(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;sm_90")
-    problems = train_utils.distributed_env_problems()
+    problems = distributed.distributed_env_problems()
     assert [p.setting for p in problems] == ["TORCH_CUDA_ARCH_LIST"]
     assert "entry 'sm_90' is not like 9.0" in problems[0].message and "8.0;9.0" in problems[0].fix
 
 
 def test_cuda_arch_list_unset_stays_unset(monkeypatch):
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
-    assert train_utils.normalize_cuda_arch_list() is None
+    assert distributed.normalize_cuda_arch_list() is None

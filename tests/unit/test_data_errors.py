@@ -9,7 +9,7 @@ import os
 import pytest
 
 from inputs import bad_jsonl_line, good_rows, jsonl
-from model_utils.arguments import parse_args
+from model_utils.config import parse_args
 from model_utils.concat_dataset import DataError, build_token_files, load_splits, resolve_source
 from model_utils.tokenizer import load_tokenizer
 
@@ -54,7 +54,7 @@ def test_unparsable_file_is_named_with_its_line(make, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     path, words = make(data)
-    problem = problem_of(parse_args(["--dataset", str(data), "--data_cache_dir", str(tmp_path / "cache")]))
+    problem = problem_of(parse_args(["--dataset", str(data), "--data_cache_dir", str(tmp_path / "cache")]).data)
     assert problem.setting == "--dataset" and problem.value == str(path)
     assert words in problem.message and "run again" in problem.fix
 
@@ -65,7 +65,7 @@ def test_file_changed_while_tokenizing_is_refused_and_its_cache_removed(tmp_path
     data = tmp_path / "data"
     data.mkdir()
     jsonl(data / "a.jsonl", good_rows())
-    cfg = parse_args(["--dataset", str(data), "--data_cache_dir", str(tmp_path / "cache")])
+    cfg = parse_args(["--dataset", str(data), "--data_cache_dir", str(tmp_path / "cache")]).data
     original = concat_dataset.tokenize_split
 
     def tokenize_while_a_writer_appends(*args, **kw):
@@ -86,7 +86,7 @@ def test_file_that_disappears_is_named(tmp_path):
     data.mkdir()
     jsonl(data / "a.jsonl", good_rows())
     jsonl(data / "b.jsonl", good_rows())
-    cfg = parse_args(["--dataset", str(data), "--data_cache_dir", str(tmp_path / "cache")])
+    cfg = parse_args(["--dataset", str(data), "--data_cache_dir", str(tmp_path / "cache")]).data
     source = resolve_source(cfg)
     os.remove(data / "b.jsonl")  # listed, then gone (another job cleaning up, a flaky mount)
     with pytest.raises(DataError) as caught:
@@ -98,7 +98,7 @@ def test_text_that_tokenizes_to_nothing_names_the_column(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     jsonl(data / "a.jsonl", [{"text": 123, "body": "real text"} for _ in range(20)])  # numbers, not text
-    cfg = parse_args(["--dataset", str(data), "--data_cache_dir", str(tmp_path / "cache")])
+    cfg = parse_args(["--dataset", str(data), "--data_cache_dir", str(tmp_path / "cache")]).data
     with pytest.raises(DataError) as caught:
         build_token_files(cfg, load_tokenizer(None), tmp_path / "packed", log=lambda *_: None)
     assert "empty after tokenization" in caught.value.problem.message and "'text'" in caught.value.problem.fix
@@ -107,7 +107,7 @@ def test_text_that_tokenizes_to_nothing_names_the_column(tmp_path):
 def test_unknown_hub_dataset_is_a_problem_not_a_traceback(tmp_path):
     """The hub is out of reach here (HF_DATASETS_OFFLINE, set by conftest): the same path a wrong name takes."""
     cfg = parse_args(["--dataset", "no-such-org/no-such-dataset", "--local_dataset", "false",
-                      "--data_cache_dir", str(tmp_path / "cache")])
+                      "--data_cache_dir", str(tmp_path / "cache")]).data
     problem = problem_of(cfg)
     assert problem.value == "no-such-org/no-such-dataset" and "could not be loaded from the hub" in problem.message
     assert "DATASET_CONFIG_NAME" in problem.fix

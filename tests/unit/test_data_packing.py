@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from model_utils.arguments import TrainConfig
+from model_utils.config import DataConfig
 from model_utils.concat_dataset import (BlockOrder, DataError, DataPosition, PackedTokens, build_token_files,
                                         cache_dir_for, open_packed, resolve_source, tokenize_split, write_token_file)
 from model_utils.tokenizer import load_tokenizer
@@ -110,7 +110,7 @@ def test_local_formats_and_validation_split(tmp_path, tokenizer):
 
     for dataset, column, has_val in (("saved", "text", True), ("jsonl", "content", False),
                                      ("a.txt", "text", False), ("data.parquet", "text", False)):
-        cfg = TrainConfig(dataset=str(tmp_path / dataset), text_column=column, data_cache_dir=str(tmp_path / "cache"),
+        cfg = DataConfig(dataset=str(tmp_path / dataset), text_column=column, data_cache_dir=str(tmp_path / "cache"),
                           validation_fraction=0.1)
         out = tmp_path / "packed" / dataset
         build_token_files(cfg, tokenizer, out, log=lambda *_: None)
@@ -132,7 +132,7 @@ def test_max_documents_takes_the_first_documents_of_each_split(tmp_path, tokeniz
         return [t for d in docs for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
 
     for dataset, splits in (("jsonl", {"train": train}), ("saved", {"train": train, "validation": val})):
-        cfg = TrainConfig(dataset=str(tmp_path / dataset), data_cache_dir=str(tmp_path / "cache"), max_documents=7)
+        cfg = DataConfig(dataset=str(tmp_path / dataset), data_cache_dir=str(tmp_path / "cache"), max_documents=7)
         out = tmp_path / "packed" / dataset
         build_token_files(cfg, tokenizer, out, log=lambda *_: None)
         meta = json.loads((out / "meta.json").read_text())
@@ -140,13 +140,13 @@ def test_max_documents_takes_the_first_documents_of_each_split(tmp_path, tokeniz
         for split, docs in splits.items():
             np.testing.assert_array_equal(np.fromfile(out / f"{split}.bin", dtype=np.uint16), first_tokens(docs[:7]))
         source = resolve_source(cfg)
-        everything = TrainConfig(dataset=cfg.dataset, data_cache_dir=cfg.data_cache_dir)
+        everything = DataConfig(dataset=cfg.dataset, data_cache_dir=cfg.data_cache_dir)
         assert cache_dir_for(cfg, source, tokenizer) != cache_dir_for(everything, source, tokenizer)
 
     # Edited files give the new documents, not datasets' cached copy of the old stream.
     edited = ["An edited first document, longer than before."] + train[1:]
     _write_jsonl(tmp_path / "jsonl" / "part.jsonl", edited)
-    cfg = TrainConfig(dataset=str(tmp_path / "jsonl"), data_cache_dir=str(tmp_path / "cache"), max_documents=7)
+    cfg = DataConfig(dataset=str(tmp_path / "jsonl"), data_cache_dir=str(tmp_path / "cache"), max_documents=7)
     build_token_files(cfg, tokenizer, tmp_path / "packed" / "edited", log=lambda *_: None)
     np.testing.assert_array_equal(np.fromfile(tmp_path / "packed" / "edited" / "train.bin", dtype=np.uint16),
                                   first_tokens(edited[:7]))
@@ -157,24 +157,24 @@ def test_bad_data_gets_a_clear_message(case, tmp_path, tokenizer):
     import datasets
 
     if case == "missing_path":
-        cfg = TrainConfig(dataset=str(tmp_path / "nope"), local_dataset="true")
+        cfg = DataConfig(dataset=str(tmp_path / "nope"), local_dataset="true")
         setting, words = "--dataset", "does not exist"
     elif case == "no_files":
         (tmp_path / "empty_dir").mkdir()
-        cfg = TrainConfig(dataset=str(tmp_path / "empty_dir"))
+        cfg = DataConfig(dataset=str(tmp_path / "empty_dir"))
         setting, words = "--dataset", "holds no dataset files"
     elif case == "empty_files":
         (tmp_path / "d").mkdir()
         (tmp_path / "d" / "part-0.jsonl").write_text("")
-        cfg = TrainConfig(dataset=str(tmp_path / "d"), max_documents=5)
+        cfg = DataConfig(dataset=str(tmp_path / "d"), max_documents=5)
         setting, words = "--dataset", "holds only empty files"
     elif case == "missing_column":
         datasets.Dataset.from_dict({"body": ["x y z"]}).save_to_disk(tmp_path / "d")
-        cfg = TrainConfig(dataset=str(tmp_path / "d"))
+        cfg = DataConfig(dataset=str(tmp_path / "d"))
         setting, words = "--text_column", "columns: body"
     else:
         datasets.Dataset.from_dict({"text": []}).save_to_disk(tmp_path / "d")
-        cfg = TrainConfig(dataset=str(tmp_path / "d"))
+        cfg = DataConfig(dataset=str(tmp_path / "d"))
         setting, words = "--dataset", "empty"
     with pytest.raises(DataError) as err:
         resolve_source(cfg)

@@ -1,4 +1,4 @@
-"""Each rank's share of the host's cores (train_utils.host_threads): ranks started side by side without CPU masks of
+"""Each rank's share of the host's cores (process.host_threads): ranks started side by side without CPU masks of
 their own split torch's threads among them, so their CPU optimizer updates do not run oversubscribed; a mask, a single
 rank or OMP_NUM_THREADS keeps torch's own count."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from model_utils import train_utils
-from model_utils.train_utils import host_threads
+from model_utils import distributed
+from model_utils.process import host_threads
 
 
 def test_ranks_without_masks_split_the_nodes_cores():
@@ -36,5 +36,5 @@ def test_an_srun_step_states_the_ranks_on_each_node(monkeypatch):
     for name, value in {"SLURM_STEP_ID": "0", "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1",
                         "SLURM_NTASKS_PER_NODE": "8"}.items():
         monkeypatch.setenv(name, value)
-    assert train_utils.distributed_env_problems() == []
+    assert distributed.distributed_env_problems() == []
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("9", "1", "8")

@@ -12,7 +12,7 @@ import torch
 
 from inputs import png_shape
 from model_utils import monitor
-from model_utils.arguments import parse_args, validate_args
+from model_utils.config import parse_args, validate_args
 def _fake_dist(rank=0, world=2):
     return SimpleNamespace(rank=rank, world_size=world, is_main=rank == 0, backend="gloo", device=torch.device("cpu"))
 
@@ -154,7 +154,8 @@ def full_disk(tmp_path):
 def test_a_full_disk_under_metrics_jsonl_warns_once_and_training_goes_on(full_disk, capsys):
     """Appending a record to metrics.jsonl on a full filesystem (a real 64 KiB tmpfs) is no traceback: one warning
     naming the file and the cause, then the records that fit again are appended."""
-    from model_utils.train_utils import Dist, Logger
+    from model_utils.distributed import Dist
+    from model_utils.run_log import Logger
 
     filler = full_disk / "filler"
     with open(filler, "wb", buffering=0) as f:

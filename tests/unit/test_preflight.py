@@ -206,7 +206,7 @@ def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(t
     8, 70.3 at 16), so a configuration that runs is not refused; the unfused loss's logits still are."""
     import re
 
-    from model_utils import levers
+    from model_utils import speed
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(levers, "liger_available", lambda: False)
@@ -241,8 +241,8 @@ def _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch
 
 def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_path):
     """The plan behind _estimate_gib."""
-    from model_utils import levers
-    from model_utils.arguments import parse_args
+    from model_utils import speed
+    from model_utils.config import parse_args
     from model_utils.plan import make_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", str(gpu_gib))
@@ -413,7 +413,7 @@ def test_offloaded_states_that_do_not_fit_the_node_are_refused(tmp_path, monkeyp
     Qwen3-4B needs ~74 GiB (one H100 host measured 73.4), Qwen3-8B ~142 GiB, more than a 128 GiB node has, on two
     ranks half each. A run whose node lacks the room stops before building anything, naming the fix."""
     from model_utils import plan as plan_module
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.memory import GIB, HOST_STATE_OVERHEAD, offload_host_bytes
     from model_utils.preflight import check_plan
 
@@ -449,7 +449,7 @@ def test_a_resume_needs_host_memory_for_loading_its_checkpoint(tmp_path, monkeyp
     for that: a fresh start notes it, a resume is refused before the ranks load anything, naming --resume (or
     --resume_from_checkpoint); with room for both, neither."""
     from model_utils import plan as plan_module
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.memory import GIB, offload_host_bytes, resume_host_bytes
     from model_utils.preflight import check_plan
 
@@ -497,7 +497,7 @@ def test_a_partial_offload_counts_the_pinned_blocks_of_its_gpu_part(monkeypatch,
     host allocator statistics); without those 4 bytes per parameter of the GPU part the estimate would be 57 GiB. Not
     pinned (offload_optimizer.pin_memory false), they are not kept."""
     from model_utils import plan as plan_module
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.ds_config import gpu_optimizer_share
     from model_utils.memory import GIB, HOST_STATE_OVERHEAD
 
@@ -549,9 +549,9 @@ def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypa
     config's own plan fits the node and the GPU."""
     import re
 
-    from model_utils import levers
+    from model_utils import speed
     from model_utils import plan as plan_module
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.memory import GIB
     from model_utils.preflight import check_plan
 
@@ -592,9 +592,9 @@ def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypa
 def test_offloaded_accumulation_through_the_cpu_gets_the_gpu_buffer_named(monkeypatch, session_cache):
     """The seeds' ZeRO-2 + optimizer offload config accumulates gradients through the CPU: the preflight names the
     fp32 GPU buffer that avoids it, and its cost; the preset, which carries it, gets no such note."""
-    from model_utils import levers
+    from model_utils import speed
     from model_utils import plan as plan_module
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.preflight import check_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
@@ -622,9 +622,9 @@ def test_a_small_micro_batch_under_parameter_offload_gets_the_larger_one_named(m
     """ZeRO-3 with the parameters offloaded fetches them all from host memory for every micro-batch: Qwen3-4B at
     131,072 tokens per step on one H100 (79.2 GiB) with micro-batch 2 (x 16) gets the note naming 4 (x 8), which fits by
     the estimate; at 4, or with "auto", or under ZeRO-2 offload, there is none."""
-    from model_utils import levers
+    from model_utils import speed
     from model_utils import plan as plan_module
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.preflight import check_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
@@ -650,9 +650,9 @@ def test_parameter_offload_without_checkpointing_gets_the_checkpointed_micro_bat
     (ZeRO-3 with everything on the GPU), there is none."""
     import dataclasses
 
-    from model_utils import levers
+    from model_utils import speed
     from model_utils import plan as plan_module
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.preflight import check_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
@@ -685,7 +685,7 @@ def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_c
     sizes: no GPU here), within the global batch, and the preflight prints the choice and its estimate."""
     import re
 
-    from model_utils import levers
+    from model_utils import speed
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(levers, "liger_available", lambda: False)  # the GPU nodes' fused loss, assumed
@@ -712,7 +712,7 @@ def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_c
 
 
 def test_problems_of_all_ranks_merge_once_each_with_the_rank_that_found_them():
-    from model_utils.arguments import Problem
+    from model_utils.config import Problem
     from model_utils.preflight import merge_rank_problems
 
     shared = Problem("--model", "x", "unknown model", "pick a preset")
@@ -727,7 +727,7 @@ def test_problems_of_all_ranks_merge_once_each_with_the_rank_that_found_them():
 def test_only_the_deciding_rank_reads_checkpoints_and_resolves_the_data(tmp_path):
     """A run's ranks other than 0 leave the checkpoint scan and the data source to rank 0: no resume point, no data
     source and no checkpoint moved or named by them; the rest of the plan is the same."""
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.plan import make_plan
 
     ckpt = tmp_path / "ckpt"
@@ -864,7 +864,7 @@ def test_a_resumed_run_needs_room_only_for_the_checkpoints_it_adds(tmp_path, ses
 def test_a_caller_that_never_saves_skips_the_disk_check(tmp_path, monkeypatch):
     """The benchmark never saves: check_plan(check_disk=False), which train_deepspeed.setup(saves=False) passes, has
     no checkpoint line and no disk problem where the run's checkpoints would not fit any disk (10,000 of Qwen3-0.6B's)."""
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.plan import make_plan
     from model_utils.preflight import check_plan
 
@@ -884,7 +884,7 @@ def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, sessio
     start (on the node that holds it) falls back to synchronous writes where the copy would not fit; the preflight on a
     login node, whose memory says nothing of the GPU nodes', says the rule."""
     from model_utils import plan as plan_module
-    from model_utils.arguments import TrainConfig
+    from model_utils.config import TrainConfig
 
     monkeypatch.chdir(tmp_path)
     args = ["--checkpoint_dir", str(tmp_path / "c")]
@@ -893,7 +893,7 @@ def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, sessio
             "memory, else synchronous: decided when the run starts") in login.stdout, login.stdout
     off, _ = preflight_in_process([*args, "--no-background_checkpoint"], {}, monkeypatch, capsys)
     assert "checkpoint writes: synchronous (--no-background_checkpoint)" in off.stdout
-    cfg = TrainConfig(checkpoint_dir=str(tmp_path / "c"))
+    cfg = TrainConfig.from_flags(checkpoint_dir=str(tmp_path / "c"))
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e6)  # 1 MB left on this node
     tight = plan_module.make_plan(cfg, 1, on_training_hardware=True)
     assert tight.background_checkpoint is False
@@ -909,9 +909,9 @@ def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, sessio
     offloaded share of the parameters (the H100 host's measured rate) and names --delayed_update_from_step; with the
     flag it says from which step the update runs beside the next one (under ZeRO-3 all but the conversion to 16 bits).
     Configs without an offloaded optimizer get no such line."""
-    from model_utils import levers
+    from model_utils import speed
     from model_utils import plan as plan_module
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.preflight import check_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
@@ -949,7 +949,7 @@ def test_parameters_offloaded_where_zero2_fits_name_the_zero2_preset(monkeypatch
     """ZeRO-3 with the parameters offloaded fetches them for every micro-batch: where configs/zero2-offload.json's
     setup fits the GPU (Qwen3-4B on an 80 GB GPU), the preflight names it with the micro-batch its "auto" takes and its
     estimate; where only ZeRO-3 fits (a 24 GiB GPU), it says nothing."""
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.plan import make_plan
     from model_utils.preflight import check_plan
 
@@ -973,7 +973,7 @@ def test_parameters_offloaded_where_zero2_fits_name_the_zero2_preset(monkeypatch
 def test_a_single_openmp_thread_under_an_offloaded_optimizer_is_named(monkeypatch):
     """OMP_NUM_THREADS=1, torchrun's default for several processes per node, leaves the CPU optimizer update one core
     per rank: the preflight says so with the fix; unset, or with the optimizer on the GPU, it says nothing."""
-    from model_utils.arguments import parse_args
+    from model_utils.config import parse_args
     from model_utils.plan import make_plan
     from model_utils.preflight import check_plan
 

@@ -10,7 +10,7 @@ import time
 
 from inputs import write_lock
 from model_utils import run_lock
-from model_utils.run_lock import LOCK_FILE, STALE_S, acquire, why_takeable
+from model_utils.run_lock import LOCK, STALE_S, acquire, why_takeable
 
 
 def test_who_may_take_a_lock_over(monkeypatch):
@@ -42,4 +42,4 @@ def test_release_leaves_a_lock_taken_over_by_another_run(tmp_path):
     lock, _ = acquire(str(tmp_path), False, print)
     write_lock(tmp_path, token="someone else's")  # --force_unlock by another run replaced it
     lock.release()
-    assert (tmp_path / LOCK_FILE).exists()
+    assert (tmp_path / LOCK).exists()

@@ -1,12 +1,12 @@
-"""The speed levers (PerfConfig, model_utils/levers.py) on CPU: flags, validation with every other problem, their
+"""The speed levers (SpeedConfig, model_utils/speed.py) on CPU: flags, validation with every other problem, their
 record in the manifest and the resume check, and the fall-backs that keep CPU runs and CI on the trainer's code path."""
 
 from __future__ import annotations
 
 import pytest
 
-from model_utils import levers
-from model_utils.arguments import PerfConfig, TrainConfig, build_parser, parse_args, perf_problems, validate_args
+from model_utils import speed
+from model_utils.config import SpeedConfig, TrainConfig, build_parser, parse_args, speed_problems, validate_args
 from model_utils.patches import flash_attn4
 
 
@@ -20,45 +20,45 @@ def _tiny_model():
 def test_levers_are_flags_in_their_own_help_group():
     cfg = parse_args(["--compile", "off", "--flce_chunk_budget", "4", "--activation_budget", "0.75",
                       "--attention_kernel", "sdpa", "--max_steps", "5"])
-    assert cfg.perf == PerfConfig(compile="off", flce_chunk_budget=4, activation_budget=0.75, attention_kernel="sdpa")
+    assert cfg.speed == SpeedConfig(compile="off", flce_chunk_budget=4, activation_budget=0.75, attention_kernel="sdpa")
     assert {"compile", "flce_chunk_budget", "activation_budget", "attention_kernel", "max_steps"} == cfg.explicit
-    assert parse_args([]).perf == PerfConfig()
+    assert parse_args([]).speed == SpeedConfig()
     help_text = build_parser().format_help()
     group = help_text[help_text.index("speed levers"):]
-    for name in PerfConfig().as_dict():
+    for name in SpeedConfig().as_dict():
         assert f"--{name}" in group
     with pytest.raises(SystemExit):
         parse_args(["--flce_chunk_budget", "3"])
 
 
 def test_bad_levers_are_reported_with_every_other_problem(tmp_path):
-    cfg = TrainConfig(max_steps=0, ds_config=str(tmp_path / "missing.json"),
-                      perf=PerfConfig(compile="fast", activation_budget=1.5))
+    cfg = TrainConfig.from_flags(max_steps=0, ds_config=str(tmp_path / "missing.json"),
+                      speed=SpeedConfig(compile="fast", activation_budget=1.5))
     settings = [p.setting for p in validate_args(cfg)]
     assert {"--max_steps", "--ds_config", "--compile", "--activation_budget"} <= set(settings)
 
 
 def test_a_retired_environment_switch_is_refused_naming_its_flag():
-    problems = perf_problems(PerfConfig(), environ={"DSLM_COMPILE": "off", "DSLM_GRAD_NORM": "foreach", "HOME": "/"})
+    problems = speed_problems(SpeedConfig(), environ={"DSLM_COMPILE": "off", "DSLM_GRAD_NORM": "foreach", "HOME": "/"})
     assert [p.setting for p in problems] == ["DSLM_COMPILE", "DSLM_GRAD_NORM"]
     assert "--compile" in problems[0].fix and "unset DSLM_COMPILE" in problems[0].fix
-    assert perf_problems(PerfConfig(), environ={}) == []
+    assert speed_problems(SpeedConfig(), environ={}) == []
 
 
 def test_a_resume_names_the_levers_that_change_the_numerics():
     import train_deepspeed
 
-    saved = {"perf": PerfConfig().as_dict(), "levers_in_force": {"attention_kernel": "fa4", "compile": "layers",
+    saved = {"perf": SpeedConfig().as_dict(), "levers_in_force": {"attention_kernel": "fa4", "compile": "layers",
                                                                  "overflow_check": "device"}}
-    same = train_deepspeed.lever_changes(saved, PerfConfig(), {"attention_kernel": "fa4", "compile": "layers",
+    same = train_deepspeed.lever_changes(saved, SpeedConfig(), {"attention_kernel": "fa4", "compile": "layers",
                                                                "overflow_check": "device"})
     assert same == []
     # The overflow check skips the same steps in every mode: not a numerics change. An `auto` that chose another kernel
     # on this machine is one, and so is a setting changed by hand.
-    changed = train_deepspeed.lever_changes(saved, PerfConfig(overflow_check="scan", flce_chunk_budget=1),
+    changed = train_deepspeed.lever_changes(saved, SpeedConfig(overflow_check="scan", flce_chunk_budget=1),
                                             {"attention_kernel": "sdpa", "compile": "layers", "overflow_check": "scan"})
     assert changed == ["flce_chunk_budget: 8 -> 1", "attention_kernel in force: fa4 -> sdpa"]
-    assert train_deepspeed.lever_changes({}, PerfConfig(compile="off"), {"compile": "off"}) == []  # older manifests
+    assert train_deepspeed.lever_changes({}, SpeedConfig(compile="off"), {"compile": "off"}) == []  # older manifests
 
 
 def test_a_resume_names_a_changed_delayed_update():
@@ -67,8 +67,8 @@ def test_a_resume_names_a_changed_delayed_update():
     import train_deepspeed
 
     def changes(saved_from, now_from, resumed_at):
-        saved = {"perf": PerfConfig().as_dict(), "levers_in_force": {"delayed_update_from_step": saved_from}}
-        return train_deepspeed.lever_changes(saved, PerfConfig(), {"delayed_update_from_step": now_from}, resumed_at)
+        saved = {"perf": SpeedConfig().as_dict(), "levers_in_force": {"delayed_update_from_step": saved_from}}
+        return train_deepspeed.lever_changes(saved, SpeedConfig(), {"delayed_update_from_step": now_from}, resumed_at)
 
     assert changes(5, 5, 30) == [] and changes(0, 0, 30) == []
     assert changes(5, 20, 30) == []  # both delay every step from 31 on
@@ -84,17 +84,17 @@ def test_fa4_runs_only_where_it_can(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU host
     model = _tiny_model()
-    auto, sdpa, fa4 = PerfConfig(), PerfConfig(attention_kernel="sdpa"), PerfConfig(attention_kernel="fa4")
+    auto, sdpa, fa4 = SpeedConfig(), SpeedConfig(attention_kernel="sdpa"), SpeedConfig(attention_kernel="fa4")
     assert "GPU" in flash_attn4.fa4_unavailable_reason()
-    assert not levers.use_fa4(cuda=True, model=model, perf=auto)
+    assert not speed.use_fa4(cuda=True, model=model, speed=auto)
     monkeypatch.setattr(flash_attn4, "fa4_unavailable_reason", lambda: None)
-    assert levers.use_fa4(cuda=True, model=model, perf=auto)
-    assert not levers.use_fa4(cuda=False, model=model, perf=auto)
-    assert not levers.use_fa4(cuda=True, model=model, perf=sdpa)
-    assert levers.use_fa4(cuda=True, model=model, perf=fa4)
+    assert speed.use_fa4(cuda=True, model=model, speed=auto)
+    assert not speed.use_fa4(cuda=False, model=model, speed=auto)
+    assert not speed.use_fa4(cuda=True, model=model, speed=sdpa)
+    assert speed.use_fa4(cuda=True, model=model, speed=fa4)
     monkeypatch.setattr(flash_attn4, "fa4_unavailable_reason", lambda: "flash-attn-4 is not importable (no module)")
-    assert levers.fused_kernels_problem(auto, cuda=True) is None
-    problem = levers.fused_kernels_problem(fa4, cuda=True)
+    assert speed.fused_kernels_problem(auto, cuda=True) is None
+    problem = speed.fused_kernels_problem(fa4, cuda=True)
     assert problem is not None and problem.setting == "--attention_kernel" and "not importable" in problem.message
 
 
@@ -102,7 +102,7 @@ def test_auto_attention_falls_back_to_sdpa_when_fa4_fails_its_probe(monkeypatch)
     """`auto` switches the model to FA4 only after the setup probe (a small forward and backward) succeeds; a failure
     leaves SDPA and says why. `fa4` by name skips the probe. The probe's own exception handling runs for real (a
     registration that raises); its GPU forward/backward cannot run here."""
-    perf = PerfConfig(fused_kernels="off", compile="off")
+    speed = SpeedConfig(fused_kernels="off", compile="off")
     monkeypatch.setattr(flash_attn4, "fa4_unavailable_reason", lambda: None)
     monkeypatch.setattr(flash_attn4, "_register_fa4", lambda: None)
 
@@ -116,42 +116,42 @@ def test_auto_attention_falls_back_to_sdpa_when_fa4_fails_its_probe(monkeypatch)
     logs, warnings = [], []
     monkeypatch.setattr(flash_attn4, "fa4_probe_failure", lambda model, documents=False: "RuntimeError: boom")
     model = _tiny_model()
-    applied = levers.apply_speed_levers(model, perf, cuda=True, log=logs.append, warn=warnings.append)
+    applied = speed.apply_speed_options(model, speed, cuda=True, log=logs.append, warn=warnings.append)
     assert model.config._attn_implementation == "sdpa" and applied["attention_kernel"] == "sdpa"
     assert any("failed its setup probe (RuntimeError: boom); using SDPA" in line for line in warnings)  # every rank
 
     monkeypatch.setattr(flash_attn4, "fa4_probe_failure", lambda model, documents=False: None)
     model = _tiny_model()
-    applied = levers.apply_speed_levers(model, perf, cuda=True, log=logs.append)
+    applied = speed.apply_speed_options(model, speed, cuda=True, log=logs.append)
     assert model.config._attn_implementation == flash_attn4.FA4_NAME and applied["attention_kernel"] == "fa4"
 
     monkeypatch.setattr(flash_attn4, "fa4_probe_failure",
                         lambda model, documents=False: pytest.fail("fa4 by name is not probed"))
     model = _tiny_model()
-    levers.apply_speed_levers(model, PerfConfig(fused_kernels="off", compile="off", attention_kernel="fa4"), cuda=True,
+    speed.apply_speed_options(model, SpeedConfig(fused_kernels="off", compile="off", attention_kernel="fa4"), cuda=True,
                               log=logs.append)
     assert model.config._attn_implementation == flash_attn4.FA4_NAME
 
 
 def test_compile_only_with_cuda_and_not_under_zero3():
-    auto = PerfConfig()
-    assert levers.use_compile(cuda=True, zero3=False, perf=auto)
-    assert not levers.use_compile(cuda=False, zero3=False, perf=auto)
-    assert not levers.use_compile(cuda=True, zero3=True, perf=auto)
-    assert not levers.use_compile(cuda=True, zero3=False, perf=PerfConfig(compile="off"))
+    auto = SpeedConfig()
+    assert speed.use_compile(cuda=True, zero3=False, speed=auto)
+    assert not speed.use_compile(cuda=False, zero3=False, speed=auto)
+    assert not speed.use_compile(cuda=True, zero3=True, speed=auto)
+    assert not speed.use_compile(cuda=True, zero3=False, speed=SpeedConfig(compile="off"))
 
 
 def test_fused_kernels_fall_back_without_liger(monkeypatch):
     monkeypatch.setattr(levers, "liger_available", lambda: False)
-    assert not levers.use_fused_kernels("auto", cuda=True)
-    assert levers.fused_kernels_problem(PerfConfig(fused_kernels="on"), cuda=True) is not None
-    assert levers.fused_kernels_problem(PerfConfig(), cuda=True) is None
+    assert not speed.use_fused_kernels("auto", cuda=True)
+    assert speed.fused_kernels_problem(SpeedConfig(fused_kernels="on"), cuda=True) is not None
+    assert speed.fused_kernels_problem(SpeedConfig(), cuda=True) is None
 
 
 def test_a_gpu_run_without_liger_says_so(monkeypatch):
     monkeypatch.setattr(levers, "liger_available", lambda: False)
     messages = []
-    applied = levers.apply_speed_levers(_tiny_model(), PerfConfig(compile="off", attention_kernel="sdpa"), cuda=True,
+    applied = speed.apply_speed_options(_tiny_model(), SpeedConfig(compile="off", attention_kernel="sdpa"), cuda=True,
                                         log=messages.append)
     assert applied["fused_kernels"] == "off"
     assert any("liger-kernel is not installed" in m and ".[gpu]" in m for m in messages)
@@ -165,7 +165,7 @@ def test_all_levers_are_no_ops_on_cpu():
     forward = model.forward
     layer_calls = [layer._compiled_call_impl for layer in model.model.layers]
     messages = []
-    applied = levers.apply_speed_levers(model, PerfConfig(fused_kernels="on", liger_kernels="all", compile="layers",
+    applied = speed.apply_speed_options(model, SpeedConfig(fused_kernels="on", liger_kernels="all", compile="layers",
                                                           sdpa_backend="cudnn", attention_kernel="fa4"),
                                         cuda=False, log=messages.append)
     assert applied == {"fused_kernels": "off", "flce_chunk_budget": None, "compile": "off", "attention_kernel": "sdpa",

@@ -1,4 +1,4 @@
-"""The speed levers (`PerfConfig`, arguments.py): which of them apply to this model on this machine, and applying
+"""The speed levers (`SpeedConfig`, arguments.py): which of them apply to this model on this machine, and applying
 them. Each falls back cleanly (no GPU, ZeRO-3, a package or tested version missing), so CPU runs and CI take the same
 code path; what reaches below a library's public API lives in `patches/`, gated on the versions it was tested with.
 
@@ -12,7 +12,7 @@ import functools
 import importlib.util
 import inspect
 
-from .arguments import PerfConfig, Problem
+from .config import SpeedConfig, Problem
 from .models import head_dim
 from .patches import deepspeed_zero, flash_attn4, liger, torch_compile
 
@@ -21,15 +21,15 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def fused_kernels_problem(perf: PerfConfig, cuda: bool) -> Problem | None:
+def fused_kernels_problem(speed: SpeedConfig, cuda: bool) -> Problem | None:
     """A lever asked for by name that cannot run here (`auto` never is a problem: it falls back)."""
-    if perf.fused_kernels == "on" and not cuda:
+    if speed.fused_kernels == "on" and not cuda:
         return Problem("--fused_kernels", "on", "the Liger kernels are Triton GPU kernels and there is no GPU here",
                        "use --fused_kernels auto (on where possible) or off")
-    if perf.fused_kernels == "on" and not liger_available():
+    if speed.fused_kernels == "on" and not liger_available():
         return Problem("--fused_kernels", "on", "liger-kernel is not installed",
                        "pip install liger-kernel (or the project's [gpu] extra), or use --fused_kernels auto/off")
-    if perf.attention_kernel == "fa4" and cuda:
+    if speed.attention_kernel == "fa4" and cuda:
         reason = flash_attn4.fa4_unavailable_reason()
         if reason:
             return Problem("--attention_kernel", "fa4", reason, "pip install flash-attn-4 on a Hopper/Blackwell GPU, "
@@ -45,18 +45,18 @@ def _is_zero3(model) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def use_compile(cuda: bool, zero3: bool, perf: PerfConfig) -> bool:
-    return perf.compile in ("layers", "auto") and cuda and not zero3
+def use_compile(cuda: bool, zero3: bool, speed: SpeedConfig) -> bool:
+    return speed.compile in ("layers", "auto") and cuda and not zero3
 
 
-def use_fa4(cuda: bool, model, perf: PerfConfig) -> bool:
-    if perf.attention_kernel == "sdpa" or not cuda or getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+def use_fa4(cuda: bool, model, speed: SpeedConfig) -> bool:
+    if speed.attention_kernel == "sdpa" or not cuda or getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
         return False
     dim = head_dim(model.config)
     return dim % 8 == 0 and 8 <= dim <= 256 and flash_attn4.fa4_unavailable_reason() is None
 
 
-def apply_speed_levers(model, perf: PerfConfig, cuda: bool, log, warn=None, documents: bool = False,
+def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, documents: bool = False,
                        fused: bool | None = None) -> dict:
     """Patch `model` in place with the levers that apply; return what is in force (recorded in the checkpoint's
     manifest and summary.json). `log` reports what was applied (rank 0 is enough: every rank applies the same, except
@@ -66,46 +66,46 @@ def apply_speed_levers(model, perf: PerfConfig, cuda: bool, log, warn=None, docu
     which its memory estimate assumed); None decides here, as the plan does."""
     warn = warn or log
     zero3 = _is_zero3(model)
-    compiled = use_compile(cuda, zero3, perf)
+    compiled = use_compile(cuda, zero3, speed)
     applied = {"fused_kernels": "off", "flce_chunk_budget": None, "compile": "layers" if compiled else "off",
                "attention_kernel": "sdpa", "sdpa_backend": "auto"}
     if fused is None:
-        fused = use_fused_kernels(perf.fused_kernels, cuda)
+        fused = use_fused_kernels(speed.fused_kernels, cuda)
     if fused:
-        which = perf.liger_kernels
+        which = speed.liger_kernels
         if which == "auto":
             which = "flce" if compiled else "all"
         applied["fused_kernels"] = _apply_liger(model, which, log)
         if applied["fused_kernels"] != "off":
-            if liger.set_flce_chunk_budget(perf.flce_chunk_budget, log):
-                applied["flce_chunk_budget"] = perf.flce_chunk_budget
+            if liger.set_flce_chunk_budget(speed.flce_chunk_budget, log):
+                applied["flce_chunk_budget"] = speed.flce_chunk_budget
             if zero3:
                 _register_lm_head_for_zero3(model, log)
-    elif perf.fused_kernels == "auto" and cuda:
+    elif speed.fused_kernels == "auto" and cuda:
         log("kernels: liger-kernel is not installed, so the loss materialises full fp32 logits (slower, more memory); "
             "`pip install .[gpu]` adds Liger's kernels")
     if compiled:
-        _compile_layers(model, perf.activation_budget, log)
-    if cuda and perf.sdpa_backend != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
-        _sdpa_wrap(model, perf.sdpa_backend, log)  # also the fall-back path of FlashAttention-4
-        applied["sdpa_backend"] = perf.sdpa_backend
-    if use_fa4(cuda, model, perf):
-        failure = flash_attn4.fa4_probe_failure(model, documents) if perf.attention_kernel == "auto" else None
+        _compile_layers(model, speed.activation_budget, log)
+    if cuda and speed.sdpa_backend != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
+        _sdpa_wrap(model, speed.sdpa_backend, log)  # also the fall-back path of FlashAttention-4
+        applied["sdpa_backend"] = speed.sdpa_backend
+    if use_fa4(cuda, model, speed):
+        failure = flash_attn4.fa4_probe_failure(model, documents) if speed.attention_kernel == "auto" else None
         if failure:
             warn(f"attention: FlashAttention-4 failed its setup probe ({failure}); using SDPA (--attention_kernel sdpa "
                  "skips the probe)")
         else:
             flash_attn4.enable_fa4(model, log)
             applied["attention_kernel"] = "fa4"
-    elif (perf.attention_kernel == "auto" and cuda and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+    elif (speed.attention_kernel == "auto" and cuda and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
           and (reason := flash_attn4.fa4_unavailable_reason())):
         log(f"attention: SDPA ({reason}; on Hopper/Blackwell `pip install .[fa4]` adds FlashAttention-4)")
     return applied
 
 
-def streamline_zero_step(engine, perf: PerfConfig, log) -> dict:
+def streamline_zero_step(engine, speed: SpeedConfig, log) -> dict:
     """The ZeRO-1/2 step's overflow check (--overflow_check): what is in force, for the record."""
-    return {"overflow_check": deepspeed_zero.streamline_zero_step(engine, perf.overflow_check, log)}
+    return {"overflow_check": deepspeed_zero.streamline_zero_step(engine, speed.overflow_check, log)}
 
 
 def _decoder_layers(model):

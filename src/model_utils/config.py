@@ -1,4 +1,5 @@
-"""Command-line arguments: one typed dataclass, one docstring per field, and a validation that reports every problem.
+"""The configuration: one typed dataclass per concern (model, data, batch, optimisation, checkpointing, logging,
+speed), one docstring per field, flat command-line flags, and a validation that reports every problem.
 
 Hyperparameters that DeepSpeed owns (micro-batch, accumulation, optimizer, scheduler, clipping, ZeRO, precision) live in
 `ds_config.json`. The flags below that shadow them (`--micro_batch_size`, `--learning_rate`, ...) are optional
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .exit_status import BAD_INPUT
+from .run_dir import RunDir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,8 +27,8 @@ def _f(default, help: str, **kw):
 
 
 @dataclass(frozen=True)
-class PerfConfig:
-    """Speed levers: how the same model and optimisation run faster on GPUs. Each takes the libraries' own path where
+class SpeedConfig:
+    """Speed options: how the same model and optimisation run faster on GPUs. Each takes the libraries' own path where
     it cannot apply (no GPU, ZeRO-3, a package or tested version missing) and the log says which path runs, so CPU runs
     and CI take the trainer's code path. docs/PERFORMANCE.md gives each lever's measured gain and the command that
     reproduces it. The settings are recorded in the run header, summary.json, W&B and every checkpoint's manifest; a
@@ -75,7 +77,7 @@ class PerfConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def numerics_levers(cls) -> frozenset:
+    def numerics_options(cls) -> frozenset:
         """The levers that change the numerics (kernels, rounding); the others (the overflow check, the activation
         budget) change only speed or memory."""
         return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("numerics"))
@@ -83,28 +85,32 @@ class PerfConfig:
     def numerics_changes(self, recorded: dict) -> list[str]:
         """The numerics levers whose value differs from `recorded` (a checkpoint manifest's), as 'name: old -> new'."""
         return [f"{name}: {recorded[name]} -> {value}" for name, value in self.as_dict().items()
-                if name in self.numerics_levers() and name in recorded and recorded[name] != value]
+                if name in self.numerics_options() and name in recorded and recorded[name] != value]
 
 
-@dataclass
-class TrainConfig:
-    # ----- model and tokenizer -----
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model trains and how its layers run."""
     model: str = _f("tiny", "Preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b; random init), or a Hugging "
                             "Face model directory / hub id (pretrained weights, continued training).")
     tokenizer: str | None = _f(None, "Tokenizer name or path for AutoTokenizer. Default: the project's shipped "
                                      "tokenizer for presets, the model's own tokenizer for a pretrained model.")
     seq_len: int | None = _f(None, "Tokens per packed training block. Default: the preset's context length "
                                    "(256 for tiny, 4096 for Qwen3), or 2048 for a pretrained model.")
+    attn_implementation: str = _f("sdpa", "Attention backend passed to transformers: sdpa, eager, flash_attention_2.")
+    attention_dropout: float | None = _f(None, "Dropout on the attention weights in training (the config's "
+                                               "attention_dropout). Default: the model's own (0.0 for the presets).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in the backward pass (less memory, ~30% more compute).")
     checkpointed_layers: int | str = _f("all", "With --gradient_checkpointing: how many decoder layers recompute their "
                                                "activations, the first ones; the rest keep them. all; auto (the fewest "
                                                "with which the run still fits the GPU by the preflight's memory "
                                                "estimate, at the micro-batch all of them allow: the memory left over "
                                                "buys back recomputation); or a count.", parse="layer_count")
-    attn_implementation: str = _f("sdpa", "Attention backend passed to transformers: sdpa, eager, flash_attention_2.")
-    attention_dropout: float | None = _f(None, "Dropout on the attention weights in training (the config's "
-                                               "attention_dropout). Default: the model's own (0.0 for the presets).")
-    # ----- data -----
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What the model reads: the dataset, how it is tokenized and cached, and how blocks are formed."""
     dataset: str | None = _f(None, "A save_to_disk directory, a text/JSONL/Parquet file or directory, or a hub dataset "
                                    "name. Default: the embedded corpus built offline from the Python standard library.")
     dataset_config_name: str | None = _f(None, "Hub dataset configuration name (e.g. 'en' for allenai/c4).")
@@ -123,10 +129,12 @@ class TrainConfig:
                                     "each EOS and attention stops at it (block-causal, as Megatron's --reset-position-ids "
                                     "--reset-attention-mask). Off: causal attention across the documents of a block.")
     dummy_data: int = _f(0, "Train on N random-token blocks instead of a dataset (smoke test; needs no data).")
-    # ----- optimisation (overrides of ds_config.json) -----
-    ds_config: str = _f("ds_config.json", "DeepSpeed configuration file (relative paths: working directory, then "
-                                          "repository). --deepspeed_config is the same setting (DeepSpeed's launcher "
-                                          "convention).", aliases=("--deepspeed_config",))
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How much each optimizer step sees and how many steps run. The global batch is stated once; the
+    gradient accumulation is derived from it (ds_config.BatchRequest)."""
     max_steps: int = _f(300, "Optimizer steps to train; also the scheduler's total_num_steps.")
     global_batch_tokens: int | None = _f(None, "Tokens per optimizer step, over all ranks: the global batch, stated once. "
                                                "Accumulation is derived (tokens / (micro-batch x world size x "
@@ -137,6 +145,14 @@ class TrainConfig:
                                                   "GPU by the preflight's memory estimate).", parse="micro_batch")
     gradient_accumulation_steps: int | None = _f(None, "Override gradient_accumulation_steps (with "
                                                        "--global_batch_tokens it is derived instead).")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimisation: the DeepSpeed config file and the flags that override its values."""
+    ds_config: str = _f("ds_config.json", "DeepSpeed configuration file (relative paths: working directory, then "
+                                          "repository). --deepspeed_config is the same setting (DeepSpeed's launcher "
+                                          "convention).", aliases=("--deepspeed_config",))
     learning_rate: float | None = _f(None, "Override the optimizer's lr.")
     warmup_steps: int | None = _f(None, "Override the scheduler's warmup_num_steps ('auto' in the config means 5% of max_steps).")
     delayed_update_from_step: int = _f(0, "ZeRO with the optimizer offloaded to the CPU: from this optimizer step "
@@ -144,19 +160,21 @@ class TrainConfig:
                                           "backward, which then take their gradients at the weights before it "
                                           "(ZeRO-Offload's one-step delayed parameter update; the GPU no longer waits "
                                           "for the CPU optimizer). 0: off, every update lands before the next step.")
-    seed: int = _f(1234, "Seed for initialisation and data order.")
     max_bad_steps: int = _f(3, "Stop after this many consecutive non-finite losses/gradients (each one is skipped).")
-    # ----- evaluation and logging -----
-    eval_interval: int = _f(100, "Evaluate every N steps (0: only at the end).")
-    eval_iters: int = _f(20, "Validation micro-batches per rank per evaluation.")
-    log_interval: int = _f(10, "Log loss, lr, grad norm and throughput every N steps.")
-    tensorboard: bool = _f(True, "Also write the metrics as TensorBoard events to CHECKPOINT_DIR/tensorboard (skipped, "
-                                 "with a warning, when tensorboard is not installed, or when ds_config enables "
-                                 "DeepSpeed's own tensorboard monitor).")
-    wandb: bool = _f(False, "Also log the metrics to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline "
-                            "works without network, `wandb sync` uploads later).")
-    wandb_project: str | None = _f(None, "W&B project. Default: $WANDB_PROJECT, else deepspeed-lm.")
-    # ----- checkpoints -----
+
+
+    @property
+    def ds_config_path(self) -> Path:
+        """--ds_config as found: relative to the working directory, else to the repository."""
+        path = Path(self.ds_config)
+        if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
+            return REPO_ROOT / path
+        return path
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where the run keeps its state, how often it saves, how it resumes, and the final export."""
     checkpoint_dir: str = _f("checkpoints", "Directory for step-XXXXXXXX checkpoints, `latest`, metrics.jsonl.")
     checkpoint_freq: int = _f(100, "Save a checkpoint every N steps (0: only at the end and on preemption).")
     checkpoint_minutes: float = _f(0.0, "Also save when N minutes have passed since the last save (or the start), "
@@ -176,28 +194,98 @@ class TrainConfig:
                                                   "checkpoint_dir holding `latest`).")
     export_dir: str | None = _f(None, "Where the final Hugging Face model is written. Default: CHECKPOINT_DIR/hf.")
     export: bool = _f(True, "Export a Hugging Face model (safetensors, config, tokenizer) at the end.")
-    generate_prompt: str | None = _f(None, "After training, print text the model generates from this prompt.")
+
+
+    @property
+    def run_dir(self) -> RunDir:
+        """Every path under --checkpoint_dir, and the export directory."""
+        return RunDir.of(self.checkpoint_dir, self.export_dir)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Evaluation, metrics sinks, the data-order audit and the sample generated at the end."""
+    eval_interval: int = _f(100, "Evaluate every N steps (0: only at the end).")
+    eval_iters: int = _f(20, "Validation micro-batches per rank per evaluation.")
+    log_interval: int = _f(10, "Log loss, lr, grad norm and throughput every N steps.")
+    tensorboard: bool = _f(True, "Also write the metrics as TensorBoard events to CHECKPOINT_DIR/tensorboard (skipped, "
+                                 "with a warning, when tensorboard is not installed, or when ds_config enables "
+                                 "DeepSpeed's own tensorboard monitor).")
+    wandb: bool = _f(False, "Also log the metrics to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline "
+                            "works without network, `wandb sync` uploads later).")
+    wandb_project: str | None = _f(None, "W&B project. Default: $WANDB_PROJECT, else deepspeed-lm.")
     trace_data: bool = _f(False, "Audit the data order: every rank appends the block indices it reads each step to "
                                  "CHECKPOINT_DIR/data_trace/rank-NNNNN.jsonl.")
+    generate_prompt: str | None = _f(None, "After training, print text the model generates from this prompt.")
+
+
+# The section each flag belongs to: the command line stays flat, the configuration is a tree.
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "batch": BatchConfig, "optim": OptimConfig,
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig, "speed": SpeedConfig}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole configuration: one section per concern, each handed to the modules that need it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"section": True})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"section": True})
+    batch: BatchConfig = field(default_factory=BatchConfig, metadata={"section": True})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"section": True})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"section": True})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"section": True})
+    speed: SpeedConfig = field(default_factory=SpeedConfig, metadata={"section": True})
+    seed: int = _f(1234, "Seed for initialisation and data order.")
     # ----- modes -----
     preflight: bool = _f(False, "Check configuration, data, tokenizer, model and checkpoints, print the plan, exit 0 or 2.")
     sanity_check: bool = _f(False, "Instead of training, all-reduce test tensors on every rank and report bus bandwidth.")
-
-    # ----- speed levers -----
-    perf: PerfConfig = field(default_factory=PerfConfig, metadata={"group": "speed levers (GPU; docs/PERFORMANCE.md)"})
-
-    # Filled in at run time, not flags.
+    # The flags given on the command line (not filled by parse_args' defaults).
     explicit: frozenset = field(default=frozenset(), metadata={"internal": True})
 
-    @property
-    def resolved_export_dir(self) -> Path:
-        return Path(self.export_dir) if self.export_dir else Path(self.checkpoint_dir) / "hf"
+    @classmethod
+    def from_flags(cls, explicit: frozenset = frozenset(), **flags) -> TrainConfig:
+        """A configuration from flat flag values (as the command line names them); unnamed ones keep their
+        defaults."""
+        parts: dict[str, dict] = {name: {} for name in SECTIONS}
+        given = {name: flags.pop(name) for name, section in SECTIONS.items()  # whole sections, e.g. speed=...
+                 if isinstance(flags.get(name), section)}
+        top = {}
+        for key, value in flags.items():
+            section = FLAG_SECTION.get(key)
+            if section is None:
+                top[key] = value
+            else:
+                parts[section][key] = value
+        sections = {name: given.get(name) or SECTIONS[name](**values) for name, values in parts.items()}
+        return cls(**sections, **top, explicit=explicit)
 
-    def resolved_ds_config_path(self) -> Path:
-        path = Path(self.ds_config)
-        if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
-            return REPO_ROOT / path
-        return path
+    def flag(self, name: str):
+        """One setting by its flag name."""
+        section = FLAG_SECTION.get(name)
+        return getattr(getattr(self, section) if section else self, name)
+
+    def with_flags(self, **flags) -> TrainConfig:
+        """This configuration with some flags changed (a what-if of the preflight)."""
+        changed = {name: dataclasses.replace(getattr(self, name),
+                                              **{k: v for k, v in flags.items() if FLAG_SECTION.get(k) == name})
+                   for name in SECTIONS if any(FLAG_SECTION.get(k) == name for k in flags)}
+        return dataclasses.replace(self, **changed, **{k: v for k, v in flags.items() if k not in FLAG_SECTION})
+
+    def flags(self) -> dict:
+        """Every setting by flag name, the speed options as a `speed` dict: what the run header, W&B and summary.json
+        record."""
+        values = {}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            if name == "speed":
+                values["speed"] = section.as_dict()
+            else:
+                values.update(dataclasses.asdict(section))
+        values.update(seed=self.seed, preflight=self.preflight, sanity_check=self.sanity_check)
+        return values
+
+
+FLAG_SECTION = {f.name: name for name, section in SECTIONS.items() for f in dataclasses.fields(section)}
 
 
 def micro_batch(text: str) -> int | str:
@@ -228,24 +316,25 @@ def _base_type(annotation):
     return args[0] if args else annotation
 
 
-def _add_flags(parser, config_class, dest_prefix: str = "") -> None:
-    hints = typing.get_type_hints(config_class)
-    for f in dataclasses.fields(config_class):
-        if f.metadata.get("internal"):
-            continue
-        if f.metadata.get("group"):  # a nested settings class: its fields are flags of their own, grouped in --help
-            _add_flags(parser.add_argument_group(f.metadata["group"]), hints[f.name], f"{f.name}.")
+def _add_flags(parser, section_class) -> None:
+    hints = typing.get_type_hints(section_class)
+    for f in dataclasses.fields(section_class):
+        if f.metadata.get("internal") or f.metadata.get("section"):
             continue
         kind = _base_type(hints[f.name])
-        kw = {"default": f.default, "help": f.metadata["help"].replace("%", "%%"),  # argparse formats help
-              "dest": dest_prefix + f.name}
+        kw = {"default": f.default, "help": f.metadata["help"].replace("%", "%%")}  # argparse formats help
         names = [f"--{f.name}", *f.metadata.get("aliases", ())]
         if kind is bool:
-            parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, dest=f.name, **kw)
         else:
             kind = PARSERS[f.metadata["parse"]] if "parse" in f.metadata else kind
-            parser.add_argument(*names, type=kind, choices=f.metadata.get("choices"), metavar=(
+            parser.add_argument(*names, type=kind, choices=f.metadata.get("choices"), dest=f.name, metavar=(
                 None if f.metadata.get("choices") else f.name.upper()), **kw)
+
+
+SECTION_TITLES = {"model": "model", "data": "data", "batch": "batch", "optim": "optimisation (overrides of the "
+                  "DeepSpeed config)", "checkpoint": "checkpoints, resume and export", "logging": "evaluation and "
+                  "logging", "speed": "speed options (GPU; docs/PERFORMANCE.md)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a causal language model with DeepSpeed. Settings that DeepSpeed owns live in ds_config.json.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_flags(parser, TrainConfig)
+    for name, section in SECTIONS.items():
+        _add_flags(parser.add_argument_group(SECTION_TITLES[name]), section)
+    _add_flags(parser, TrainConfig)  # the seed and the modes
     # DeepSpeed's launcher convention (`deepspeed train.py --deepspeed --deepspeed_config ds_config.json`, as
     # DeepSpeedExamples write it; deepspeed.add_config_arguments' flags): --deepspeed is accepted and changes nothing
     # (this trainer always uses DeepSpeed), and the launcher appends --local_rank, which the environment also holds.
@@ -271,16 +362,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     values = vars(build_parser().parse_args(argv))
     for name in LAUNCHER_ONLY_FLAGS:
         values.pop(name, None)
-    perf = {name.split(".", 1)[1]: values.pop(name) for name in list(values) if name.startswith("perf.")}
-    defaults = {**flag_values(TrainConfig()), **PerfConfig().as_dict()}
-    explicit = frozenset(k for k, v in {**values, **perf}.items() if v != defaults.get(k))
-    return TrainConfig(**values, perf=PerfConfig(**perf), explicit=explicit)
-
-
-def flag_values(cfg: TrainConfig) -> dict:
-    """Every setting by name (the speed levers as a `perf` dict): what the run header, W&B and summary.json record."""
-    return {f.name: (getattr(cfg, f.name).as_dict() if f.metadata.get("group") else getattr(cfg, f.name))
-            for f in dataclasses.fields(cfg) if not f.metadata.get("internal")}
+    defaults = TrainConfig().flags()
+    defaults.update(defaults.pop("speed"))
+    explicit = frozenset(k for k, v in values.items() if v != defaults.get(k))
+    return TrainConfig.from_flags(explicit=explicit, **values)
 
 
 @dataclass
@@ -310,7 +395,7 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     problems = []
 
     def positive(name, allow_zero=False, optional=False):
-        value = getattr(cfg, name)
+        value = cfg.flag(name)
         if value is None and optional:
             return
         if value is None or value < 0 or (value == 0 and not allow_zero):
@@ -318,13 +403,13 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
             problems.append(Problem(f"--{name}", value, f"must be an integer {bound}", f"pass --{name} with a value {bound}"))
 
     positive("max_steps")
-    if cfg.micro_batch_size != "auto":
+    if cfg.batch.micro_batch_size != "auto":
         positive("micro_batch_size", optional=True)
-    if cfg.checkpointed_layers != "all" and not cfg.gradient_checkpointing:
-        problems.append(Problem("--checkpointed_layers", cfg.checkpointed_layers,
+    if cfg.model.checkpointed_layers != "all" and not cfg.model.gradient_checkpointing:
+        problems.append(Problem("--checkpointed_layers", cfg.model.checkpointed_layers,
                                 "chooses the layers --gradient_checkpointing recomputes, which is off",
                                 "add --gradient_checkpointing, or leave --checkpointed_layers at all"))
-    elif isinstance(cfg.checkpointed_layers, int):
+    elif isinstance(cfg.model.checkpointed_layers, int):
         positive("checkpointed_layers", allow_zero=True)
     positive("global_batch_tokens", optional=True)
     positive("gradient_accumulation_steps", optional=True)
@@ -335,43 +420,43 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     positive("log_interval")
     positive("eval_iters")
     positive("max_bad_steps")
-    if cfg.attention_dropout is not None and not 0.0 <= cfg.attention_dropout < 1.0:
-        problems.append(Problem("--attention_dropout", cfg.attention_dropout, "must be a probability in [0, 1)",
+    if cfg.model.attention_dropout is not None and not 0.0 <= cfg.model.attention_dropout < 1.0:
+        problems.append(Problem("--attention_dropout", cfg.model.attention_dropout, "must be a probability in [0, 1)",
                                 "pass a value such as 0.1, or leave it out for the model's own"))
-    if cfg.seq_len is not None and cfg.seq_len < 2:
-        problems.append(Problem("--seq_len", cfg.seq_len, "a block needs at least 2 tokens to predict one",
+    if cfg.model.seq_len is not None and cfg.model.seq_len < 2:
+        problems.append(Problem("--seq_len", cfg.model.seq_len, "a block needs at least 2 tokens to predict one",
                                 "use --seq_len 256 or more"))
-    if not cfg.checkpoint_minutes >= 0:
-        problems.append(Problem("--checkpoint_minutes", cfg.checkpoint_minutes, "must be 0 (off) or a positive number "
+    if not cfg.checkpoint.checkpoint_minutes >= 0:
+        problems.append(Problem("--checkpoint_minutes", cfg.checkpoint.checkpoint_minutes, "must be 0 (off) or a positive number "
                                 "of minutes", "use e.g. --checkpoint_minutes 30"))
-    if not 0.0 <= cfg.validation_fraction < 0.5:
-        problems.append(Problem("--validation_fraction", cfg.validation_fraction, "must be in [0, 0.5)",
+    if not 0.0 <= cfg.data.validation_fraction < 0.5:
+        problems.append(Problem("--validation_fraction", cfg.data.validation_fraction, "must be in [0, 0.5)",
                                 "use a small fraction such as 0.01"))
-    if cfg.learning_rate is not None and not cfg.learning_rate > 0:
-        problems.append(Problem("--learning_rate", cfg.learning_rate, "must be positive", "use e.g. --learning_rate 3e-4"))
-    if cfg.dataset and cfg.local_dataset == "true" and not os.path.exists(cfg.dataset):
-        problems.append(Problem("--dataset", cfg.dataset, "LOCAL_DATASET=true but this path does not exist",
+    if cfg.optim.learning_rate is not None and not cfg.optim.learning_rate > 0:
+        problems.append(Problem("--learning_rate", cfg.optim.learning_rate, "must be positive", "use e.g. --learning_rate 3e-4"))
+    if cfg.data.dataset and cfg.data.local_dataset == "true" and not os.path.exists(cfg.data.dataset):
+        problems.append(Problem("--dataset", cfg.data.dataset, "LOCAL_DATASET=true but this path does not exist",
                                 "fix the path, or set LOCAL_DATASET=false to load it from the hub"))
-    if cfg.dataset and cfg.dummy_data:
-        problems.append(Problem("--dummy_data", cfg.dummy_data, "cannot be combined with --dataset",
+    if cfg.data.dataset and cfg.data.dummy_data:
+        problems.append(Problem("--dummy_data", cfg.data.dummy_data, "cannot be combined with --dataset",
                                 "drop one of --dummy_data and --dataset"))
-    ds_path = cfg.resolved_ds_config_path()
+    ds_path = cfg.optim.ds_config_path
     if not ds_path.is_file():
-        problems.append(Problem("--ds_config", cfg.ds_config, "file not found",
+        problems.append(Problem("--ds_config", cfg.optim.ds_config, "file not found",
                                 f"point DS_CONFIG/--ds_config at a DeepSpeed JSON file, e.g. {REPO_ROOT / 'ds_config.json'}"))
-    if cfg.resume_from_checkpoint and not os.path.isdir(cfg.resume_from_checkpoint):
-        problems.append(Problem("--resume_from_checkpoint", cfg.resume_from_checkpoint, "directory not found",
+    if cfg.checkpoint.resume_from_checkpoint and not os.path.isdir(cfg.checkpoint.resume_from_checkpoint):
+        problems.append(Problem("--resume_from_checkpoint", cfg.checkpoint.resume_from_checkpoint, "directory not found",
                                 "pass a step-XXXXXXXX directory or a checkpoint directory holding `latest`"))
-    if cfg.wandb:
+    if cfg.logging.wandb:
         import importlib.util
 
         if importlib.util.find_spec("wandb") is None:
             problems.append(Problem("--wandb", True, "the wandb package is not installed",
                                     "pip install wandb (or the project's `monitor` extra), or drop --wandb; "
                                     "WANDB_MODE=offline logs without network"))
-    problems += perf_problems(cfg.perf)
-    if cfg.resume == "never" and cfg.resume_from_checkpoint:
-        problems.append(Problem("--resume", cfg.resume, "conflicts with --resume_from_checkpoint",
+    problems += speed_problems(cfg.speed)
+    if cfg.checkpoint.resume == "never" and cfg.checkpoint.resume_from_checkpoint:
+        problems.append(Problem("--resume", cfg.checkpoint.resume, "conflicts with --resume_from_checkpoint",
                                 "drop one of the two"))
     return problems
 
@@ -383,17 +468,17 @@ RETIRED_SWITCHES = {"DSLM_COMPILE": "--compile", "DSLM_LIGER": "--liger_kernels"
                     "DSLM_GRAD_NORM": None, "DSLM_ATTN": "--attention_kernel", "DSLM_SDPA": "--sdpa_backend"}
 
 
-def perf_problems(perf: PerfConfig, environ=os.environ) -> list[Problem]:
+def speed_problems(speed: SpeedConfig, environ=os.environ) -> list[Problem]:
     """The speed levers' values (argparse checks the command line; this also covers configs built in code) and any
     environment switch of the retired kind still set."""
     problems = []
-    for f in dataclasses.fields(perf):
-        value, choices = getattr(perf, f.name), f.metadata.get("choices")
+    for f in dataclasses.fields(speed):
+        value, choices = getattr(speed, f.name), f.metadata.get("choices")
         if choices and value not in choices:
             problems.append(Problem(f"--{f.name}", value, f"is not one of {', '.join(map(str, choices))}",
                                     f"use --{f.name} {f.default}"))
-    if not 0.0 < perf.activation_budget <= 1.0:
-        problems.append(Problem("--activation_budget", perf.activation_budget, "must be a fraction in (0, 1]",
+    if not 0.0 < speed.activation_budget <= 1.0:
+        problems.append(Problem("--activation_budget", speed.activation_budget, "must be a fraction in (0, 1]",
                                 "use --activation_budget 0.9 (1.0 recomputes nothing)"))
     for name in sorted(set(environ) & set(RETIRED_SWITCHES)):
         flag = RETIRED_SWITCHES[name]

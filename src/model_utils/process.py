@@ -1,0 +1,75 @@
+"""What each rank sets up in its own process: its share of the host's cores, its seeds and random state (saved per
+rank in every checkpoint, so a resumed run draws the same numbers), and the signals that ask it to stop (SLURM's
+warning signal USR1, the time limit's TERM, Ctrl-C)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import numpy as np
+import torch
+
+
+def host_threads(environ, cpus_in_mask: int, cpus_on_node: int, torch_default: int) -> tuple[int | None, str]:
+    """This rank's share of the host's cores for torch's (and DeepSpeedCPUAdam's) OpenMP threads: the count to set,
+    or None to keep torch's own, and why. Torch sizes its threads to the cores of the process's CPU mask, so ranks
+    started side by side without a mask of their own (run_local_ranks, srun without CPU binding) each take every
+    core: eight ranks' CPU optimizer steps then run 8x oversubscribed (DeepSpeed's launcher binds cores per rank for
+    that reason: its PR 7474 measured a 1.3x faster ZeRO-Offload step on two GPUs with it). OMP_NUM_THREADS, when set,
+    is the user's."""
+    ranks = int(environ.get("LOCAL_WORLD_SIZE") or 1)
+    if environ.get("OMP_NUM_THREADS"):
+        return None, f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']}"
+    if ranks <= 1 or cpus_in_mask < cpus_on_node:
+        mask = "" if cpus_in_mask == cpus_on_node else f" of this rank's {cpus_in_mask} CPUs"
+        return None, f"torch's default{mask}; OMP_NUM_THREADS overrides"
+    return max(1, torch_default // ranks), (f"torch's {torch_default} for this node's cores, shared by its {ranks} "
+                                            "ranks; OMP_NUM_THREADS overrides")
+
+
+def share_host_cores() -> str:
+    """Set this rank's intra-op threads by host_threads; returns the line for the run's header."""
+    threads, why = host_threads(os.environ, len(os.sched_getaffinity(0)), os.cpu_count() or 1, torch.get_num_threads())
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return f"host threads: {torch.get_num_threads()} per rank ({why})"
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class StopSignal:
+    """Remember that a stop was asked for; the loop saves and exits at the next step boundary, all ranks together."""
+
+    SIGNALS = ("SIGUSR1", "SIGTERM", "SIGINT")
+
+    def __init__(self):
+        self.received: str | None = None
+        for name in self.SIGNALS:
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame):
+        if self.received == "SIGINT" and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means "now"
+        self.received = signal.Signals(signum).name
