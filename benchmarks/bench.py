@@ -6,7 +6,7 @@
 
 Every measurement runs in its own process (fresh CUDA memory statistics, no monkey-patch leaking between variants),
 on all GPUs present (torchrun --standalone) unless --nproc says otherwise. The engine path is the trainer's own:
-`parse_args` -> `setup` (model, speed levers, DeepSpeed engine from ds_config.json) -> `train_step` and the loop's
+`parse_args` -> `make_plan` -> `build_run` (model, speed options, DeepSpeed engine from ds_config.json) -> `train_step` and the loop's
 per-step collective (`agree_after_step`), on `--dummy_data` random token blocks. After `--warmup` steps, `--steps`
 steps are timed (CUDA synchronised each step, as the trainer's per-step collective does). Reported: tokens/s per GPU, TFLOP/s per GPU, MFU by
 the project's 6N + 12·L·H·Q·T convention and by torchtitan's 6N + 6·L·H·Q·T, peak allocated memory, and where
@@ -40,7 +40,7 @@ from report import (best_per_side, flops_per_token, is_hf_liger_peer, loss_check
                     throughput, versions)
 from telemetry import GpuTelemetry  # noqa: E402
 
-from model_utils.config import SpeedConfig  # noqa: E402  (src/ is on the path once common is imported)
+from model_utils.config import SpeedConfig  # noqa: E402  (importable once common is imported)
 
 # Each speed lever's value that leaves it off (the libraries' own behaviour), for every lever a variant does not name.
 LEVERS_OFF = {"fused_kernels": "auto", "liger_kernels": "all", "flce_chunk_budget": 1, "compile": "off",
@@ -103,8 +103,11 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     import torch
 
     from model_utils.models import gpu_peak_tflops
+    from model_utils.config import parse_args
     from model_utils.distributed import distributed_env_problems, setup_distributed
-    from train_deepspeed import agree_after_step, parse_args, setup, train_step
+    from model_utils.plan import make_plan
+    from model_utils.preflight import check_plan, raise_on_problems
+    from model_utils.trainer import agree_after_step, build_run, start_log, train_step
 
     steps, warmup = job["steps"], job["warmup"]
     total = steps + warmup
@@ -128,8 +131,12 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     dist = setup_distributed()
     t0 = time.perf_counter()
     # A benchmark run never saves (train_step only), so the preflight's disk check for checkpoints does not apply
-    # (Qwen3-8B's ~112 GiB checkpoint against a 64 GiB disk would stop the run it does not concern).
-    run = setup(cfg, dist, saves=False)
+    # (Qwen3-8B's ~112 GiB checkpoint against a 64 GiB disk would stop the run it does not concern). Every rank plans
+    # alike: a fresh directory (--resume never) and random blocks leave nothing for one rank to decide.
+    log = start_log(cfg, dist)
+    plan = make_plan(cfg, dist.world_size, on_training_hardware=True)
+    raise_on_problems(check_plan(plan, check_data=False, check_disk=False))
+    run = build_run(plan, dist, log)
     setup_s = time.perf_counter() - t0
     if job.get("document_length"):
         end_documents(run.data.train.tokens, job["document_length"], run.tokenizer.eos_token_id, job.get("seed", 1234))

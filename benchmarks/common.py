@@ -1,9 +1,10 @@
-"""What the benchmark's modules share: src/ on the import path (model_utils and the trainer), the repository root the
+"""What the benchmark's modules share: the project's package (model_utils, installed or from src/), the repository root the
 workers run in, the environment every process sets up, the job's DeepSpeed config, and CUDA synchronisation and peak
 memory for the two workers' timings."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
-sys.path.insert(0, str(SRC))  # model_utils and the trainer (train_deepspeed) import from here on
+if importlib.util.find_spec("model_utils") is None:  # a checkout without `pip install -e .` (the GPU image)
+    sys.path.insert(0, str(SRC))
 
 GIB = 1024**3
 

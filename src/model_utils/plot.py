@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .run_dir import METRICS
+
 OVERVIEW_SIZE = (16.0, 9.0)  # inches; at --dpi 100: 1600 x 900 pixels
 PANEL_SIZE = (8.0, 5.0)  # 800 x 500 pixels
 PANELS = ("loss", "loss_tokens", "lr", "throughput", "mfu", "memory")

@@ -141,12 +141,15 @@ def report(preset: str, out: str):
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     from model_utils.config import parse_args
     from model_utils.distributed import free_port, setup_distributed
-    from train_deepspeed import setup
+    from model_utils.preflight import checked_plan
+    from model_utils.trainer import build_run, start_log
 
     os.environ["MASTER_PORT"] = str(free_port())
     cfg = parse_args(["--ds_config", preset, "--dummy_data", "32", "--seq_len", "32", "--max_steps", "100",
                       "--checkpoint_dir", os.path.join(os.path.dirname(out), "ckpt"), "--no-tensorboard"])
-    run = setup(cfg, setup_distributed())
+    dist = setup_distributed()
+    log = start_log(cfg, dist)
+    run = build_run(checked_plan(cfg, dist, log), dist, log)
     effective = {}
     for path, _ in leaves(run.ds_config):
         effective[path] = EFFECTS[path](run.engine) if path in EFFECTS else "NO EFFECT KNOWN"
@@ -161,7 +164,8 @@ def partial_offload_checkpoint(preset: str, out: str):
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     from model_utils.config import parse_args
     from model_utils.distributed import free_port, setup_distributed
-    from train_deepspeed import setup, train_step
+    from model_utils.preflight import checked_plan
+    from model_utils.trainer import build_run, start_log, train_step
 
     os.environ["MASTER_PORT"] = str(free_port())
     cfg = parse_args(["--ds_config", preset, "--dummy_data", "32", "--seq_len", "32", "--max_steps", "100",
@@ -169,10 +173,12 @@ def partial_offload_checkpoint(preset: str, out: str):
     from model_utils.ds_config import zero3_sub_groups
     from model_utils.plan import make_plan
 
-    run = setup(cfg, setup_distributed())
+    dist = setup_distributed()
+    log = start_log(cfg, dist)
+    run = build_run(checked_plan(cfg, dist, log), dist, log)
     zero3 = run.engine.optimizer
     plan = make_plan(cfg, 1, decides=False)
-    planned = zero3_sub_groups(plan.param_groups, 1, run.ds_config["zero_optimization"]["sub_group_size"])
+    planned = zero3_sub_groups([list(g) for g in plan.model.param_groups], 1, run.ds_config["zero_optimization"]["sub_group_size"])
     zero3.subgroup_to_device[0] = "cuda"
     train_step(run)
     state = zero3.state_dict()
@@ -191,13 +197,16 @@ def partial_offload_losses(spec: str, out: str):
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     from model_utils.config import parse_args
     from model_utils.distributed import free_port, setup_distributed
-    from train_deepspeed import save, setup, train_step
+    from model_utils.preflight import checked_plan
+    from model_utils.trainer import build_run, save, start_log, train_step
 
     os.environ["MASTER_PORT"] = str(free_port())
     cfg = parse_args(["--ds_config", preset, "--dummy_data", "32", "--seq_len", "32", "--max_steps", "6",
                       "--checkpoint_dir", os.path.join(os.path.dirname(preset), "ckpt"), "--no-tensorboard",
                       "--no-background_checkpoint"])
-    run = setup(cfg, setup_distributed())
+    dist = setup_distributed()
+    log = start_log(cfg, dist)
+    run = build_run(checked_plan(cfg, dist, log), dist, log)
     run.engine.optimizer.subgroup_to_device[0] = "cuda"
     losses = {}
     while run.step < int(stop_at):

@@ -14,9 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_setting_needs_checkpointing_and_a_count_or_all_or_auto():
-    assert parse_args([]).checkpointed_layers == "all"
-    assert parse_args(["--gradient_checkpointing", "--checkpointed_layers", "auto"]).checkpointed_layers == "auto"
-    assert parse_args(["--gradient_checkpointing", "--checkpointed_layers", "7"]).checkpointed_layers == 7
+    assert parse_args([]).model.checkpointed_layers == "all"
+    assert parse_args(["--gradient_checkpointing", "--checkpointed_layers", "auto"]).model.checkpointed_layers == "auto"
+    assert parse_args(["--gradient_checkpointing", "--checkpointed_layers", "7"]).model.checkpointed_layers == 7
     with pytest.raises(SystemExit):
         parse_args(["--checkpointed_layers", "most"])
     problems = validate_args(TrainConfig.from_flags(checkpointed_layers=3))
@@ -59,7 +59,7 @@ def _plan(monkeypatch, *flags, gpu_gib="79.2"):
         monkeypatch.delenv("GPU_MEMORY_GIB", raising=False)
     else:
         monkeypatch.setenv("GPU_MEMORY_GIB", gpu_gib)
-    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
     cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(REPO / "configs" / "zero3-offload.json"),
                       "--global_batch_tokens", "131072", "--micro_batch_size", "auto", "--dummy_data", "64",
                       "--checkpoint_dir", "/nonexistent/ckpt", "--no-export", *flags])
@@ -71,35 +71,34 @@ def test_auto_recomputes_the_fewest_layers_that_fit_at_the_micro_batch_all_of_th
     automatic micro-batch is 16 (x 2) at ~21 GiB; auto then lets the last layers keep their activations while the
     estimate stays within 90% of the GPU, and one layer fewer would not."""
     from model_utils.memory import AUTO_MEMORY_SHARE, GIB
-    from model_utils.plan import _phase_memory
-
+    
     every = _plan(monkeypatch, "--gradient_checkpointing")
     auto = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", "auto")
-    layers = auto.model_config.num_hidden_layers
+    layers = auto.model.config.num_hidden_layers
     assert every.batch.micro == auto.batch.micro == 16
-    assert every.checkpointed_layers == layers and every.checkpointed_layers_choice is None
-    count = auto.checkpointed_layers
+    assert every.memory.checkpointed_layers == layers and every.memory.checkpointed_layers_choice is None
+    count = auto.memory.checkpointed_layers
     assert 0 < count < layers
     budget = AUTO_MEMORY_SHARE * 79.2 * GIB
-    assert every.memory.peak[1] < auto.memory.peak[1] <= budget
-    assert _phase_memory(auto, auto.ds_config, 16, count - 1).peak[1] > budget
-    assert auto.checkpointed_layers_choice == (f"auto: the fewest with which the run fits 90% of the GPU by the "
-                                               f"estimate (~{auto.memory.peak[1] / GIB:.1f} GiB of 79.2)")
+    assert every.memory.phases.peak[1] < auto.memory.phases.peak[1] <= budget
+    assert auto.memory_model.peak(auto.ds_config, 16, count - 1) > budget
+    assert auto.memory.checkpointed_layers_choice == (f"auto: the fewest with which the run fits 90% of the GPU by the "
+                                               f"estimate (~{auto.memory.phases.peak[1] / GIB:.1f} GiB of 79.2)")
     from model_utils.preflight import check_plan
     assert (f"checkpointed layers: {count} of {layers} recompute (auto: the fewest"
             in "\n".join(check_plan(auto, check_data=False, check_disk=False).lines))
 
     bigger = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", "auto", gpu_gib="139.8")
-    assert bigger.checkpointed_layers < count  # an H200 keeps more layers' activations
+    assert bigger.memory.checkpointed_layers < count  # an H200 keeps more layers' activations
     unknown = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", "auto", gpu_gib=None)
-    assert unknown.checkpointed_layers == layers and "no GPU size" in unknown.checkpointed_layers_choice
+    assert unknown.memory.checkpointed_layers == layers and "no GPU size" in unknown.memory.checkpointed_layers_choice
 
     given = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", str(count))
-    assert given.checkpointed_layers == count and given.memory.peak[1] == auto.memory.peak[1]
+    assert given.memory.checkpointed_layers == count and given.memory.phases.peak[1] == auto.memory.phases.peak[1]
     too_many = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", str(layers + 1))
     assert [(p.setting, p.value) for p in too_many.problems if p.setting == "--checkpointed_layers"] == [
         ("--checkpointed_layers", layers + 1)]
-    assert _plan(monkeypatch).checkpointed_layers is None
+    assert _plan(monkeypatch).memory.checkpointed_layers is None
 
 
 def test_a_model_whose_layers_cannot_be_checkpointed_one_by_one_is_refused(monkeypatch, session_cache):
@@ -111,7 +110,7 @@ def test_a_model_whose_layers_cannot_be_checkpointed_one_by_one_is_refused(monke
     plan = _plan(monkeypatch, "--gradient_checkpointing", "--checkpointed_layers", "auto")
     [problem] = [p for p in plan.problems if p.setting == "--checkpointed_layers"]
     assert problem.value == "auto" and "has 0 of its 36" in problem.message and "at all" in problem.fix
-    assert plan.checkpointed_layers == 36
+    assert plan.memory.checkpointed_layers == 36
     assert not [p for p in _plan(monkeypatch, "--gradient_checkpointing").problems
                 if p.setting == "--checkpointed_layers"]
 

@@ -220,8 +220,8 @@ def test_automatic_micro_batch_is_the_largest_that_fits_and_divides_the_global_b
 
 
 def test_micro_batch_flag_takes_auto_or_a_count():
-    assert parse_args(["--micro_batch_size", "auto"]).micro_batch_size == "auto"
-    assert parse_args(["--micro_batch_size", "4"]).micro_batch_size == 4
+    assert parse_args(["--micro_batch_size", "auto"]).batch.micro_batch_size == "auto"
+    assert parse_args(["--micro_batch_size", "4"]).batch.micro_batch_size == 4
     with pytest.raises(SystemExit):
         parse_args(["--micro_batch_size", "four"])
     assert [p.setting for p in validate_args(parse_args(["--micro_batch_size", "0", "--global_batch_tokens", "0"]))] \

@@ -221,7 +221,7 @@ def test_document_mask_makes_each_document_see_only_itself(tokenizer):
     import torch
 
     from model_utils.models import build_model, model_config
-    from train_deepspeed import model_inputs
+    from model_utils.trainer import model_inputs
 
     torch.manual_seed(0)
     model = build_model("tiny", model_config("tiny", tokenizer), torch.float32, "sdpa", False).eval()

@@ -13,6 +13,7 @@ import torch
 from inputs import png_shape
 from model_utils import monitor
 from model_utils.config import parse_args, validate_args
+from model_utils.run_dir import RunDir
 def _fake_dist(rank=0, world=2):
     return SimpleNamespace(rank=rank, world_size=world, is_main=rank == 0, backend="gloo", device=torch.device("cpu"))
 
@@ -98,7 +99,7 @@ def test_sinks_fall_back_cleanly_without_tensorboard(tmp_path, monkeypatch):
     monkeypatch.setattr(monitor, "tensorboard_available", lambda: False)
     warnings = []
     log = SimpleNamespace(info=lambda m: None, warn=warnings.append)
-    sinks = monitor.Sinks(parse_args(["--checkpoint_dir", str(tmp_path)]), _fake_dist(), {}, log=log)
+    sinks = monitor.Sinks(parse_args(["--checkpoint_dir", str(tmp_path)]), RunDir(tmp_path), _fake_dist(), {}, log=log)
     sinks.write({"step": 1, "loss": 2.0})
     sinks.close()
     assert sinks.tb is None and "tensorboard is not installed" in warnings[0]
@@ -109,15 +110,15 @@ def test_deepspeed_monitor_gets_the_records_and_tensorboard_is_not_written_twice
     events = []
     engine = SimpleNamespace(monitor=SimpleNamespace(enabled=True, write_events=events.extend))
     ds = {"tensorboard": {"enabled": True}}
-    monitor.prepare_ds_monitor(ds, tmp_path)
+    monitor.prepare_ds_monitor(ds, RunDir(tmp_path))
     assert ds["tensorboard"] == {"enabled": True, "output_path": str(tmp_path), "job_name": "tensorboard"}
     log = SimpleNamespace(info=lambda m: None, warn=lambda m: None)
-    sinks = monitor.Sinks(parse_args(["--checkpoint_dir", str(tmp_path)]), _fake_dist(), ds, engine, log=log)
+    sinks = monitor.Sinks(parse_args(["--checkpoint_dir", str(tmp_path)]), RunDir(tmp_path), _fake_dist(), ds, engine, log=log)
     sinks.write({"step": 3, "loss": 2.5, "eval_loss": 2.0, "grad_norm": None})
     assert sinks.tb is None  # DeepSpeed's own TensorBoard writer has the events
     assert events == [("train/loss", 2.5, 3), ("eval/loss", 2.0, 3)]
     # Other ranks hold no sinks at all.
-    assert monitor.Sinks(parse_args([]), _fake_dist(rank=1), ds, engine).paths == {}
+    assert monitor.Sinks(parse_args([]), RunDir(tmp_path), _fake_dist(rank=1), ds, engine).paths == {}
 
 
 def test_wandb_offline_logs_without_network_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
@@ -131,7 +132,7 @@ def test_wandb_offline_logs_without_network_and_a_resumed_run_keeps_its_id(tmp_p
         # W&B names an offline run's folder by the second it starts: a resume in the same second as the first run (only
         # possible in a test) would share its folder.
         time.sleep(1.01 - time.time() % 1)
-        sinks = monitor.Sinks(cfg, _fake_dist(), {"train_batch_size": 4}, log=log)
+        sinks = monitor.Sinks(cfg, cfg.checkpoint.run_dir, _fake_dist(), {"train_batch_size": 4}, log=log)
         for step in steps:
             sinks.write({"step": step, "loss": 5.0 - step, "eval_loss": None})
         ids.append(sinks.wandb.id)

@@ -6,6 +6,7 @@ GPU memory cannot exist here, so its case gives the GPU size through GPU_MEMORY_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -209,7 +210,7 @@ def test_gpu_memory_estimate_of_the_default_path_matches_the_h100_measurements(t
     from model_utils import speed
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(levers, "liger_available", lambda: False)
+    monkeypatch.setattr(speed, "liger_available", lambda: False)
     base = ["--model", "qwen3-0.6b", "--dummy_data", "64", "--checkpoint_dir", str(tmp_path / "ckpt")]
     estimates = {}
     for micro in (8, 16):
@@ -236,7 +237,7 @@ def _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch
     `zero_changes` replace sections of its zero_optimization."""
     from model_utils.memory import GIB
 
-    return _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_path).memory.peak[1] / GIB
+    return _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_path).memory.phases.peak[1] / GIB
 
 
 def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_path):
@@ -246,7 +247,7 @@ def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_pa
     from model_utils.plan import make_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", str(gpu_gib))
-    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
     config_part, *flags = setup.split(" --")
     path, _, dropped = config_part.partition(" without ")
     config = json.loads((REPO / path).read_text())
@@ -356,8 +357,7 @@ def test_gradients_count_in_the_peak_only_where_a_step_has_several_micro_batches
                                 ("ds_config.json --gradient_accumulation_steps=3", 8, 1),
                                 ("ds_config.json", "auto", 1)):
         plan = _plan("qwen3-0.6b", setup, micro, H100, world, {}, monkeypatch, tmp_path)
-        assert dsc.accumulation_at(plan.ds_config, plan.cfg, world, plan.seq_len, plan.batch.micro) == \
-            plan.batch.accumulation, setup
+        assert plan.memory_model.batch.accumulation_at(plan.batch.micro) == plan.batch.accumulation, setup
 
 
 def test_the_delayed_updates_prefetch_buffer_is_in_the_estimate(monkeypatch, session_cache, tmp_path):
@@ -386,14 +386,14 @@ def test_the_automatic_prefetch_takes_only_memory_the_micro_batch_leaves(monkeyp
     micro-batch is chosen with the buffer: 2 there."""
     delayed = "configs/zero2-offload.json --delayed_update_from_step=1"
     q4b = _plan("qwen3-4b", f"{delayed} --global_batch_tokens=131072", "auto", H100, 1, {}, monkeypatch, tmp_path)
-    assert (q4b.batch.micro, q4b.delayed_prefetch) == (4, False), q4b.delayed_prefetch_choice
-    assert q4b.delayed_prefetch_choice.startswith("auto: off")
+    assert (q4b.batch.micro, q4b.memory.delayed_prefetch) == (4, False), q4b.memory.delayed_prefetch_choice
+    assert q4b.memory.delayed_prefetch_choice.startswith("auto: off")
     two = _plan("qwen3-8b", f"{delayed} --global_batch_tokens=262144", "auto", H200, 2, {}, monkeypatch, tmp_path)
-    assert (two.batch.micro, two.delayed_prefetch) == (4, True), two.delayed_prefetch_choice
-    assert two.delayed_prefetch_choice.startswith("auto: on")
+    assert (two.batch.micro, two.memory.delayed_prefetch) == (4, True), two.memory.delayed_prefetch_choice
+    assert two.memory.delayed_prefetch_choice.startswith("auto: on")
     forced = _plan("qwen3-4b", f"{delayed} --delayed_update_prefetch=on --global_batch_tokens=131072", "auto", H100,
                    1, {}, monkeypatch, tmp_path)
-    assert (forced.batch.micro, forced.delayed_prefetch, forced.delayed_prefetch_choice) == (2, True, None)
+    assert (forced.batch.micro, forced.memory.delayed_prefetch, forced.memory.delayed_prefetch_choice) == (2, True, None)
 
 
 def test_qwen3_4b_under_the_offload_preset_takes_its_fastest_micro_batch(monkeypatch, session_cache, tmp_path):
@@ -403,9 +403,9 @@ def test_qwen3_4b_under_the_offload_preset_takes_its_fastest_micro_batch(monkeyp
     out the prefetch buffer, which would not fit beside it."""
     delayed = "configs/zero2-offload.json --delayed_update_from_step=1 --global_batch_tokens=131072"
     auto = _plan("qwen3-4b", delayed, "auto", H100, 1, {}, monkeypatch, tmp_path)
-    assert (auto.batch.micro, auto.batch.accumulation, auto.delayed_prefetch) == (4, 8, False), auto.micro_batch_choice
+    assert (auto.batch.micro, auto.batch.accumulation, auto.memory.delayed_prefetch) == (4, 8, False), auto.micro_batch_choice
     assert "auto: 4, ~69.6 GiB estimated" in auto.micro_batch_choice
-    assert 0.85 * H100 < auto.memory.peak[1] / GIB < 0.90 * H100
+    assert 0.85 * H100 < auto.memory.phases.peak[1] / GIB < 0.90 * H100
 
 
 def test_offloaded_states_that_do_not_fit_the_node_are_refused(tmp_path, monkeypatch, session_cache):
@@ -467,8 +467,8 @@ def test_a_resume_needs_host_memory_for_loading_its_checkpoint(tmp_path, monkeyp
     cfg = parse_args(cfg_args)
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e15)
     roomy = plan_module.make_plan(cfg, 1, on_training_hardware=True)
-    assert roomy.resume_host_bytes > 0
-    between = roomy.host_bytes + roomy.resume_host_bytes / 2
+    assert roomy.memory.resume_host_bytes > 0
+    between = roomy.memory.host_bytes + roomy.memory.resume_host_bytes / 2
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: between)
 
     def report():
@@ -512,14 +512,14 @@ def test_a_partial_offload_counts_the_pinned_blocks_of_its_gpu_part(monkeypatch,
                           "--gradient_accumulation_steps", "2", "--dummy_data", "64", "--checkpoint_dir",
                           "/nonexistent/ckpt", "--no-export"])
         plan = plan_module.make_plan(cfg, 1, decides=False)
-        return plan.host_bytes / GIB, plan
+        return plan.memory.host_bytes / GIB, plan
 
     pinned, plan = host_gib(True)
     assert abs(pinned - 63.9) / 63.9 < 0.05, pinned
     unpinned, _ = host_gib(False)
-    share = gpu_optimizer_share(plan.ds_config, plan.param_groups, 1)
+    share = gpu_optimizer_share(plan.ds_config, plan.model.param_groups, 1)
     assert 0.4 < share < 0.6
-    assert pinned - unpinned == pytest.approx(4 * share * plan.num_params * HOST_STATE_OVERHEAD / GIB)
+    assert pinned - unpinned == pytest.approx(4 * share * plan.model.num_params * HOST_STATE_OVERHEAD / GIB)
 
 
 def test_the_cheapest_fit_leaves_out_offloads_whose_host_part_does_not_fit_the_node():
@@ -556,14 +556,14 @@ def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypa
     from model_utils.preflight import check_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "139.8")
-    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: 120 * GIB)
 
     def planned(config_path):
         cfg = parse_args(["--model", "qwen3-8b", "--ds_config", str(config_path), "--global_batch_tokens", "131072",
                           "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export"])
         plan = plan_module.make_plan(cfg, 1, decides=False)
-        plan.host_available = 120 * GIB  # as a run's start on that node finds it (planned for its GPU from here)
+        plan = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, host_available=120 * GIB))  # as a run's start on that node finds it
         return plan, check_plan(plan, check_data=False)
 
     plan, report = planned(REPO / "configs" / "zero2-offload.json")
@@ -582,11 +582,11 @@ def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypa
         return planned(path)
 
     plan, report = preset_with(ratio)
-    assert plan.host_bytes <= 0.9 * 120 * GIB and not [p for p in report.problems if "offload" in p.setting]
-    assert plan.memory.peak[1] <= 0.9 * 139.8 * GIB and plan.batch.micro >= 1
+    assert plan.memory.host_bytes <= 0.9 * 120 * GIB and not [p for p in report.problems if "offload" in p.setting]
+    assert plan.memory.phases.peak[1] <= 0.9 * 139.8 * GIB and plan.batch.micro >= 1
     # ...and it is the largest: the named config with the next ratio up needs more than 90% of the node's memory
     plan, report = preset_with(round(ratio + 0.05, 2))
-    assert plan.host_bytes > 0.9 * 120 * GIB, plan.host_bytes / GIB
+    assert plan.memory.host_bytes > 0.9 * 120 * GIB, plan.memory.host_bytes / GIB
 
 
 def test_offloaded_accumulation_through_the_cpu_gets_the_gpu_buffer_named(monkeypatch, session_cache):
@@ -598,7 +598,7 @@ def test_offloaded_accumulation_through_the_cpu_gets_the_gpu_buffer_named(monkey
     from model_utils.preflight import check_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
-    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
     seeds = json.loads((REPO / "configs" / "zero2-offload.json").read_text())
     seeds.pop("data_types")
     path = Path(session_cache) / "seeds-zero2-offload.json"
@@ -628,7 +628,7 @@ def test_a_small_micro_batch_under_parameter_offload_gets_the_larger_one_named(m
     from model_utils.preflight import check_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
-    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
 
     def notes(preset, micro):
         cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(REPO / "configs" / preset), "--global_batch_tokens",
@@ -656,7 +656,7 @@ def test_parameter_offload_without_checkpointing_gets_the_checkpointed_micro_bat
     from model_utils.preflight import check_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
-    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
 
     def plan_for(preset, *flags):
         cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(REPO / "configs" / preset), "--global_batch_tokens",
@@ -670,13 +670,20 @@ def test_parameter_offload_without_checkpointing_gets_the_checkpointed_micro_bat
     checkpointed = plan_for("zero3-offload.json", "--gradient_checkpointing")
     assert (plan.batch.micro, checkpointed.batch.micro) == (4, 16)
     [note] = notes(plan)
-    assert (f"micro-batch 16 (x 2) fits by the estimate (~{checkpointed.memory.peak[1] / GIB:.1f} GiB) and fetches the "
+    assert (f"micro-batch 16 (x 2) fits by the estimate (~{checkpointed.memory.phases.peak[1] / GIB:.1f} GiB) and fetches the "
             "offloaded parameters 2 times per step instead of 8") in note, note
     assert not notes(checkpointed)
     on_gpu = plan_for("zero3-offload.json")
     on_gpu.ds_config["zero_optimization"]["offload_param"]["device"] = "none"
     assert not notes(on_gpu)
-    assert plan_module.checkpointed_micro_that_fits(dataclasses.replace(plan, gpu_memory_gib=None)) is None
+    assert plan_module.checkpointed_micro_that_fits(without_gpu_size(plan)) is None
+
+
+def without_gpu_size(plan):
+    """The plan as a machine that knows no GPU size would have made it."""
+    hardware = dataclasses.replace(plan.hardware, gpu_memory_gib=None)
+    return dataclasses.replace(plan, hardware=hardware,
+                               memory_model=dataclasses.replace(plan.memory_model, hardware=hardware))
 
 
 def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_cache, monkeypatch, capsys,
@@ -688,7 +695,7 @@ def test_automatic_micro_batch_fills_the_gpu_by_the_estimate(tmp_path, session_c
     from model_utils import speed
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(levers, "liger_available", lambda: False)  # the GPU nodes' fused loss, assumed
+    monkeypatch.setattr(speed, "liger_available", lambda: False)  # the GPU nodes' fused loss, assumed
     base = ["--model", "qwen3-0.6b", "--dummy_data", "64", "--checkpoint_dir", str(tmp_path / "ckpt")]
 
     def chosen(args, gib):
@@ -896,12 +903,12 @@ def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, sessio
     cfg = TrainConfig.from_flags(checkpoint_dir=str(tmp_path / "c"))
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: 1e6)  # 1 MB left on this node
     tight = plan_module.make_plan(cfg, 1, on_training_hardware=True)
-    assert tight.background_checkpoint is False
-    assert tight.checkpoint_writes.startswith("synchronous: the host copy (~0.0 GiB per node) does not fit in 3/4 of "
-                                              "the 0 GiB available"), tight.checkpoint_writes
+    assert tight.checkpoints.background is False
+    assert tight.checkpoints.description.startswith("synchronous: the host copy (~0.0 GiB per node) does not fit in 3/4 of "
+                                              "the 0 GiB available"), tight.checkpoints.description
     monkeypatch.setattr(plan_module, "host_memory_available", lambda: 64e9)
     roomy = plan_module.make_plan(cfg, 1, on_training_hardware=True)
-    assert roomy.background_checkpoint and roomy.checkpoint_writes.startswith("in the background, from a host copy")
+    assert roomy.checkpoints.background and roomy.checkpoints.description.startswith("in the background, from a host copy")
 
 
 def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, session_cache, tmp_path):
@@ -915,7 +922,7 @@ def test_the_offload_update_is_estimated_and_the_delay_named(monkeypatch, sessio
     from model_utils.preflight import check_plan
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
-    monkeypatch.setattr(levers, "liger_available", lambda: True)
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
 
     def update_lines(config, world=1, *extra):
         cfg = parse_args(["--model", "qwen3-4b", "--ds_config", str(REPO / config), "--global_batch_tokens", "131072",
@@ -964,7 +971,7 @@ def test_parameters_offloaded_where_zero2_fits_name_the_zero2_preset(monkeypatch
     monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
     zero2 = plan_for("configs/zero2-offload.json")
     [note] = notes("configs/zero3-offload.json")
-    assert f"fits at micro-batch {zero2.batch.micro} by the estimate (~{zero2.memory.peak[1] / GIB:.1f} GiB)" in note
+    assert f"fits at micro-batch {zero2.batch.micro} by the estimate (~{zero2.memory.phases.peak[1] / GIB:.1f} GiB)" in note
     assert notes("configs/zero2-offload.json") == [] and notes("configs/zero3.json") == []
     monkeypatch.setenv("GPU_MEMORY_GIB", "24")
     assert notes("configs/zero3-offload.json") == []

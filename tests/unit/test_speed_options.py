@@ -24,7 +24,7 @@ def test_levers_are_flags_in_their_own_help_group():
     assert {"compile", "flce_chunk_budget", "activation_budget", "attention_kernel", "max_steps"} == cfg.explicit
     assert parse_args([]).speed == SpeedConfig()
     help_text = build_parser().format_help()
-    group = help_text[help_text.index("speed levers"):]
+    group = help_text[help_text.index("speed options"):]
     for name in SpeedConfig().as_dict():
         assert f"--{name}" in group
     with pytest.raises(SystemExit):
@@ -46,29 +46,29 @@ def test_a_retired_environment_switch_is_refused_naming_its_flag():
 
 
 def test_a_resume_names_the_levers_that_change_the_numerics():
-    import train_deepspeed
+    from model_utils import trainer
 
     saved = {"perf": SpeedConfig().as_dict(), "levers_in_force": {"attention_kernel": "fa4", "compile": "layers",
                                                                  "overflow_check": "device"}}
-    same = train_deepspeed.lever_changes(saved, SpeedConfig(), {"attention_kernel": "fa4", "compile": "layers",
+    same = trainer.speed_changes(saved, SpeedConfig(), {"attention_kernel": "fa4", "compile": "layers",
                                                                "overflow_check": "device"})
     assert same == []
     # The overflow check skips the same steps in every mode: not a numerics change. An `auto` that chose another kernel
     # on this machine is one, and so is a setting changed by hand.
-    changed = train_deepspeed.lever_changes(saved, SpeedConfig(overflow_check="scan", flce_chunk_budget=1),
+    changed = trainer.speed_changes(saved, SpeedConfig(overflow_check="scan", flce_chunk_budget=1),
                                             {"attention_kernel": "sdpa", "compile": "layers", "overflow_check": "scan"})
     assert changed == ["flce_chunk_budget: 8 -> 1", "attention_kernel in force: fa4 -> sdpa"]
-    assert train_deepspeed.lever_changes({}, SpeedConfig(compile="off"), {"compile": "off"}) == []  # older manifests
+    assert trainer.speed_changes({}, SpeedConfig(compile="off"), {"compile": "off"}) == []  # older manifests
 
 
 def test_a_resume_names_a_changed_delayed_update():
     """--delayed_update_from_step changes which gradients each update uses: a resume says so where the steps after
     the resume point are delayed otherwise than the run that wrote the checkpoint would have delayed them."""
-    import train_deepspeed
+    from model_utils import trainer
 
     def changes(saved_from, now_from, resumed_at):
         saved = {"perf": SpeedConfig().as_dict(), "levers_in_force": {"delayed_update_from_step": saved_from}}
-        return train_deepspeed.lever_changes(saved, SpeedConfig(), {"delayed_update_from_step": now_from}, resumed_at)
+        return trainer.speed_changes(saved, SpeedConfig(), {"delayed_update_from_step": now_from}, resumed_at)
 
     assert changes(5, 5, 30) == [] and changes(0, 0, 30) == []
     assert changes(5, 20, 30) == []  # both delay every step from 31 on
@@ -102,7 +102,7 @@ def test_auto_attention_falls_back_to_sdpa_when_fa4_fails_its_probe(monkeypatch)
     """`auto` switches the model to FA4 only after the setup probe (a small forward and backward) succeeds; a failure
     leaves SDPA and says why. `fa4` by name skips the probe. The probe's own exception handling runs for real (a
     registration that raises); its GPU forward/backward cannot run here."""
-    speed = SpeedConfig(fused_kernels="off", compile="off")
+    options = SpeedConfig(fused_kernels="off", compile="off")
     monkeypatch.setattr(flash_attn4, "fa4_unavailable_reason", lambda: None)
     monkeypatch.setattr(flash_attn4, "_register_fa4", lambda: None)
 
@@ -116,13 +116,13 @@ def test_auto_attention_falls_back_to_sdpa_when_fa4_fails_its_probe(monkeypatch)
     logs, warnings = [], []
     monkeypatch.setattr(flash_attn4, "fa4_probe_failure", lambda model, documents=False: "RuntimeError: boom")
     model = _tiny_model()
-    applied = speed.apply_speed_options(model, speed, cuda=True, log=logs.append, warn=warnings.append)
+    applied = speed.apply_speed_options(model, options, cuda=True, log=logs.append, warn=warnings.append)
     assert model.config._attn_implementation == "sdpa" and applied["attention_kernel"] == "sdpa"
     assert any("failed its setup probe (RuntimeError: boom); using SDPA" in line for line in warnings)  # every rank
 
     monkeypatch.setattr(flash_attn4, "fa4_probe_failure", lambda model, documents=False: None)
     model = _tiny_model()
-    applied = speed.apply_speed_options(model, speed, cuda=True, log=logs.append)
+    applied = speed.apply_speed_options(model, options, cuda=True, log=logs.append)
     assert model.config._attn_implementation == flash_attn4.FA4_NAME and applied["attention_kernel"] == "fa4"
 
     monkeypatch.setattr(flash_attn4, "fa4_probe_failure",
@@ -142,14 +142,14 @@ def test_compile_only_with_cuda_and_not_under_zero3():
 
 
 def test_fused_kernels_fall_back_without_liger(monkeypatch):
-    monkeypatch.setattr(levers, "liger_available", lambda: False)
+    monkeypatch.setattr(speed, "liger_available", lambda: False)
     assert not speed.use_fused_kernels("auto", cuda=True)
     assert speed.fused_kernels_problem(SpeedConfig(fused_kernels="on"), cuda=True) is not None
     assert speed.fused_kernels_problem(SpeedConfig(), cuda=True) is None
 
 
 def test_a_gpu_run_without_liger_says_so(monkeypatch):
-    monkeypatch.setattr(levers, "liger_available", lambda: False)
+    monkeypatch.setattr(speed, "liger_available", lambda: False)
     messages = []
     applied = speed.apply_speed_options(_tiny_model(), SpeedConfig(compile="off", attention_kernel="sdpa"), cuda=True,
                                         log=messages.append)
