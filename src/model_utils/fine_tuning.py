@@ -6,10 +6,11 @@ micro)` global micro-batches (the remainder of the permutation is left out of th
 an optimizer step is `accumulation` global micro-batches, so a step may straddle two epochs. E epochs are
 ceil(E x micro-batches per epoch / accumulation) steps: the last step completes the last epoch. E may be fractional.
 
-Resume: the data position (epoch, blocks consumed in it) saved with each checkpoint says how much of the epochs is
-done, in blocks, independent of the world size. `steps_to_finish` turns the rest into steps at the resumed run's batch,
-added to the step reached: with an unchanged batch that is the first run's count exactly, and with another world size
-or micro-batch the run still stops at the end of the same epoch.
+Resume: the data position (epoch, blocks consumed in it) saved with each checkpoint says where in the epochs the run
+is, independent of the world size. `steps_to_finish` counts the micro-batches still to come from there, as BlockOrder
+will visit them at the resumed run's batch, and adds their steps to the step reached: with an unchanged batch that is
+the first run's count exactly, and with another world size or micro-batch the run still stops at the end of the same
+epoch.
 """
 
 from __future__ import annotations
@@ -61,20 +62,22 @@ def describe_epochs(num_epochs: float, steps: int, training_blocks: int, world: 
             + (f"; {left_out} blocks left out of each epoch, different ones each time" if left_out else "") + ")")
 
 
-def epochs_done(epoch: int, blocks_consumed: int, training_blocks: int, world: int, micro: int) -> Fraction:
-    """How many epochs a data position (concat_dataset.DataPosition's fields) has covered, exactly."""
-    per_epoch_blocks = _global_micro_batches_per_epoch(training_blocks, world, micro) * world * micro
-    return epoch + Fraction(blocks_consumed, per_epoch_blocks)
-
-
 def steps_to_finish(num_epochs: float, training_blocks: int, world: int, micro: int, accumulation: int, step: int,
                     epoch: int, blocks_consumed: int) -> int:
     """The step at which a run resumed at `step` and data position (`epoch`, `blocks_consumed`) completes
-    `num_epochs`: the step reached plus the steps the remaining micro-batches take at this batch."""
+    `num_epochs`: the step reached plus the steps that the micro-batches still to come take at this batch. The
+    micro-batches left in the current epoch are those BlockOrder still fits in it at this batch's size."""
+    per_global = world * micro
     per_epoch = _global_micro_batches_per_epoch(training_blocks, world, micro)
-    done = epochs_done(epoch, blocks_consumed, training_blocks, world, micro)
-    remaining = max(Fraction(0), Fraction(str(num_epochs)) - done)
-    return step + math.ceil(math.ceil(remaining * per_epoch) / accumulation)
+    left_in_epoch = (training_blocks - blocks_consumed) // per_global
+    target = Fraction(str(num_epochs)) - epoch
+    if target <= 0:
+        return step
+    if target <= 1:  # the end lies in this epoch: at ceil(target x per_epoch) micro-batches from its start
+        needed = max(0, math.ceil(target * per_epoch) - (per_epoch - left_in_epoch))
+    else:
+        needed = left_in_epoch + math.ceil((target - 1) * per_epoch)
+    return step + math.ceil(needed / accumulation)
 
 
 # --------------------------------------------------------------------------------------------------------------------

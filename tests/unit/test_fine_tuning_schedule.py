@@ -48,15 +48,17 @@ def test_a_resume_with_the_same_batch_keeps_the_step_count(resume_at):
                            at.blocks_consumed) == total
 
 
-def test_a_resume_on_another_world_size_still_ends_with_the_epoch():
-    blocks, micro, accumulation, epochs = 96, 4, 1, 2
+@pytest.mark.parametrize("epochs, ends_at", [(2, (2, 0)), (1.5, (1, 48))])
+def test_a_resume_on_another_world_size_still_ends_where_the_epochs_do(epochs, ends_at):
+    blocks, micro, accumulation = 96, 4, 1
     first = BlockOrder(np.arange(blocks), 1, 2, micro)
     at = run_steps(first, accumulation, 5)  # 40 of 96 blocks of epoch 0, on 2 ranks
-    second = BlockOrder(np.arange(blocks), 1, 4, micro)  # resumed on 4 ranks
+    second = BlockOrder(np.arange(blocks), 1, 4, micro)  # resumed on 4 ranks: 6 micro-batches of 16 per epoch
     end_step = steps_to_finish(epochs, blocks, 4, micro, accumulation, 5, at.epoch, at.blocks_consumed)
     end = run_steps(second, accumulation, end_step - 5, at)
-    assert (end.epoch, end.blocks_consumed) == (2, 0)
-    assert run_steps(second, accumulation, end_step - 6, at).epoch == 1
+    assert (end.epoch, end.blocks_consumed) == ends_at
+    before = run_steps(second, accumulation, end_step - 6, at)
+    assert (before.epoch, before.blocks_consumed) < ends_at
 
 
 def test_epochs_problems_name_the_conflict_and_data_too_small():
