@@ -303,11 +303,29 @@ class ExampleEncoder:
         return spans
 
 
-def encode_rows(rows: Iterable[dict], encoder: ExampleEncoder) -> Iterator[Example]:
-    """Check each row (DataError at the first bad one, naming it) and encode it."""
+def check_rows(rows: Iterable[dict], fmt: str, source: str) -> int:
+    """Check every row (DataError at the first bad one, naming it) without tokenizing; returns the count."""
+    count = 0
+    for count, row in enumerate(rows, start=1):
+        check_row(row, fmt, count, source)
+    return count
+
+
+def encode_rows(rows: Iterable[dict], encoder: ExampleEncoder, checked: bool = False) -> Iterator[Example]:
+    """Encode each row, checking it first unless `checked` (check_rows has)."""
     for number, row in enumerate(rows, start=1):
-        check_row(row, encoder.fmt, number, encoder.source)
+        if not checked:
+            check_row(row, encoder.fmt, number, encoder.source)
         yield encoder.encode(row, number)
+
+
+def attach_chat_template(tokenizer) -> bool:
+    """Give a tokenizer without a chat template DEFAULT_CHAT_TEMPLATE, the one its chats were rendered with, so that an
+    exported model is prompted as it was trained (call before the tokenizer is written). True where it was attached."""
+    template, is_default = resolve_chat_template(tokenizer)
+    if is_default:
+        tokenizer.chat_template = template
+    return is_default
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -487,20 +505,22 @@ SPLIT_FILES = ("inputs", "targets", "positions")
 
 def build_sft_files(splits: dict, tokenizer, settings: SFTSettings, out_dir: Path, source: str,
                     log=print) -> dict:
-    """Check, encode and pack each split (`{"train": rows, "validation": rows or None}`; rows: a datasets.Dataset or
-    any iterable of dicts with `column_names` given by the first row) and write <split>.{inputs,targets,positions}.bin
-    and meta.json (written last: it marks a complete entry). Returns the meta."""
+    """Check every row of each split, then encode and pack each (`{"train": rows, "validation": rows or None}`;
+    rows: a datasets.Dataset, or a list of dicts whose first row names the columns) and write
+    <split>.{inputs,targets,positions}.bin and meta.json (written last: it marks a complete entry). Returns the meta."""
+    splits = {split: rows for split, rows in splits.items() if rows is not None}
+    formats: dict[str, str] = {}
+    for split, rows in splits.items():  # every row of every split checked before any is tokenized
+        columns = list(getattr(rows, "column_names", None) or (next(iter(rows), None) or {}).keys())
+        requested = next(iter(formats.values()), settings.data_format)  # the validation split: the train's format
+        formats[split] = detect_format(columns, requested, f"{source} ({split} split)")
+        check_rows(rows, formats[split], f"{source} ({split} split)")
     out_dir.mkdir(parents=True, exist_ok=True)
     meta: dict = {"seq_len": settings.seq_len, "splits": {}}
-    fmt = None
     for split, rows in splits.items():
-        if rows is None:
-            continue
-        columns = list(getattr(rows, "column_names", None) or (next(iter(rows), None) or {}).keys())
-        fmt = detect_format(columns, settings.data_format if fmt is None else fmt, f"{source} ({split} split)")
-        encoder = ExampleEncoder(tokenizer, fmt, settings.train_on_prompts, f"{source} ({split} split)")
+        encoder = ExampleEncoder(tokenizer, formats[split], settings.train_on_prompts, f"{source} ({split} split)")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        packed = pack_examples(encode_rows(rows, encoder), settings.seq_len, pad_id, len(tokenizer))
+        packed = pack_examples(encode_rows(rows, encoder, checked=True), settings.seq_len, pad_id, len(tokenizer))
         if packed.stats.blocks == 0:
             raise DataError(Problem("--dataset", source, f"the {split} split holds no example with a token "
                                     "carrying loss", "check the data (answers present) or pass --train_on_prompts"))

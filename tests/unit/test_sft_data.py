@@ -286,3 +286,27 @@ def train_stats(cache):
     from model_utils.sft_data import PackingStats
 
     return PackingStats(**json.loads((cache / "meta.json").read_text())["splits"]["train"]["stats"])
+
+
+def test_a_bad_row_in_any_split_stops_before_anything_is_tokenized_or_written(tokenizer, tmp_path):
+    train = [{"messages": CHAT}] * 3
+    validation = [{"messages": CHAT}, {"messages": [{"role": "user", "content": "no answer"}]}]
+    with pytest.raises(DataError) as error:
+        build_sft_files({"train": train, "validation": validation}, tokenizer, SFTSettings(seq_len=64),
+                        tmp_path / "cache", "chats.jsonl")
+    assert error.value.problem.value == "chats.jsonl (validation split), row 2"
+    assert not (tmp_path / "cache").exists()
+
+
+def test_an_export_carries_the_default_template_its_chats_were_rendered_with(tmp_path):
+    from transformers import AutoTokenizer
+
+    from model_utils.sft_data import attach_chat_template
+
+    fresh = load_tokenizer(None)
+    assert attach_chat_template(fresh) and not attach_chat_template(fresh)  # once: then it is the tokenizer's own
+    fresh.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded.chat_template == DEFAULT_CHAT_TEMPLATE
+    assert ExampleEncoder(reloaded, "chat").encode({"messages": CHAT}, 1).ids == \
+        ExampleEncoder(load_tokenizer(None), "chat").encode({"messages": CHAT}, 1).ids
