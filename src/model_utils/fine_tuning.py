@@ -84,7 +84,7 @@ def steps_to_finish(num_epochs: float, training_blocks: int, world: int, micro: 
 # Defaults for fine-tuning a pretrained model
 # --------------------------------------------------------------------------------------------------------------------
 FULL_FINE_TUNING_LR = 2e-5  # TRL SFTConfig.learning_rate (it replaces TrainingArguments' 5e-5); Stanford Alpaca's too
-LORA_LR = 2e-4  # QLoRA (Dettmers et al. 2023, appendix): 2e-4 for models up to 13B (1e-4 above)
+LORA_LR = 2e-4  # QLoRA (Dettmers et al. 2023, appendix): 2e-4 up to 13B (1e-4 above); TRL's PEFT example: 2e-4
 WARMUP_RATIO = 0.03  # Stanford Alpaca's recipe (--warmup_ratio 0.03) and QLoRA's
 FINE_TUNING_WEIGHT_DECAY = 0.0  # transformers TrainingArguments.weight_decay and Stanford Alpaca's recipe
 

@@ -42,8 +42,9 @@ ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head, for t
 class LoraSettings:
     """LoRA's settings (--lora_rank, --lora_alpha, --lora_dropout, --lora_target_modules, --export_merged).
 
-    Defaults: rank 16, alpha 32 (alpha = 2 x rank), dropout 0.05, the values of TRL's and PEFT's LoRA fine-tuning
-    examples (PEFT's own LoraConfig defaults are r=8, alpha=8, dropout 0)."""
+    Defaults: rank 16 and alpha 32 (the adapters' scale alpha / rank = 2), this project's choice between PEFT's own
+    LoraConfig defaults (r=8, alpha=8, dropout 0) and TRL's PEFT example (r=32, alpha=16); dropout 0.05 as in TRL's
+    PEFT example and QLoRA's for large models."""
 
     rank: int = 16
     """Inner dimension r of each adapter: trainable parameters per adapted layer are r x (in + out)."""
