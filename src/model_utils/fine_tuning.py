@@ -1,0 +1,115 @@
+"""Fine-tuning's schedule: --num_epochs as optimizer steps (and on resume), and the learning-rate defaults for a
+pretrained model.
+
+Epochs count what the data order (`concat_dataset.BlockOrder`) visits: an epoch is `training_blocks // (world x
+micro)` global micro-batches (the remainder of the permutation is left out of that epoch, as BlockOrder leaves it), and
+an optimizer step is `accumulation` global micro-batches, so a step may straddle two epochs. E epochs are
+ceil(E x micro-batches per epoch / accumulation) steps: the last step completes the last epoch. E may be fractional.
+
+Resume: the data position (epoch, blocks consumed in it) saved with each checkpoint says where in the epochs the run
+is, independent of the world size. `steps_to_finish` counts the micro-batches still to come from there, as BlockOrder
+will visit them at the resumed run's batch, and adds their steps to the step reached: with an unchanged batch that is
+the first run's count exactly, and with another world size or micro-batch the run still stops at the end of the same
+epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .arguments import Problem
+
+
+def _global_micro_batches_per_epoch(training_blocks: int, world: int, micro: int) -> int:
+    return training_blocks // (world * micro)
+
+
+def epochs_problems(num_epochs: float | None, max_steps: int | None, training_blocks: int, world: int,
+                    micro: int) -> list[Problem]:
+    """--num_epochs must be positive, not given with an explicit --max_steps, and the data must fill a micro-batch on
+    every rank."""
+    if num_epochs is None:
+        return []
+    problems = []
+    if not num_epochs > 0:
+        problems.append(Problem("--num_epochs", num_epochs, "must be positive", "use e.g. 1, 3 or 0.5"))
+    if max_steps:
+        problems.append(Problem("--num_epochs", num_epochs, f"and --max_steps {max_steps} both set the length",
+                                "give one of them"))
+    if _global_micro_batches_per_epoch(training_blocks, world, micro) == 0:
+        problems.append(Problem("--num_epochs", num_epochs, f"the data has {training_blocks} training blocks, fewer "
+                                f"than one micro-batch on every rank ({micro} x {world} ranks)",
+                                "use more data, a smaller seq_len or a smaller micro-batch"))
+    return problems
+
+
+def steps_for_epochs(num_epochs: float, training_blocks: int, world: int, micro: int, accumulation: int) -> int:
+    """Optimizer steps that cover `num_epochs` passes over `training_blocks` at this batch (module docstring)."""
+    per_epoch = _global_micro_batches_per_epoch(training_blocks, world, micro)
+    return max(1, math.ceil(Fraction(str(num_epochs)) * per_epoch / accumulation))
+
+
+def describe_epochs(num_epochs: float, steps: int, training_blocks: int, world: int, micro: int,
+                    accumulation: int) -> str:
+    """The batch line's epoch part, e.g. "2 epochs = 1,234 steps (617 micro-batches of 16 blocks per epoch, 1 per
+    step)"."""
+    per_epoch = _global_micro_batches_per_epoch(training_blocks, world, micro)
+    left_out = training_blocks - per_epoch * world * micro
+    return (f"{num_epochs:g} epoch{'s' if num_epochs != 1 else ''} = {steps:,} steps ({per_epoch:,} micro-batches of "
+            f"{world * micro} blocks per epoch, {accumulation} per step"
+            + (f"; {left_out} blocks left out of each epoch, different ones each time" if left_out else "") + ")")
+
+
+def steps_to_finish(num_epochs: float, training_blocks: int, world: int, micro: int, accumulation: int, step: int,
+                    epoch: int, blocks_consumed: int) -> int:
+    """The step at which a run resumed at `step` and data position (`epoch`, `blocks_consumed`) completes
+    `num_epochs`: the step reached plus the steps that the micro-batches still to come take at this batch. The
+    micro-batches left in the current epoch are those BlockOrder still fits in it at this batch's size."""
+    per_global = world * micro
+    per_epoch = _global_micro_batches_per_epoch(training_blocks, world, micro)
+    left_in_epoch = (training_blocks - blocks_consumed) // per_global
+    target = Fraction(str(num_epochs)) - epoch
+    if target <= 0:
+        return step
+    if target <= 1:  # the end lies in this epoch: at ceil(target x per_epoch) micro-batches from its start
+        needed = max(0, math.ceil(target * per_epoch) - (per_epoch - left_in_epoch))
+    else:
+        needed = left_in_epoch + math.ceil((target - 1) * per_epoch)
+    return step + math.ceil(needed / accumulation)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Defaults for fine-tuning a pretrained model
+# --------------------------------------------------------------------------------------------------------------------
+FULL_FINE_TUNING_LR = 2e-5  # TRL SFTConfig.learning_rate (it replaces TrainingArguments' 5e-5); Stanford Alpaca's too
+LORA_LR = 2e-4  # QLoRA (Dettmers et al. 2023, appendix): 2e-4 up to 13B (1e-4 above); TRL's PEFT example: 2e-4
+WARMUP_RATIO = 0.03  # Stanford Alpaca's recipe (--warmup_ratio 0.03) and QLoRA's
+FINE_TUNING_WEIGHT_DECAY = 0.0  # transformers TrainingArguments.weight_decay and Stanford Alpaca's recipe
+
+
+@dataclass
+class FineTuningDefaults:
+    """The optimisation a pretrained model is fine-tuned with where the user did not set it (a preset trained from
+    scratch keeps ds_config.json's)."""
+
+    learning_rate: float
+    warmup_steps: int
+    weight_decay: float
+    source: str
+
+    def describe(self) -> str:
+        return (f"fine-tuning defaults: learning rate {self.learning_rate:g}, {self.warmup_steps} warmup steps "
+                f"({WARMUP_RATIO:.0%} of the run), weight decay {self.weight_decay:g} ({self.source}); set "
+                "--learning_rate/--warmup_steps/ds_config's weight_decay to choose others")
+
+
+def fine_tuning_defaults(total_steps: int, lora: bool) -> FineTuningDefaults:
+    """The defaults for a fine-tuning run of `total_steps` steps, with LoRA adapters or all weights trained."""
+    warmup = math.ceil(WARMUP_RATIO * total_steps)
+    if lora:
+        return FineTuningDefaults(LORA_LR, warmup, FINE_TUNING_WEIGHT_DECAY,
+                                  "LoRA: QLoRA's rate for models up to 13B, Alpaca/QLoRA warmup")
+    return FineTuningDefaults(FULL_FINE_TUNING_LR, warmup, FINE_TUNING_WEIGHT_DECAY,
+                              "TRL SFTConfig's rate, Stanford Alpaca's warmup, transformers' weight decay")
