@@ -40,6 +40,9 @@ class DataError(Exception):
         self.problem = problem
         super().__init__(str(problem))
 
+    def __reduce__(self):  # raised in a worker process, re-raised in the parent with its Problem
+        return (type(self), (self.problem,))
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # Where the data comes from
