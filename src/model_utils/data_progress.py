@@ -121,6 +121,13 @@ class Progress:
                   file=self.stream, flush=True)
         return False
 
+    def set_total(self, units: float) -> None:
+        """The input's size, once it is known (for the share done and the ETA)."""
+        self.total_units = units
+        if self.bar is not None:
+            self.bar.total = units
+            self.bar.refresh()
+
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 

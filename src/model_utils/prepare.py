@@ -133,10 +133,10 @@ def _ranges(kind: str, path: str, nbytes: int, size: int):
 
 def _row_shards(source, cfg, shard_mb) -> list[Shard]:
     """Row ranges of the Arrow files holding each split (a saved dataset, a hub download, CSV or Arrow files)."""
-    from .concat_dataset import load_splits
+    from .concat_dataset import DataView, load_splits
 
     # --max_documents: a saved dataset or local files are cut by row range below; only a hub dataset is streamed.
-    everything = _DataView(cfg, max_documents=cfg.max_documents if source.kind == "hub" else 0)
+    everything = DataView(cfg, max_documents=cfg.max_documents if source.kind == "hub" else 0)
     shards = []
     for split, ds in zip(("train", "validation"), load_splits(source, everything)):
         if ds is None:
@@ -163,17 +163,6 @@ def _arrow_files(ds) -> list[str]:
             return files
     ds = ds.flatten_indices()
     return [c["filename"] for c in ds.cache_files]
-
-
-class _DataView:
-    """A data settings object with some fields replaced (the section object of the caller stays unchanged)."""
-
-    def __init__(self, base, **changes):
-        self._base, self._changes = base, changes
-
-    def __getattr__(self, name):
-        changes = self.__dict__["_changes"]
-        return changes[name] if name in changes else getattr(self.__dict__["_base"], name)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -640,11 +629,11 @@ def argument_problems(args) -> list[Problem]:
 
 def main(argv=None) -> int:
     from .arguments import exit_on_problems
-    from .concat_dataset import DataError
+    from .concat_dataset import DataError, DataView
 
     args = parse_args(argv)
     exit_on_problems(argument_problems(args))
-    cfg = _DataView(args, validation_fraction=0.0, dummy_data=0, document_mask=False, seed=0)
+    cfg = DataView(args, validation_fraction=0.0, dummy_data=0, document_mask=False, seed=0)
     try:
         prepare(cfg, args.tokenizer, Path(args.output), args.num_proc, args.shard_mb)
     except (DataError, PreparationFailed) as e:
