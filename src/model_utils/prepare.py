@@ -315,13 +315,29 @@ def _row_documents(shard: Shard, text_column: str):
 class Encoder:
     """Token ids of documents: the fast tokenizer's batch encode without special tokens, then an EOS after every
     non-empty document (ids given as `input_ids` get one unless they end with it already). Ids outside the
-    vocabulary are a problem: they would wrap in the token file's dtype."""
+    vocabulary are a problem: they would wrap in the token file's dtype. `backend`: a `tokenizers.Tokenizer` (the
+    fast tokenizer's own), else `tokenizer` (a transformers tokenizer) encodes."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.eos = tokenizer.eos_token_id
-        self.vocab_size = len(tokenizer)
+    def __init__(self, eos: int, vocab_size: int, backend=None, tokenizer=None):
+        self.eos, self.vocab_size, self.backend, self.tokenizer = eos, vocab_size, backend, tokenizer
+
+    @classmethod
+    def spec(cls, tokenizer, name: str | None) -> tuple:
+        """What a worker process needs to build the same encoder: the fast tokenizer serialized (no transformers
+        import, no download in the worker), else the name to load."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        return (backend.to_str() if backend is not None else None, name, tokenizer.eos_token_id, len(tokenizer))
+
+    @classmethod
+    def from_spec(cls, spec: tuple) -> "Encoder":
+        serialized, name, eos, vocab_size = spec
+        if serialized is not None:
+            from tokenizers import Tokenizer
+
+            return cls(eos, vocab_size, backend=Tokenizer.from_str(serialized))
+        from .tokenizer import load_tokenizer
+
+        return cls(eos, vocab_size, tokenizer=load_tokenizer(name))
 
     def encode_texts(self, texts: list[str]) -> list[list[int]]:
         if self.backend is not None:
@@ -329,6 +345,8 @@ class Encoder:
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def __call__(self, docs: list, where: str) -> list[list[int]]:
+        from .concat_dataset import check_token_ids, ends_with_eos
+
         texts = [i for i, d in enumerate(docs) if isinstance(d, str)]
         ids: list = list(docs)
         if texts:
@@ -336,26 +354,18 @@ class Encoder:
                 ids[i] = encoded + [self.eos] if encoded else []
         for i, d in enumerate(docs):
             if not isinstance(d, str) and d:
-                top = max(d)
-                if top >= self.vocab_size or min(d) < 0:
-                    from .concat_dataset import DataError
-
-                    raise DataError(Problem("--dataset", where, f"holds token id {top if top >= self.vocab_size else min(d)} "
-                                            f"in `input_ids`, outside the tokenizer's {self.vocab_size} ids",
-                                            "prepare with the tokenizer those ids were made with (--tokenizer)"))
-                ids[i] = list(d) if d[-1] == self.eos else list(d) + [self.eos]
+                check_token_ids(np.asarray(d, dtype=np.int64), self.vocab_size, "--dataset", where)
+                ids[i] = ends_with_eos(d, self.eos)
         return ids
 
 
 _WORKER: dict = {}
 
 
-def _start_worker(tokenizer_name: str | None) -> None:
+def _start_worker(encoder_spec: tuple) -> None:
     # One core per worker process: the tokenizer's own thread pool would oversubscribe the pool's cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from .tokenizer import load_tokenizer
-
-    _WORKER["encoder"] = Encoder(load_tokenizer(tokenizer_name))
+    _WORKER["encoder"] = Encoder.from_spec(encoder_spec)
 
 
 def tokenize_shard(shard: Shard, output: str, text_column: str, dtype_name: str, progress_queue=None) -> dict:
@@ -453,7 +463,8 @@ def prepare(cfg, tokenizer_name: str | None, output: Path, num_proc: int | None 
             raise DataError(Problem("--dataset", cfg.dataset, "holds no documents", "point --dataset at data"))
         plan = plan_identity(source, tokenizer, cfg, shards, tokenizer_name)
         _agree_on_plan(output, plan)
-        return _run_task(cfg, tokenizer_name, output, plan, shards, num_proc, task, log, stream)
+        return _run_task(cfg, Encoder.spec(tokenizer, tokenizer_name), output, plan, shards, num_proc, task, log,
+                         stream)
     except DataError as e:
         record_failure(output / FAILURE, e.problem)
         raise
@@ -474,7 +485,7 @@ def _agree_on_plan(output: Path, plan: dict) -> None:
                                 "pass another --output, or delete that directory to prepare it anew"))
 
 
-def _run_task(cfg, tokenizer_name, output: Path, plan: dict, shards: list[Shard], num_proc, task: Task, log,
+def _run_task(cfg, encoder_spec: tuple, output: Path, plan: dict, shards: list[Shard], num_proc, task: Task, log,
               stream) -> dict | None:
     import multiprocessing
 
@@ -495,7 +506,7 @@ def _run_task(cfg, tokenizer_name, output: Path, plan: dict, shards: list[Shard]
             context = multiprocessing.get_context("spawn")  # the tokenizer's threads do not survive a fork
             with context.Manager() as manager:
                 pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                                           initargs=(tokenizer_name,))
+                                           initargs=(encoder_spec,))
                 try:
                     _tokenize_all(pool, todo, shards, output, cfg, dtype, manager.Queue(), progress, workers)
                 finally:  # on a problem, shards not started are dropped; those running finish (and stay done)
