@@ -774,6 +774,32 @@ def open_source(cfg: TrainConfig, source: DataSource, tokenizer, seq_len: int, d
     return open_packed(cfg, out_dir, seq_len)
 
 
+OPENED_WITHOUT_TOKENIZING = ("prepared", "npy", "mixture")
+
+
+def describe_without_tokenizing(cfg: TrainConfig, source: DataSource, tokenizer, seq_len: int) -> tuple[str, int | None]:
+    """For the preflight: the data line and the training blocks of a prepared directory, token files or a mixture,
+    opened as the run opens them (memory maps: nothing is read whole); a mixture's raw parts count where their token
+    cache is built, else the blocks are unknown (None). Raises DataError as the run would."""
+    if source.kind != "mixture":
+        data = open_source(cfg, source, tokenizer, seq_len, dist=None)
+        return f"data: {data.description}", len(data.train_ids)
+    blocks, parts = 0, []
+    for part, weight in source.parts:
+        view = _with_dataset(cfg, part.location)
+        if part.kind in ("prepared", "npy"):
+            data = open_source(view, part, tokenizer, seq_len, dist=None)
+        elif (cache_dir_for(view, part, tokenizer) / "meta.json").exists():
+            data = open_packed(view, cache_dir_for(view, part, tokenizer), seq_len)
+        else:
+            parts.append(f"{part.location} (weight {weight}, tokenized when the run starts)")
+            blocks = None
+            continue
+        parts.append(f"{part.location} (weight {weight}, {len(data.train_ids):,} training blocks)")
+        blocks = None if blocks is None else blocks + len(data.train_ids)
+    return f"data: mixture of {len(parts)}: " + "; ".join(parts), blocks
+
+
 @dataclass
 class CacheFiles:
     """The files beside a token cache entry through which its preparer and the waiting ranks meet (beside it, not in
