@@ -239,3 +239,15 @@ def test_a_bad_line_stops_the_preparation_with_its_line_and_a_failure_record(tmp
     assert caught.value.problem.value == str(data / "b.jsonl") and f"line {lines}" in caught.value.problem.message
     recorded = json.loads((tmp_path / "prepared" / "FAILED.json").read_text())
     assert recorded["message"] == caught.value.problem.message
+
+
+def test_prepare_data_sbatch_submits_the_command_and_needs_an_output():
+    from launching import launch
+
+    dry = launch("./prepare-data.sbatch", "--dataset", "corpus.jsonl", "--output", "/shared/prepared", DRY_RUN="1",
+                 NODES="4")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.strip().endswith("prepare-data.sbatch --dataset corpus.jsonl --output /shared/prepared")
+    assert "+ sbatch --nodes=4 " in dry.stdout
+    missing = launch("./prepare-data.sbatch", "--dataset", "corpus.jsonl", DRY_RUN="1")
+    assert missing.returncode == 1 and "pass --output DIR" in missing.stderr and len(missing.stderr.splitlines()) == 1
