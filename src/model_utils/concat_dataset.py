@@ -44,6 +44,11 @@ class DataError(Exception):
         return (type(self), (self.problem,))
 
 
+class PreparerLost(DataError):
+    """A waiting rank's preparer died, hangs or never reported: unlike a DataError that every rank raises together,
+    the preparer is not there to meet the others in a collective."""
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Where the data comes from
 # --------------------------------------------------------------------------------------------------------------------
@@ -860,4 +865,4 @@ def ensure_token_cache(cfg: TrainConfig, source: DataSource, tokenizer, out_dir:
                           f"the token cache {out_dir}", cfg.data_stale_minutes * 60,
                           log=lambda line: print(f"[rank {dist.rank}] {line}", flush=True), quiet=not speaks)
     except PreparationFailed as e:
-        raise DataError(e.problem) from e
+        raise (PreparerLost if e.lost else DataError)(e.problem) from e

@@ -29,8 +29,9 @@ POLL_SECONDS = 2.0
 class PreparationFailed(Exception):
     """The preparer stopped on a problem, or stopped reporting: `problem` says which and what to do."""
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, lost: bool = False):
         self.problem = problem
+        self.lost = lost  # the preparer died, hangs or never reported (else it recorded the problem itself)
         super().__init__(str(problem))
 
 
@@ -210,10 +211,11 @@ def wait_for_preparer(finished: Path, progress: Path, failure: Path, claim: str,
             if state.get("host") == socket.gethostname() and not _pid_alive(int(state.get("pid", 0))):
                 if finished.exists():
                     return
-                raise PreparationFailed(_stopped(what, progress, state, "exited without finishing"))
+                raise PreparationFailed(_stopped(what, progress, state, "exited without finishing"), lost=True)
             if now - last_change > stale_seconds:
                 raise PreparationFailed(_stopped(what, progress, state,
-                                                 f"has not updated its progress for {now - last_change:.0f} s"))
+                                                 f"has not updated its progress for {now - last_change:.0f} s"),
+                                        lost=True)
             if not quiet and now - last_line >= line_seconds:
                 last_line = now
                 print_waiting(log, what, state, now - started)
@@ -222,7 +224,7 @@ def wait_for_preparer(finished: Path, progress: Path, failure: Path, claim: str,
                 "--data_stale_minutes", round(stale_seconds / 60, 2),
                 f"no process reported preparing {what} within {stale_seconds:.0f} s (expected progress in {progress})",
                 "check the log of the rank that prepares the data (global rank 0, or each node's first rank where "
-                "the cache directory is node-local); raise --data_stale_minutes if its start is slow"))
+                "the cache directory is node-local); raise --data_stale_minutes if its start is slow"), lost=True)
         time.sleep(poll_seconds)
 
 

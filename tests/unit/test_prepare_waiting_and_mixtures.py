@@ -41,6 +41,7 @@ def test_a_waiter_raises_the_preparers_recorded_problem(tmp_path):
     with pytest.raises(PreparationFailed) as caught:
         wait_for_preparer(finished, progress, failure, "claim-1", "the data", stale_seconds=60, poll_seconds=0.01)
     assert caught.value.problem.setting == "--text_column" and "no such column" in caught.value.problem.message
+    assert not caught.value.lost  # the preparer is alive and stops with the same problem
 
 
 def test_a_failure_of_another_attempt_is_not_this_ones(tmp_path):
@@ -74,6 +75,7 @@ def test_a_preparer_whose_heartbeat_stops_is_stale(tmp_path):
     with pytest.raises(PreparationFailed) as caught:
         wait_for_preparer(finished, progress, failure, "c", "the data", stale_seconds=0.05, poll_seconds=0.01)
     assert caught.value.problem.setting == "--data_stale_minutes" and "another-node" in caught.value.problem.message
+    assert caught.value.lost
 
 
 def test_progress_in_a_log_is_plain_lines_and_the_file_counts(tmp_path):
