@@ -40,20 +40,37 @@ class DataError(Exception):
         self.problem = problem
         super().__init__(str(problem))
 
+    def __reduce__(self):  # raised in a worker process, re-raised in the parent with its Problem
+        return (type(self), (self.problem,))
+
+
+class PreparerLost(DataError):
+    """A waiting rank's preparer died, hangs or never reported: unlike a DataError that every rank raises together,
+    the preparer is not there to meet the others in a collective."""
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # Where the data comes from
 # --------------------------------------------------------------------------------------------------------------------
 @dataclass
 class DataSource:
-    kind: str  # "disk" (save_to_disk), "files", "hub", "embedded"
+    # "disk" (save_to_disk), "files", "hub", "embedded", "prepared" (model_utils.prepare's manifest), "npy" (token
+    # files), "mixture" (parts with weights)
+    kind: str
     location: str
     files: list[str] | None = None
     builder: str | None = None
+    parts: list[tuple["DataSource", float]] | None = None
 
     def identity(self) -> str:
         """A string that changes when the data changes, computed without loading it."""
-        if self.kind in ("files", "embedded"):
+        if self.kind == "mixture":
+            return json.dumps([self.kind, [(part.identity(), weight) for part, weight in self.parts]])
+        if self.kind == "prepared":
+            manifest = Path(self.location) / "manifest.json"
+            return json.dumps([self.kind, os.path.abspath(self.location), manifest.stat().st_size,
+                               int(manifest.stat().st_mtime)])
+        if self.kind in ("files", "embedded", "npy"):
             stats = [(f, os.path.getsize(f), int(os.path.getmtime(f))) for f in self.files]
             return json.dumps([self.kind, stats])
         if self.kind == "disk":
@@ -61,6 +78,22 @@ class DataSource:
                            for p in Path(self.location).rglob("*.json"))
             return json.dumps([self.kind, os.path.abspath(self.location), stats])
         return json.dumps([self.kind, self.location])
+
+
+class DataView:
+    """Data settings with some fields replaced, the caller's settings object left as it is (a mixture's parts, the
+    preparation's command line)."""
+
+    def __init__(self, base, **changes):
+        self._base, self._changes = base, changes
+
+    def __getattr__(self, name):
+        changes = self.__dict__["_changes"]
+        return changes[name] if name in changes else getattr(self.__dict__["_base"], name)
+
+
+def _with_dataset(cfg, dataset: str) -> DataView:
+    return DataView(cfg, dataset=dataset)
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -72,7 +105,28 @@ def resolve_source(cfg: TrainConfig) -> DataSource:
     if not cfg.dataset:
         corpus = build_embedded_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
         return DataSource("embedded", str(corpus), files=[str(corpus)], builder="json")
+    from .mixture import parse_mixture
+
+    mixture = parse_mixture(cfg.dataset)
+    if mixture is not None:
+        return DataSource("mixture", cfg.dataset, parts=[(resolve_source(_with_dataset(cfg, path)), weight)
+                                                         for path, weight in mixture])
     path = Path(cfg.dataset)
+    if path.is_dir() and (path / "manifest.json").exists():
+        from .prepare import is_prepared
+
+        if not is_prepared(path):
+            raise DataError(Problem("--dataset", cfg.dataset, "holds a manifest.json that is not a finished "
+                                    "preparation of model_utils.prepare", "run the preparation to its end, or point "
+                                    "--dataset at the raw data"))
+        return DataSource("prepared", str(path))
+    if path.suffix == ".npy" and path.is_file():
+        return DataSource("npy", str(path), files=[str(path)])
+    if path.is_dir() and not _is_saved_dataset(path):
+        arrays = sorted(glob.glob(str(path / "**" / "*.npy"), recursive=True))
+        if arrays and not any(Path(f).suffix.lower() in FILE_BUILDERS for f in glob.glob(str(path / "**" / "*"),
+                                                                                           recursive=True)):
+            return DataSource("npy", str(path), files=arrays)
     if cfg.local_dataset == "false" or (cfg.local_dataset == "auto" and not path.exists()):
         if cfg.local_dataset == "auto" and (cfg.dataset.startswith(("/", "./", "../", "~")) or cfg.dataset.count("/") > 1):
             raise DataError(Problem("--dataset", cfg.dataset, "this path does not exist",
@@ -287,7 +341,24 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
+def ends_with_eos(ids: list, eos: int) -> list:
+    """Given token ids of one document (`input_ids` of pre-tokenized data): an EOS ends it, appended unless it is
+    there already; an empty document stays empty."""
+    return list(ids) if not ids or ids[-1] == eos else list(ids) + [eos]
+
+
+def is_pretokenized(ds, text_column: str) -> bool:
+    """Data without the text column but with `input_ids`: token ids used as they are."""
+    return text_column not in ds.column_names and "input_ids" in ds.column_names
+
+
 def tokenize_split(ds, tokenizer, text_column: str, num_proc: int | None, split: str):
+    if is_pretokenized(ds, text_column):
+        if len(ds) == 0:
+            raise DataError(Problem("--dataset", split, "this split is empty", "point --dataset at data with documents"))
+        eos = tokenizer.eos_token_id
+        return ds.map(lambda batch: {"input_ids": [ends_with_eos(x or [], eos) for x in batch["input_ids"]]},
+                      batched=True, batch_size=1000, remove_columns=ds.column_names, desc=f"taking {split}'s input_ids")
     if text_column not in ds.column_names:
         raise DataError(Problem("--text_column", text_column, f"the {split} split has no such column "
                                 f"(columns: {', '.join(ds.column_names)})", "pass --text_column with one of those"))
@@ -306,19 +377,42 @@ def tokenize_split(ds, tokenizer, text_column: str, num_proc: int | None, split:
                   remove_columns=ds.column_names, desc=f"tokenizing {split}")
 
 
-def write_token_file(tokenized, path: Path, dtype) -> int:
+def write_token_file(tokenized, path: Path, dtype, vocab_size: int | None = None) -> int:
     """Write every document's ids back to back; write to a temporary name and rename, so readers never see half."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    total = 0
     with open(tmp, "wb") as f:
-        for batch in tokenized.iter(batch_size=4096):
-            docs = [x for x in batch["input_ids"] if len(x)]
-            if docs:
-                arr = np.concatenate([np.asarray(x, dtype=dtype) for x in docs])
-                arr.tofile(f)
-                total += arr.size
+        total = append_tokens(tokenized, f, dtype, vocab_size)
     os.replace(tmp, path)
     return total
+
+
+def append_tokens(tokenized, f, dtype, vocab_size: int | None = None) -> int:
+    """Append every document's ids to the open file `f`; returns the count. `vocab_size`: ids given as data
+    (`input_ids`) are checked against it before they are narrowed to `dtype`."""
+    total = 0
+    for batch in tokenized.iter(batch_size=4096):
+        docs = [x for x in batch["input_ids"] if len(x)]
+        if docs:
+            arr = np.concatenate([np.asarray(x, dtype=np.int64 if vocab_size else dtype) for x in docs])
+            if vocab_size:
+                check_token_ids(arr, vocab_size, "--dataset", "the `input_ids` column")
+                arr = arr.astype(dtype)
+            arr.tofile(f)
+            total += arr.size
+    return total
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, setting: str, where: str) -> None:
+    """Token ids given as data must be ids of the run's tokenizer: a larger one would fail in the embedding (or wrap
+    in a narrower dtype). Read in pieces, so a memory-mapped array is never copied whole."""
+    piece = 1 << 24
+    for start in range(0, len(tokens), piece):
+        part = np.asarray(tokens[start:start + piece])
+        if part.size and (int(part.max()) >= vocab_size or int(part.min()) < 0):
+            bad = int(part.max()) if int(part.max()) >= vocab_size else int(part.min())
+            raise DataError(Problem(setting, where, f"holds token id {bad}, outside the tokenizer's {vocab_size} ids",
+                                    "use the tokenizer those ids were made with (--tokenizer), or tokenize the text "
+                                    "with this one"))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -331,9 +425,9 @@ def block_count(num_tokens: int, seq_len: int) -> int:
 
 def token_fingerprint(tokens: np.ndarray) -> str:
     """A digest of a token array that is cheap on any size: its length, dtype and 64 evenly spaced pieces of 4096
-    tokens (all of it when smaller). A resume compares it with the checkpoint's to refuse a data position counted in
+    tokens (all of it when smaller), and a mixture's weights and selection (ShardedTokens.note). A resume compares it with the checkpoint's to refuse a data position counted in
     other data (different files, another tokenization, another --max_documents)."""
-    digest = hashlib.sha256(f"{len(tokens)}|{tokens.dtype}".encode())
+    digest = hashlib.sha256(f"{len(tokens)}|{tokens.dtype}|{getattr(tokens, 'note', '')}".encode())
     piece = 4096
     if len(tokens) <= 64 * piece:
         digest.update(np.ascontiguousarray(tokens).tobytes())
@@ -357,6 +451,42 @@ class PackedTokens:
 
     def batch(self, indices) -> np.ndarray:
         return np.stack([self.block(i) for i in indices]).astype(np.int64)
+
+
+class ShardedTokens:
+    """Token arrays (memory-mapped shards, token files, a mixture's parts) read as one stream in their order: a slice
+    may span two arrays, so blocks cross shard boundaries exactly as in one flat file. `note` names what else the
+    stream's meaning depends on (token_fingerprint digests it)."""
+
+    def __init__(self, arrays: list, dtype=None, note: str = ""):
+        self.arrays = [a for a in arrays if len(a)]
+        self.dtype = np.dtype(dtype or (arrays[0].dtype if arrays else np.uint16))
+        self.starts = np.zeros(len(self.arrays) + 1, dtype=np.int64)
+        np.cumsum([len(a) for a in self.arrays], out=self.starts[1:])
+        self.note = note
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise IndexError("ShardedTokens reads contiguous slices only")
+        if stop <= start:
+            return np.zeros(0, self.dtype)
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pieces = []
+        while start < stop:
+            offset = start - int(self.starts[shard])
+            take = min(stop - start, len(self.arrays[shard]) - offset)
+            pieces.append(self.arrays[shard][offset:offset + take])
+            start += take
+            shard += 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = np.concatenate(self.arrays) if self.arrays else np.zeros(0, self.dtype)
+        return whole.astype(dtype) if dtype is not None else whole
 
 
 def document_positions(inputs: np.ndarray, eos_id: int) -> np.ndarray:
@@ -475,19 +605,33 @@ def cache_dir_for(cfg: TrainConfig, source: DataSource, tokenizer) -> Path:
 
 
 def build_token_files(cfg: TrainConfig, tokenizer, out_dir: Path, log=print,
-                      source: DataSource | None = None) -> None:
-    """Load, tokenize and write train.bin (and validation.bin when the data has that split). One process only."""
+                      source: DataSource | None = None, progress=None) -> None:
+    """Load, tokenize and write train.bin (and validation.bin when the data has that split). One process only.
+    `progress`: a data_progress.Progress that counts the documents and tokens as they are written."""
     source = source or resolve_source(cfg)
     before = _identity_now(source)
     train_ds, val_ds = load_splits(source, cfg)
     dtype = token_dtype(len(tokenizer))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if progress is not None:
+        progress.set_total(sum(len(ds) for ds in (train_ds, val_ds) if ds is not None))
     counts = {}
     for split, ds in (("train", train_ds), ("validation", val_ds)):
         if ds is None:
             continue
-        tokenized = tokenize_split(ds, tokenizer, cfg.text_column, cfg.num_proc, split)
-        counts[split] = write_token_file(tokenized, out_dir / f"{split}.bin", dtype)
+        path = out_dir / f"{split}.bin"
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        vocab_size = len(tokenizer) if is_pretokenized(ds, cfg.text_column) else None
+        counts[split] = 0
+        with open(tmp, "wb") as f:
+            for start in range(0, max(len(ds), 1), _tokenize_chunk(len(ds))):
+                part = ds.select(range(start, min(len(ds), start + _tokenize_chunk(len(ds))))) if len(ds) else ds
+                written = append_tokens(tokenize_split(part, tokenizer, cfg.text_column, cfg.num_proc, split), f,
+                                        dtype, vocab_size)
+                counts[split] += written
+                if progress is not None:
+                    progress.update(len(part), written, len(part))
+        os.replace(tmp, path)
         if counts[split] == 0:
             raise DataError(Problem("--dataset", cfg.dataset or "embedded corpus",
                                     f"the {split} split is empty after tokenization",
@@ -503,6 +647,15 @@ def build_token_files(cfg: TrainConfig, tokenizer, out_dir: Path, log=print,
     log(f"data: wrote {counts} tokens to {out_dir}")
 
 
+# Documents per tokenization call of the trainer's own cache: progress (documents, tokens, ETA) is reported between
+# calls, and each call starts datasets' process pool anew, so a corpus is cut into at most about 20 of them.
+TOKENIZE_CHUNK_DOCUMENTS = 200_000
+
+
+def _tokenize_chunk(documents: int) -> int:
+    return max(TOKENIZE_CHUNK_DOCUMENTS, -(-documents // 20))
+
+
 def _identity_now(source: DataSource) -> str:
     try:
         return source.identity()
@@ -515,16 +668,76 @@ def _identity_now(source: DataSource) -> str:
 def open_packed(cfg: TrainConfig, out_dir: Path, seq_len: int) -> PackedData:
     meta = json.loads((out_dir / "meta.json").read_text())
     dtype = np.dtype(meta["dtype"])
-    train = PackedTokens(_memmap(out_dir / "train.bin", dtype), seq_len)
-    if (out_dir / "validation.bin").exists():
-        val = PackedTokens(_memmap(out_dir / "validation.bin", dtype), seq_len)
+    validation = _memmap(out_dir / "validation.bin", dtype) if (out_dir / "validation.bin").exists() else None
+    return packed_blocks(_memmap(out_dir / "train.bin", dtype), validation, cfg.validation_fraction, seq_len,
+                         f"{meta['documents']['train']} documents, {meta['tokens']['train']:,} tokens")
+
+
+def packed_blocks(train_tokens, validation_tokens, validation_fraction: float, seq_len: int, what: str) -> PackedData:
+    """Blocks of the training tokens, and validation blocks: the validation split's, else held out of training."""
+    train = PackedTokens(train_tokens, seq_len)
+    if validation_tokens is not None:
+        val = PackedTokens(validation_tokens, seq_len)
         train_ids, val_ids = np.arange(train.num_blocks), np.arange(val.num_blocks)
     else:
         val = train
-        train_ids, val_ids = _held_out_split(train.num_blocks, cfg.validation_fraction)
-    desc = (f"{meta['documents']['train']} documents, {meta['tokens']['train']:,} tokens -> "
-            f"{len(train_ids):,} training blocks of {seq_len} (+{len(val_ids):,} validation)")
+        train_ids, val_ids = _held_out_split(train.num_blocks, validation_fraction)
+    desc = f"{what} -> {len(train_ids):,} training blocks of {seq_len} (+{len(val_ids):,} validation)"
     return PackedData(train, train_ids, val, val_ids, desc)
+
+
+def open_prepared(cfg: TrainConfig, source: DataSource, tokenizer, seq_len: int) -> PackedData:
+    """Memory-map the shards of a model_utils.prepare directory (nothing is copied: the time does not grow with the
+    corpus). The shards of a split form one token stream in the manifest's order, and blocks span shard boundaries,
+    so the blocks are those of the same documents tokenized by the trainer itself. The tokenizer that prepared them
+    must be this run's."""
+    from .prepare import MANIFEST
+
+    folder = Path(source.location)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    prepared_with, ours = manifest["tokenizer"]["identity"], tokenizer_identity(tokenizer)
+    if prepared_with != ours:
+        raise DataError(Problem(
+            "--dataset", str(folder / MANIFEST),
+            f"was prepared with tokenizer {manifest['tokenizer'].get('name')} (identity {prepared_with[:12]}), and "
+            f"this run's tokenizer {tokenizer.name_or_path} has identity {ours[:12]}: the token ids would mean other "
+            "text", f"train with --tokenizer {manifest['tokenizer'].get('name')}, or prepare the data again with "
+            f"this run's tokenizer: python -m model_utils.prepare --dataset {manifest['dataset']} --tokenizer "
+            f"{tokenizer.name_or_path} --output NEW_DIR"))
+    dtype = np.dtype(manifest["dtype"])
+    splits: dict[str, list] = {}
+    for entry in manifest["shards"]:
+        path = folder / entry["file"]
+        size = path.stat().st_size if path.exists() else -1
+        if size < entry["tokens"] * dtype.itemsize:
+            raise DataError(Problem("--dataset", str(path), "is missing" if size < 0 else
+                                    f"holds {size} bytes, fewer than the manifest's {entry['tokens']} tokens",
+                                    "copy the prepared directory again, or prepare it again"))
+        splits.setdefault(entry["split"], []).append(_memmap(path, dtype)[:entry["tokens"]])
+    validation = ShardedTokens(splits["validation"], dtype) if "validation" in splits else None
+    return packed_blocks(ShardedTokens(splits["train"], dtype), validation, cfg.validation_fraction, seq_len,
+                         f"prepared {folder}: {manifest['documents']['train']:,} documents, "
+                         f"{manifest['tokens']['train']:,} tokens in {len(splits['train'])} shards")
+
+
+def open_token_arrays(cfg: TrainConfig, source: DataSource, tokenizer, seq_len: int) -> PackedData:
+    """`.npy` token files (one 1-D integer array each, in name order): one token stream as it is (no EOS added),
+    memory-mapped; every id is checked against the tokenizer."""
+    arrays = []
+    for path in source.files:
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as e:
+            raise DataError(Problem("--dataset", path, f"is not a readable .npy array ({e})",
+                                    "write token ids with numpy.save")) from e
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise DataError(Problem("--dataset", path, f"holds a {tokens.ndim}-D {tokens.dtype} array",
+                                    "save the token ids as one 1-D integer array per file"))
+        check_token_ids(tokens, len(tokenizer), "--dataset", path)
+        arrays.append(tokens)
+    stream = ShardedTokens(arrays) if len(arrays) > 1 else arrays[0]
+    return packed_blocks(stream, None, cfg.validation_fraction, seq_len,
+                         f"token files {source.location}: {len(stream):,} tokens in {len(arrays)} file(s)")
 
 
 DUMMY_VALIDATION_FRACTION = 0.1
@@ -541,26 +754,116 @@ def dummy_packed(num_blocks: int, seq_len: int, vocab_size: int, seed: int) -> P
 
 def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, source: DataSource | None = None,
                  seed: int = 0) -> PackedData:
-    """Build the token cache once (global rank 0; a node that cannot see it builds its own), then open it everywhere.
-    `source`: what --dataset means, as the run's plan resolved it (resolved here where not given)."""
+    """The run's packed data on every rank. Prepared directories and token files are memory-mapped by each rank; raw
+    data are tokenized once into the token cache (ensure_token_cache) while the other ranks wait on its files; a
+    mixture does either for each part. `source`: what --dataset means, as the run's plan resolved it (resolved here
+    where not given); `seed`: the run's --seed (random blocks, a mixture's draw)."""
     if cfg.dummy_data:
         return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), seed)
-    error: DataError | None = None
-    out_dir = None
-    if dist.rank == 0:
-        try:
-            source = source or resolve_source(cfg)
-            out_dir = cache_dir_for(cfg, source, tokenizer)
-            if not (out_dir / "meta.json").exists():
-                build_token_files(cfg, tokenizer, out_dir, log, source)
-        except DataError as e:
-            error = e
-    out_dir, message = dist.broadcast_object((str(out_dir) if out_dir else None, str(error) if error else None))
-    if message:
-        raise error or DataError(Problem("--dataset", cfg.dataset, f"rank 0 could not prepare the data: {message}",
-                                         "see rank 0's message above"))
-    out_dir = Path(out_dir)
-    if not (out_dir / "meta.json").exists() and dist.local_rank == 0:
-        build_token_files(cfg, tokenizer, out_dir, log)  # node-local cache directory: build it on this node too
-    dist.barrier()
+    source = source or resolve_source(cfg)
+    if source.kind == "mixture":
+        from .mixture import mix
+
+        parts = [(part, weight, open_source(_with_dataset(cfg, part.location), part, tokenizer, seq_len, dist, log))
+                 for part, weight in source.parts]
+        return mix(parts, seed, seq_len)
+    return open_source(cfg, source, tokenizer, seq_len, dist, log)
+
+
+def open_source(cfg: TrainConfig, source: DataSource, tokenizer, seq_len: int, dist, log=print) -> PackedData:
+    if source.kind == "prepared":
+        return open_prepared(cfg, source, tokenizer, seq_len)
+    if source.kind == "npy":
+        return open_token_arrays(cfg, source, tokenizer, seq_len)
+    out_dir = cache_dir_for(cfg, source, tokenizer)
+    ensure_token_cache(cfg, source, tokenizer, out_dir, dist, log)
     return open_packed(cfg, out_dir, seq_len)
+
+
+OPENED_WITHOUT_TOKENIZING = ("prepared", "npy", "mixture")
+
+
+def describe_without_tokenizing(cfg: TrainConfig, source: DataSource, tokenizer, seq_len: int) -> tuple[str, int | None]:
+    """For the preflight: the data line and the training blocks of a prepared directory, token files or a mixture,
+    opened as the run opens them (memory maps: nothing is read whole); a mixture's raw parts count where their token
+    cache is built, else the blocks are unknown (None). Raises DataError as the run would."""
+    if source.kind != "mixture":
+        data = open_source(cfg, source, tokenizer, seq_len, dist=None)
+        return f"data: {data.description}", len(data.train_ids)
+    blocks, parts = 0, []
+    for part, weight in source.parts:
+        view = _with_dataset(cfg, part.location)
+        if part.kind in ("prepared", "npy"):
+            data = open_source(view, part, tokenizer, seq_len, dist=None)
+        elif (cache_dir_for(view, part, tokenizer) / "meta.json").exists():
+            data = open_packed(view, cache_dir_for(view, part, tokenizer), seq_len)
+        else:
+            parts.append(f"{part.location} (weight {weight}, tokenized when the run starts)")
+            blocks = None
+            continue
+        parts.append(f"{part.location} (weight {weight}, {len(data.train_ids):,} training blocks)")
+        blocks = None if blocks is None else blocks + len(data.train_ids)
+    return f"data: mixture of {len(parts)}: " + "; ".join(parts), blocks
+
+
+@dataclass
+class CacheFiles:
+    """The files beside a token cache entry through which its preparer and the waiting ranks meet (beside it, not in
+    it: a refused preparation removes the entry)."""
+
+    entry: Path
+
+    @property
+    def finished(self) -> Path:
+        return self.entry / "meta.json"
+
+    def beside(self, what: str) -> Path:
+        return self.entry.with_name(f"{self.entry.name}.{what}.json")
+
+
+def ensure_token_cache(cfg: TrainConfig, source: DataSource, tokenizer, out_dir: Path, dist, log=print) -> None:
+    """Build the token cache entry `out_dir` once: global rank 0 builds it, and where a node cannot see rank 0's
+    claim on it (a node-local cache directory) that node's first rank builds its own. Every other rank polls the
+    entry's finished marker, printing the preparer's progress (documents, tokens, rate, ETA), and raises the
+    preparer's problem when it records one, or a problem naming the progress file when the preparer stops advancing
+    it for --data_stale_minutes. The one collective here (rank 0's claim) comes before any tokenization, so no
+    collective timeout bounds the preparation."""
+    import socket
+    import uuid
+
+    from .data_progress import PreparationFailed, Progress, read_json, record_failure, wait_for_preparer, \
+        write_json_atomic
+
+    files = CacheFiles(out_dir)
+    claim = None
+    if dist.rank == 0:
+        claim = "ready" if files.finished.exists() else f"rank0-{uuid.uuid4().hex}"
+        if claim != "ready":
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(files.beside("claim"), {"claim": claim})
+    claim = dist.broadcast_object(claim)
+    if files.finished.exists():
+        return
+    seen = read_json(files.beside("claim")) or {}
+    if claim != "ready" and seen.get("claim") == claim:
+        mine, builds = claim, dist.rank == 0  # a cache directory shared with rank 0
+    else:  # this node's own cache directory
+        mine, builds = f"{claim}@{socket.gethostname()}", dist.local_rank == 0
+        if builds:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(files.beside("claim"), {"claim": mine})
+    if builds:
+        try:
+            with Progress(files.beside("progress"), "data: tokenizing", claim=mine) as progress:
+                build_token_files(cfg, tokenizer, out_dir, log, source, progress=progress)
+        except DataError as e:
+            record_failure(files.beside("failed"), e.problem, mine)
+            raise
+        return
+    speaks = dist.local_rank == 0 or dist.rank == 1  # one waiting rank per node prints the progress
+    try:
+        wait_for_preparer(files.finished, files.beside("progress"), files.beside("failed"), mine,
+                          f"the token cache {out_dir}", cfg.data_stale_minutes * 60,
+                          log=lambda line: print(f"[rank {dist.rank}] {line}", flush=True), quiet=not speaks)
+    except PreparationFailed as e:
+        raise (PreparerLost if e.lost else DataError)(e.problem) from e

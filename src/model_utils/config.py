@@ -129,6 +129,9 @@ class DataConfig:
                                     "each EOS and attention stops at it (block-causal, as Megatron's --reset-position-ids "
                                     "--reset-attention-mask). Off: causal attention across the documents of a block.")
     dummy_data: int = _f(0, "Train on N random-token blocks instead of a dataset (smoke test; needs no data).")
+    data_stale_minutes: float = _f(10.0, "Ranks waiting for another rank to tokenize the data stop with a message "
+                                         "when its progress file has not advanced for this long (it died or hangs). "
+                                         "The wait itself has no limit.")
 
 
 @dataclass(frozen=True)
@@ -429,6 +432,9 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     if not cfg.checkpoint.checkpoint_minutes >= 0:
         problems.append(Problem("--checkpoint_minutes", cfg.checkpoint.checkpoint_minutes, "must be 0 (off) or a positive number "
                                 "of minutes", "use e.g. --checkpoint_minutes 30"))
+    if not cfg.data.data_stale_minutes > 0:
+        problems.append(Problem("--data_stale_minutes", cfg.data.data_stale_minutes,
+                                "must be a positive number of minutes", "use e.g. --data_stale_minutes 10"))
     if not 0.0 <= cfg.data.validation_fraction < 0.5:
         problems.append(Problem("--validation_fraction", cfg.data.validation_fraction, "must be in [0, 0.5)",
                                 "use a small fraction such as 0.01"))

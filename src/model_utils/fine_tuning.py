@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .arguments import Problem
+from .config import Problem
 
 
 def _global_micro_batches_per_epoch(training_blocks: int, world: int, micro: int) -> int:

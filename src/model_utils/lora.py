@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .arguments import Problem
+from .config import Problem
 
 # Adapters on every linear layer of attention and MLP: Dettmers et al. 2023 (QLoRA, section 4) find that adapting
 # all of them is what matches full fine-tuning; PEFT's own default (q_proj, v_proj) adapts two of seven.

@@ -494,7 +494,8 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
 
 def _check_data(plan: Plan, report: Report):
     """The column and tokenization of the plan's data source, on a sample; exact counts from the cache if built."""
-    from .concat_dataset import DUMMY_VALIDATION_FRACTION, DataError, block_count, cache_dir_for, held_out_count, tokenize_split
+    from .concat_dataset import (DUMMY_VALIDATION_FRACTION, OPENED_WITHOUT_TOKENIZING, DataError, block_count,
+                                 cache_dir_for, describe_without_tokenizing, held_out_count, tokenize_split)
 
     cfg, tokenizer, seq_len, world, micro = plan.cfg, plan.tokenizer, plan.seq_len, plan.world, plan.batch.micro
     source = plan.data_source
@@ -503,6 +504,13 @@ def _check_data(plan: Plan, report: Report):
         blocks = cfg.data.dummy_data - held_out_count(cfg.data.dummy_data, DUMMY_VALIDATION_FRACTION)
     elif source is None:  # not resolved: the plan's problems say why
         return
+    elif source.kind in OPENED_WITHOUT_TOKENIZING:  # prepared shards, token files, a mixture
+        try:
+            line, blocks = describe_without_tokenizing(cfg.data, source, tokenizer, seq_len)
+        except DataError as e:
+            report.problems.append(e.problem)
+            return
+        report.lines.append(line)
     else:
         try:
             cache = cache_dir_for(cfg.data, source, tokenizer)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .arguments import Problem
+from .config import Problem
 from .concat_dataset import (HELD_OUT_SEED, DataError, PackedData, held_out_count, token_dtype,
                              tokenizer_identity)
 

@@ -45,7 +45,7 @@ def main(base_model: str, work_dir: str, phase: str) -> None:
     from model_utils.models import decay_groups
     from model_utils.sft_data import ExampleEncoder, PackedExamples, encode_rows, pack_examples
     from model_utils.tokenizer import load_tokenizer
-    from model_utils.train_utils import setup_distributed
+    from model_utils.distributed import setup_distributed
 
     work = Path(work_dir)
     dist = setup_distributed()

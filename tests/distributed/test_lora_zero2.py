@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, rank_environment
-from model_utils.train_utils import free_port
+from model_utils.distributed import free_port
 
 SCRIPT = Path(__file__).with_name("lora_zero2_run.py")
 

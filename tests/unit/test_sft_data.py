@@ -266,13 +266,13 @@ def test_a_jsonl_file_is_packed_into_the_cache_and_opened_as_packed_data(tokeniz
 
 
 def test_the_cache_entry_is_built_once_per_dataset_and_settings(tokenizer, tmp_path):
-    from model_utils.arguments import TrainConfig
+    from model_utils.config import DataConfig
     from model_utils.sft_data import ensure_sft_cache
 
     data = tmp_path / "pc.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{n} + {n} =", "completion": f" {2 * n}"}) + "\n"
                             for n in range(30)))
-    cfg = TrainConfig(dataset=str(data), data_cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(dataset=str(data), data_cache_dir=str(tmp_path / "cache"))
     built = []
     first = ensure_sft_cache(cfg, tokenizer, SFTSettings(seq_len=32), log=built.append)
     again = ensure_sft_cache(cfg, tokenizer, SFTSettings(seq_len=32), log=built.append)
