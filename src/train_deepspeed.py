@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             exit_on_problems(e.problems)
         return exit_status.BAD_INPUT
     except PreparerLost as e:  # the rank preparing the data died: the others cannot meet it in a collective
-        exit_on_problems_here(e.problem, dist.rank)
+        print(f"error (rank {dist.rank}): {e.problem}", file=sys.stderr, flush=True)
         return exit_status.BAD_INPUT
     except DataError as e:  # every rank, on what rank 0 found and broadcast (concat_dataset.prepare_data)
         together = True
@@ -99,14 +99,6 @@ def main(argv: list[str] | None = None) -> int:
             if together:  # no rank destroys the group while another still uses it (rank 0 writes the summary last)
                 dist.barrier()
             torch.distributed.destroy_process_group()
-
-
-def exit_on_problems_here(problem, rank: int) -> None:
-    """This rank's report of a problem no other rank joins in reporting."""
-    try:
-        exit_on_problems([problem])
-    except SystemExit:
-        print(f"(rank {rank})", file=sys.stderr, flush=True)
 
 
 def end_process(status: int | str | None) -> NoReturn:

@@ -147,12 +147,12 @@ def test_a_mixture_realises_its_weights_deterministically(tmp_path, tokenizer):
 
     assert token_fingerprint(data.train.tokens) != token_fingerprint(other_seed.train.tokens)
 
-    order = BlockOrder(data.train_ids, cfg.seed, world_size=2, micro_batch=2)
+    order = BlockOrder(data.train_ids, 5, world_size=2, micro_batch=2)
     position, read = DataPosition(), []
     for _ in range(12):
         read.append([data.train.batch(order.rank_indices(position, r)) for r in (0, 1)])
         position = order.advance(position)
-    resumed = BlockOrder(again.train_ids, cfg.seed, world_size=2, micro_batch=2)
+    resumed = BlockOrder(again.train_ids, 5, world_size=2, micro_batch=2)
     at = DataPosition.from_state_dict(json.loads(json.dumps(DataPosition(0, 6 * 4).state_dict())))
     for step in range(6, 12):
         for r in (0, 1):
