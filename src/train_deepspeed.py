@@ -7,7 +7,7 @@
 
 Parse the flags, plan the run and check the plan, build it, train, exit with its status (model_utils/exit_status.py).
 The trainer itself is model_utils/trainer.py; `ds_config.json` holds what DeepSpeed owns (batch, optimizer, scheduler,
-ZeRO, precision); see README.md.
+ZeRO, precision); see docs/CONFIGURATION.md.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ def _f(default, help: str, **kw):
 class SpeedConfig:
     """Speed options: how the same model and optimisation run faster on GPUs. Each takes the libraries' own path where
     it cannot apply (no GPU, ZeRO-3, a package or tested version missing) and the log says which path runs, so CPU runs
-    and CI take the trainer's code path. docs/PERFORMANCE.md gives each lever's measured gain and the command that
+    and CI take the trainer's code path. docs/PERFORMANCE.md gives each option's measured gain and the command that
     reproduces it. The settings are recorded in the run header, summary.json, W&B and every checkpoint's manifest; a
-    resume whose levers change the numerics says so."""
+    resume whose options change the numerics says so."""
 
     fused_kernels: str = _f("auto", "Liger-Kernel's Triton kernels: on, off, or auto (on with CUDA and liger-kernel "
                                     "installed). Liger's fused linear cross-entropy never materialises the batch's "
@@ -78,12 +78,12 @@ class SpeedConfig:
 
     @classmethod
     def numerics_options(cls) -> frozenset:
-        """The levers that change the numerics (kernels, rounding); the others (the overflow check, the activation
+        """The options that change the numerics (kernels, rounding); the others (the overflow check, the activation
         budget) change only speed or memory."""
         return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("numerics"))
 
     def numerics_changes(self, recorded: dict) -> list[str]:
-        """The numerics levers whose value differs from `recorded` (a checkpoint manifest's), as 'name: old -> new'."""
+        """The numerics-changing options whose value differs from `recorded` (a checkpoint manifest's), as 'name: old -> new'."""
         return [f"{name}: {recorded[name]} -> {value}" for name, value in self.as_dict().items()
                 if name in self.numerics_options() and name in recorded and recorded[name] != value]
 
@@ -467,7 +467,7 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     return problems
 
 
-# Environment variables that older job scripts set for the speed levers: the trainer reads flags only, so a script that
+# Environment variables a job script may set for the speed options: the trainer reads flags only, so a script that
 # sets one would silently lose that setting (checked: a run refuses them, naming the flag to use).
 RETIRED_SWITCHES = {"DSLM_COMPILE": "--compile", "DSLM_LIGER": "--liger_kernels", "DSLM_FLCE_CHUNK": "--flce_chunk_budget",
                     "DSLM_ACTIVATION_BUDGET": "--activation_budget", "DSLM_OVERFLOW_CHECK": "--overflow_check",
@@ -475,7 +475,7 @@ RETIRED_SWITCHES = {"DSLM_COMPILE": "--compile", "DSLM_LIGER": "--liger_kernels"
 
 
 def speed_problems(speed: SpeedConfig, environ=os.environ) -> list[Problem]:
-    """The speed levers' values (argparse checks the command line; this also covers configs built in code) and any
+    """The speed options' values (argparse checks the command line; this also covers configs built in code) and any
     environment switch of the retired kind still set."""
     problems = []
     for f in dataclasses.fields(speed):
@@ -488,9 +488,9 @@ def speed_problems(speed: SpeedConfig, environ=os.environ) -> list[Problem]:
                                 "use --activation_budget 0.9 (1.0 recomputes nothing)"))
     for name in sorted(set(environ) & set(RETIRED_SWITCHES)):
         flag = RETIRED_SWITCHES[name]
-        problems.append(Problem(name, environ[name], "the trainer reads its speed levers from flags, not from the "
+        problems.append(Problem(name, environ[name], "the trainer reads its speed options from flags, not from the "
                                 "environment", f"unset {name}" + (f" and pass {flag} instead" if flag else
-                                                                  " (the lever is gone: DeepSpeed's own norm runs)")))
+                                                                  " (the option is gone: DeepSpeed's own norm runs)")))
     return problems
 
 

@@ -1,4 +1,4 @@
-"""The speed levers (`SpeedConfig`, arguments.py): which of them apply to this model on this machine, and applying
+"""The speed options (`SpeedConfig`, config.py): which of them apply to this model on this machine, and applying
 them. Each falls back cleanly (no GPU, ZeRO-3, a package or tested version missing), so CPU runs and CI take the same
 code path; what reaches below a library's public API lives in `patches/`, gated on the versions it was tested with.
 
@@ -22,7 +22,7 @@ def liger_available() -> bool:
 
 
 def fused_kernels_problem(speed: SpeedConfig, cuda: bool) -> Problem | None:
-    """A lever asked for by name that cannot run here (`auto` never is a problem: it falls back)."""
+    """An option asked for by name that cannot run here (`auto` never is a problem: it falls back)."""
     if speed.fused_kernels == "on" and not cuda:
         return Problem("--fused_kernels", "on", "the Liger kernels are Triton GPU kernels and there is no GPU here",
                        "use --fused_kernels auto (on where possible) or off")
@@ -58,7 +58,7 @@ def use_fa4(cuda: bool, model, speed: SpeedConfig) -> bool:
 
 def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, documents: bool = False,
                        fused: bool | None = None) -> dict:
-    """Patch `model` in place with the levers that apply; return what is in force (recorded in the checkpoint's
+    """Patch `model` in place with the options that apply; return what is in force (recorded in the checkpoint's
     manifest and summary.json). `log` reports what was applied (rank 0 is enough: every rank applies the same, except
     that a rank whose FlashAttention-4 probe fails keeps SDPA); `warn` (default `log`) reports that failure, from the
     rank it happened on. `documents`: the run masks attention to documents (--document_mask), so FlashAttention-4's

@@ -20,7 +20,7 @@ from . import Patch, gate
 NORM_OVERFLOW_CHECK = Patch(
     "deepspeed", "0.19.6", "0.19.8",
     "DeepSpeedZeroOptimizer.check_overflow: replaced by a no-op on the optimizer instance",
-    "the per-tensor scan idles the GPU every step; without it the step is faster (docs/PERFORMANCE.md, Speed levers: "
+    "the per-tensor scan idles the GPU every step; without it the step is faster (docs/PERFORMANCE.md, Speed options: "
     "In force by default)",
     ("tests/distributed/test_zero_step_patch.py::test_patched_zero_step_skips_and_clips_like_deepspeed",
      "tests/unit/test_patches.py::test_an_untested_deepspeed_takes_its_own_zero_step"))
@@ -29,7 +29,7 @@ DEVICE_OVERFLOW_SKIP = Patch(
     "DeepSpeedZeroOptimizer.scaled_global_norm (wrapped on the instance), stage_1_and_2.is_invalid_grad_norm "
     "(process-wide: 'valid' for a norm whose verdict the GPU acts on), and the engine's skipped_steps, _step_applied, "
     "_global_grad_norm and LR scheduler step when the GPU skipped an update",
-    "the host no longer waits for the backward pass before queuing the update (docs/PERFORMANCE.md, Speed levers: "
+    "the host no longer waits for the backward pass before queuing the update (docs/PERFORMANCE.md, Speed options: "
     "In force by default)",
     ("tests/distributed/test_zero_step_patch.py::test_patched_zero_step_skips_and_clips_like_deepspeed",
      "tests/distributed/test_zero_step_patch.py::test_gpu_skipped_step_is_skipped_on_every_rank"))

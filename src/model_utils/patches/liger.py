@@ -17,7 +17,7 @@ FLCE_CHUNK_BUDGET = Patch(
     "liger-kernel", "0.8.5", "0.8.5",
     "liger_kernel.transformers.functional.liger_fused_linear_cross_entropy: replaced (process-wide) by a wrapper "
     "whose chunk_mem_const defaults to --flce_chunk_budget",
-    "a faster step at the same loss (docs/PERFORMANCE.md, Speed levers: In force by default; the loss check against the "
+    "a faster step at the same loss (docs/PERFORMANCE.md, Speed options: In force by default; the loss check against the "
     "unfused path stays within bf16 noise)",
     ("tests/unit/test_patches.py::test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function",))
 
