@@ -99,6 +99,8 @@ def main(argv=None) -> int:
         return 0
     cpus = len(os.sched_getaffinity(0))
     procs = [int(x) for x in args.procs.split(",")] if args.procs else sorted({1, min(2, cpus), cpus})
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         corpus = generate_corpus(Path(tmp) / "corpus.jsonl", args.tokens, tokenizer)
         limit = one_core_encode(Path(corpus["path"]), tokenizer)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import functools
 import hashlib
 import itertools
 import json
@@ -188,10 +189,12 @@ def shard_documents(shard: Shard, text_column: str):
 _MISSING = object()
 
 
-def _record_document(record, text_column: str, path: str, line: int):
+def _record_document(record, text_column: str, path: str, line):
+    """The record's text (or token ids); `line`: its number, or a function giving it (counted only for a problem)."""
     from .concat_dataset import DataError
 
     if not isinstance(record, dict):
+        line = line() if callable(line) else line
         raise DataError(Problem("--dataset", path, f"record {line} is not a JSON object ({type(record).__name__})",
                                 "make each line (or list item) one JSON object"))
     if text_column in record:
@@ -245,7 +248,8 @@ def _line_documents(shard: Shard, text_column: str):
                     raise DataError(Problem("--dataset", shard.path, f"line {_line_number(shard.path, position)} is "
                                             f"not valid JSON ({e.msg}, column {e.colno})",
                                             "fix or remove that line, then run again (finished shards are kept)")) from e
-                docs.append(_record_document(record, text_column, shard.path, _line_number(shard.path, position)))
+                docs.append(_record_document(record, text_column, shard.path,
+                                             functools.partial(_line_number, shard.path, position)))
             position = f.tell()
             if len(docs) >= ENCODE_BATCH:
                 if shard.text_format == "json":
