@@ -15,7 +15,7 @@ def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cach
     args = [*FAST_ARGS, "--checkpoint_freq", "2", "--no-export"]
     first = run_trainer(ckpt, [*args, "--max_steps", "2"])
     assert_ok(first)
-    assert '"perf": {"fused_kernels": "auto", "liger_kernels": "auto", "flce_chunk_budget": 8' in first.output
+    assert '"speed": {"fused_kernels": "auto", "liger_kernels": "auto", "flce_chunk_budget": 8' in first.output
     manifest = json.loads((ckpt / "step-00000002" / "manifest.json").read_text())
     assert manifest["perf"] == SpeedConfig().as_dict()
     # No GPU: every lever takes the libraries' own path, and the record says so.
