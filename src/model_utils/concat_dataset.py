@@ -55,7 +55,7 @@ class PreparerLost(DataError):
 @dataclass
 class DataSource:
     # "disk" (save_to_disk), "files", "hub", "embedded", "prepared" (model_utils.prepare's manifest), "npy" (token
-    # files), "mixture" (parts with weights)
+    # files), "mixture" (parts with weights), "stream" (--streaming: hub or files read as a stream, streaming.py)
     kind: str
     location: str
     files: list[str] | None = None
@@ -102,6 +102,10 @@ def _is_saved_dataset(path: Path) -> bool:
 
 def resolve_source(cfg: TrainConfig) -> DataSource:
     """Decide what DATASET means, or raise DataError naming the setting and the fix."""
+    if getattr(cfg, "streaming", False):
+        from .streaming import resolve_stream
+
+        return resolve_stream(cfg, resolve_source(DataView(cfg, streaming=False)))
     if not cfg.dataset:
         corpus = build_embedded_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
         return DataSource("embedded", str(corpus), files=[str(corpus)], builder="json")
@@ -761,6 +765,10 @@ def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, sou
     if cfg.dummy_data:
         return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), seed)
     source = source or resolve_source(cfg)
+    if source.kind == "stream":
+        from .streaming import open_stream
+
+        return open_stream(cfg, source, tokenizer, seq_len, dist, log, seed)
     if source.kind == "mixture":
         from .mixture import mix
 
