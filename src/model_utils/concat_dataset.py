@@ -760,8 +760,9 @@ def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, sou
                  seed: int = 0) -> PackedData:
     """The run's packed data on every rank. Prepared directories and token files are memory-mapped by each rank; raw
     data are tokenized once into the token cache (ensure_token_cache) while the other ranks wait on its files; a
-    mixture does either for each part; a stream (--streaming) is read by each rank as it trains (streaming.py). `source`: what --dataset means, as the run's plan resolved it (resolved here
-    where not given); `seed`: the run's --seed (random blocks, a mixture's draw)."""
+    mixture does either for each part; a stream (--streaming) is read by each rank as it trains (streaming.py).
+    `source`: what --dataset means, as the run's plan resolved it (resolved here where not given); `seed`: the run's
+    --seed (random blocks, a mixture's draw)."""
     if cfg.dummy_data:
         return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), seed)
     source = source or resolve_source(cfg)

@@ -75,7 +75,8 @@ def stream_identity(cfg, source: DataSource) -> dict:
         where = [source.location, cfg.dataset_config_name]
     held_out = 0.0 if _validation_split(cfg, source, quiet=True) else cfg.validation_fraction
     body = json.dumps(["stream", where, cfg.text_column, held_out])
-    return {"dataset": cfg.dataset or "the embedded corpus", "fingerprint": hashlib.sha256(body.encode()).hexdigest()[:16]}
+    return {"dataset": cfg.dataset or "the embedded corpus",
+            "fingerprint": hashlib.sha256(body.encode()).hexdigest()[:16]}
 
 
 def _load(cfg, source: DataSource, split: str | None):
@@ -159,7 +160,7 @@ class StreamReader:
         self.micro = 1  # blocks per rank per micro-batch (StreamOrder sets it): the names the blocks read carry
         self.rng = np.random.default_rng([seed, rank])
         self.buffer: list[np.ndarray] = []
-        self.pending = np.zeros(0, np.int64)  # tokens read, not yet all in blocks (the last block's end starts the next)
+        self.pending = np.zeros(0, np.int64)  # tokens read, not yet all in blocks (a block's last starts the next)
         self.epoch, self.blocks_read, self.documents_read, self.epoch_tokens = 0, 0, 0, 0
         self.stream_state = None  # the IterableDataset's state after the last document read (None: its start)
         self._dataset = self._iterator = None
@@ -310,8 +311,8 @@ def open_stream(cfg, source: DataSource, tokenizer, seq_len: int, dist, log=prin
     def open_documents():
         return split_dataset_by_node(_load(cfg, source, train_split), rank=rank, world_size=world)
 
-    reader = StreamReader(source, open_documents, DocumentTokens(tokenizer, cfg.text_column, source.location), seq_len, rank,
-                          world, cfg.stream_shuffle_blocks, seed, fraction)
+    reader = StreamReader(source, open_documents, DocumentTokens(tokenizer, cfg.text_column, source.location), seq_len,
+                          rank, world, cfg.stream_shuffle_blocks, seed, fraction)
     validation = None
     if dist is None or dist.is_main:
         validation = validation_tokens(cfg, source, tokenizer, seq_len, validation_split, fraction)
@@ -329,7 +330,8 @@ def open_stream(cfg, source: DataSource, tokenizer, seq_len: int, dist, log=prin
     return StreamedData(reader, val, np.arange(val.num_blocks), description, stream_identity(cfg, source))
 
 
-def validation_tokens(cfg, source: DataSource, tokenizer, seq_len: int, split: str | None, fraction: float) -> np.ndarray:
+def validation_tokens(cfg, source: DataSource, tokenizer, seq_len: int, split: str | None,
+                      fraction: float) -> np.ndarray:
     """The tokens of the first VALIDATION_BLOCKS validation blocks: of the validation split, else of the documents
     held out of training."""
     if split is None and fraction <= 0:

@@ -3,10 +3,7 @@ each rank reads, the held-out validation documents, the state that resumes a str
 
 from __future__ import annotations
 
-import json
 import pickle
-import subprocess
-import time
 from dataclasses import dataclass
 
 import numpy as np
