@@ -55,7 +55,7 @@ class PreparerLost(DataError):
 @dataclass
 class DataSource:
     # "disk" (save_to_disk), "files", "hub", "embedded", "prepared" (model_utils.prepare's manifest), "npy" (token
-    # files), "mixture" (parts with weights)
+    # files), "mixture" (parts with weights), "stream" (--streaming: hub or files read as a stream, streaming.py)
     kind: str
     location: str
     files: list[str] | None = None
@@ -102,6 +102,10 @@ def _is_saved_dataset(path: Path) -> bool:
 
 def resolve_source(cfg: TrainConfig) -> DataSource:
     """Decide what DATASET means, or raise DataError naming the setting and the fix."""
+    if getattr(cfg, "streaming", False):
+        from .streaming import resolve_stream
+
+        return resolve_stream(cfg, resolve_source(DataView(cfg, streaming=False)))
     if not cfg.dataset:
         corpus = build_embedded_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
         return DataSource("embedded", str(corpus), files=[str(corpus)], builder="json")
@@ -756,11 +760,16 @@ def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, sou
                  seed: int = 0) -> PackedData:
     """The run's packed data on every rank. Prepared directories and token files are memory-mapped by each rank; raw
     data are tokenized once into the token cache (ensure_token_cache) while the other ranks wait on its files; a
-    mixture does either for each part. `source`: what --dataset means, as the run's plan resolved it (resolved here
-    where not given); `seed`: the run's --seed (random blocks, a mixture's draw)."""
+    mixture does either for each part; a stream (--streaming) is read by each rank as it trains (streaming.py).
+    `source`: what --dataset means, as the run's plan resolved it (resolved here where not given); `seed`: the run's
+    --seed (random blocks, a mixture's draw)."""
     if cfg.dummy_data:
         return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), seed)
     source = source or resolve_source(cfg)
+    if source.kind == "stream":
+        from .streaming import open_stream
+
+        return open_stream(cfg, source, tokenizer, seq_len, dist, log, seed)
     if source.kind == "mixture":
         from .mixture import mix
 

@@ -125,6 +125,13 @@ class DataConfig:
     num_proc: int | None = _f(None, "Processes for tokenization (datasets.map). Default: CPUs available, at most 16.")
     max_documents: int = _f(0, "Use only the first N documents of each split (0: all). Files and hub datasets are then "
                                "streamed: a hub dataset is read as far as those documents, not downloaded whole.")
+    streaming: bool = _f(False, "Stream --dataset (a hub dataset, or text/JSONL/Parquet files) instead of downloading "
+                                "and tokenizing it whole: each rank reads its own documents and tokenizes them as "
+                                "training goes; checkpoints hold each rank's place in the stream, and a resume needs "
+                                "the same number of ranks. docs/DATA-PREPARATION.md, Streaming.")
+    stream_shuffle_blocks: int = _f(256, "With --streaming: blocks each rank holds in its shuffle buffer, each block "
+                                         "read replacing one drawn by a generator of --seed (0: the stream's order). "
+                                         "Every checkpoint holds each rank's buffer: blocks x (seq_len + 1) x 4 bytes.")
     document_mask: bool = _f(False, "Attend only within each document of a packed block: positions restart after "
                                     "each EOS and attention stops at it (block-causal, as Megatron's --reset-position-ids "
                                     "--reset-attention-mask). Off: causal attention across the documents of a block.")
@@ -418,7 +425,7 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     positive("gradient_accumulation_steps", optional=True)
     positive("warmup_steps", allow_zero=True, optional=True)
     for name in ("eval_interval", "checkpoint_freq", "keep_last_checkpoints", "dummy_data", "max_documents",
-                 "delayed_update_from_step"):
+                 "delayed_update_from_step", "stream_shuffle_blocks"):
         positive(name, allow_zero=True)
     positive("log_interval")
     positive("eval_iters")
@@ -443,6 +450,10 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
     if cfg.data.dataset and cfg.data.local_dataset == "true" and not os.path.exists(cfg.data.dataset):
         problems.append(Problem("--dataset", cfg.data.dataset, "LOCAL_DATASET=true but this path does not exist",
                                 "fix the path, or set LOCAL_DATASET=false to load it from the hub"))
+    if cfg.data.streaming and (cfg.data.dummy_data or cfg.data.max_documents):
+        name = "--dummy_data" if cfg.data.dummy_data else "--max_documents"
+        problems.append(Problem(name, cfg.flag(name[2:]), "cannot be combined with --streaming (a stream is read as "
+                                "training goes, not cached)", f"drop one of {name} and --streaming"))
     if cfg.data.dataset and cfg.data.dummy_data:
         problems.append(Problem("--dummy_data", cfg.data.dummy_data, "cannot be combined with --dataset",
                                 "drop one of --dummy_data and --dataset"))

@@ -504,8 +504,10 @@ class Batch:
         return (f"micro {self.micro} x grad_acc {self.accumulation} x world {self.world} = {self.blocks_per_step} "
                 f"blocks of {self.seq_len} tokens = {self.tokens_per_step:,} tokens/step")
 
-    def plan(self, steps: int, train_tokens: int | None = None) -> str:
+    def plan(self, steps: int, train_tokens: int | None = None, streamed: bool = False) -> str:
         total = self.tokens_per_step * steps
+        if streamed:  # a stream's size is not known before it is read
+            return f"{steps} steps = {total:,} tokens (epochs unknown: the data streams)"
         return f"{steps} steps = {total:,} tokens" + (f" ({total / train_tokens:.2f} epochs)" if train_tokens else "")
 
 

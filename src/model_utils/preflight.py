@@ -211,7 +211,7 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
                                 f"{plan.model.config.num_hidden_layers} recompute ({plan.memory.checkpointed_layers_choice})")
         if plan.memory and plan.memory.delayed_prefetch_choice:
             report.lines.append(f"delayed update prefetch: {plan.memory.delayed_prefetch_choice}")
-        report.lines.append(f"plan: {batch.plan(cfg.batch.max_steps)}")
+        report.lines.append(f"plan: {batch.plan(cfg.batch.max_steps, streamed=cfg.data.streaming)}")
     if plan.memory is not None:
         _check_memory(plan, report)
         _note_offload_accumulation(plan, report)
@@ -504,6 +504,14 @@ def _check_data(plan: Plan, report: Report):
         blocks = cfg.data.dummy_data - held_out_count(cfg.data.dummy_data, DUMMY_VALIDATION_FRACTION)
     elif source is None:  # not resolved: the plan's problems say why
         return
+    elif source.kind == "stream":  # a sample of its first documents; its size is known only once read
+        from .streaming import describe_stream
+
+        try:
+            report.lines.append(describe_stream(cfg.data, source, tokenizer))
+        except DataError as e:
+            report.problems.append(e.problem)
+        return
     elif source.kind in OPENED_WITHOUT_TOKENIZING:  # prepared shards, token files, a mixture
         try:
             line, blocks = describe_without_tokenizing(cfg.data, source, tokenizer, seq_len)
@@ -584,6 +592,7 @@ def _check_resume(plan: Plan, report: Report):
     """What is wrong with the plan's resume point, or with --resume."""
     from . import ds_config as dsc
     from .checkpoint import CHECKPOINT_NAME, data_position_problems, needs_universal, universal_command
+    from .streaming import stream_resume_problems
 
     cfg, info = plan.cfg, plan.resume
     if cfg.checkpoint.resume == "never" and any(CHECKPOINT_NAME.match(p.name) for p in cfg.checkpoint.run_dir.root.glob("step-*")):
@@ -607,6 +616,8 @@ def _check_resume(plan: Plan, report: Report):
         from .concat_dataset import tokenizer_identity
         identity["tokenizer_identity"] = tokenizer_identity(plan.tokenizer)
     report.problems += data_position_problems(m, info.path, identity)
+    report.problems += stream_resume_problems(m, info.path, cfg.data.streaming, cfg.data.stream_shuffle_blocks,
+                                              plan.world)
 
 
 def merge_rank_problems(per_rank: list[tuple[str, list[Problem]]]) -> list[Problem]:

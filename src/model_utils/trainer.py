@@ -90,6 +90,7 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
     from .patches.flash_attn4 import takes_document_boundaries
     from .process import seed_everything
     from .speed import apply_speed_options, streamline_zero_step
+    from .streaming import is_streamed
 
     cfg, run_dir, batch = plan.cfg, plan.cfg.checkpoint.run_dir, plan.batch
     ds = copy.deepcopy(plan.ds_config)  # DeepSpeed and the universal-checkpoint load write into it
@@ -103,12 +104,13 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
 
     tokenizer = plan.tokenizer
     data = prepare_data(cfg.data, tokenizer, batch.seq_len, dist, log.info, source=plan.data_source, seed=cfg.seed)
-    identity = data_identity(cfg, tokenizer, batch.seq_len, data)
+    identity = data_identity(cfg, tokenizer, batch.seq_len, data, dist.world_size)
     if plan.resume:  # every rank alike: the same manifest (broadcast), the same data
         problems = data_position_problems(plan.resume.manifest, plan.resume.path, identity)
         if problems:
             raise ConfigError(problems)
-    order = BlockOrder(data.train_ids, cfg.seed, dist.world_size, batch.micro)
+    order = (data.order(dist.world_size, batch.micro) if is_streamed(data)
+             else BlockOrder(data.train_ids, cfg.seed, dist.world_size, batch.micro))
     log.info(f"data: {data.description}")
 
     seed_everything(cfg.seed)
@@ -155,7 +157,8 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
              f"{plan.model.flops.per_token() / 1e9:.3f} GFLOP/token; "
              f"precision {precision}{' (dynamic loss scaling)' if precision == 'fp16' else ''}, "
              f"ZeRO stage {dsc.zero_stage(ds)}")
-    log.info(f"batch: {batch.describe()}; {batch.plan(cfg.batch.max_steps, max(data.train_tokens, 1))}"
+    log.info(f"batch: {batch.describe()}; "
+             f"{batch.plan(cfg.batch.max_steps, max(data.train_tokens or 0, 1), is_streamed(data))}"
              + (f"; micro-batch {plan.micro_batch_choice}" if plan.micro_batch_choice else ""))
     if layers is not None:
         log.info(f"activation checkpointing: {layers} of {plan.model.config.num_hidden_layers} decoder layers "
@@ -168,11 +171,15 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
     return run
 
 
-def data_identity(cfg: TrainConfig, tokenizer, seq_len: int, data) -> dict:
+def data_identity(cfg: TrainConfig, tokenizer, seq_len: int, data, world_size: int = 1) -> dict:
     """What a checkpoint's data position counts in: blocks of seq_len, tokens of this tokenizer, these training tokens
     (checkpoint.data_position_problems compares them on resume)."""
     from .concat_dataset import token_fingerprint, tokenizer_identity
+    from .streaming import identity_entry, is_streamed
 
+    if is_streamed(data):  # a place in each rank's stream: no token array to digest
+        return {"tokenizer": cfg.model.tokenizer, "tokenizer_identity": tokenizer_identity(tokenizer),
+                "seq_len": seq_len, "data": identity_entry(data, world_size, cfg.data.stream_shuffle_blocks)}
     return {"tokenizer": cfg.model.tokenizer, "tokenizer_identity": tokenizer_identity(tokenizer), "seq_len": seq_len,
             "data": {"dataset": cfg.data.dataset if not cfg.data.dummy_data else f"--dummy_data {cfg.data.dummy_data}",
                      "tokens": len(data.train.tokens), "fingerprint": token_fingerprint(data.train.tokens)}}
@@ -185,6 +192,7 @@ def load_checkpoint(run: Run, info, tag: str):
     from .concat_dataset import DataPosition
     from .ds_config import optimisation_changes
     from .process import set_rng_state
+    from .streaming import resume_stream
 
     _, client = run.engine.load_checkpoint(str(info.path.parent), tag=tag)
     if client is None:
@@ -192,11 +200,14 @@ def load_checkpoint(run: Run, info, tag: str):
     run.step, run.tokens_seen = client["step"], client["tokens_seen"]
     run.position = DataPosition.from_state_dict(client["data_position"])
     rng_file = rng_state_file(info.path, run.dist.rank)
+    rank_state = None
     if world_size_changed(info, run.dist.world_size):
         run.log.warn("resume: the world size changed, so each rank's RNG state starts fresh (data order and model "
                      "state continue exactly)")
     elif rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        rank_state = torch.load(rng_file, weights_only=False)
+        set_rng_state(rank_state)
+    resume_stream(run.data, rank_state, info.path, run.log.info)
     run.log.info(f"resume: continuing from {info.path} at step {run.step} "
                  f"(epoch {run.position.epoch}, {run.position.blocks_consumed} blocks into it)")
     changed = speed_changes(info.manifest or {}, run.cfg.speed, run.speed_in_force, run.step)
@@ -398,6 +409,7 @@ def save(run: Run, wait: bool = False):
     from .ds_config import zero_stage
     from .patches.deepspeed_offload import settle
     from .process import rng_state
+    from .streaming import with_stream_state
 
     settle(run.engine)  # a checkpoint holds every step's update; the run resumed from it continues the same way
 
@@ -408,13 +420,14 @@ def save(run: Run, wait: bool = False):
     client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
               # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)
               UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+    rank_state = with_stream_state(rng_state(), run.data)  # each rank's file: its RNG, its place in a stream
     t0 = time.perf_counter()
     if run.saves is None:
-        save_checkpoint(run.engine, ctx, run.step, client, rng_state(), run.dist, run.log.info)
+        save_checkpoint(run.engine, ctx, run.step, client, rank_state, run.dist, run.log.info)
     else:
         run.saves.finish()  # one checkpoint in flight at a time
         waited = time.perf_counter() - t0
-        run.saves.started(save_checkpoint(run.engine, ctx, run.step, client, rng_state(), run.dist, run.log.info,
+        run.saves.started(save_checkpoint(run.engine, ctx, run.step, client, rank_state, run.dist, run.log.info,
                                           run.saves.writer))
         run.log.info(f"checkpoint: step {run.step} in host memory after {time.perf_counter() - t0:.1f}s"
                      + (f" ({waited:.1f}s waiting for the previous save)" if waited >= 0.05 else "")
