@@ -163,8 +163,8 @@ def checked_plan(cfg: TrainConfig, dist, log) -> Plan:
         log.warn(note)
     for line in report.estimates:  # memory and checkpoint disk; the run logs its config, batch and model lines
         log.info(line)
-    resume, source = dist.broadcast_object((plan.resume, plan.data_source))
-    return dataclasses.replace(plan, resume=resume, data_source=source)
+    resume, source, data_format = dist.broadcast_object((plan.resume, plan.data_source, plan.data_format))
+    return dataclasses.replace(plan, resume=resume, data_source=source, data_format=data_format)
 
 
 def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> Report:
@@ -600,6 +600,7 @@ def _check_resume(plan: Plan, report: Report):
     if m.get("model") not in (None, cfg.model.model):
         report.problems.append(Problem("--model", cfg.model.model, f"{info.path} holds a checkpoint of {m.get('model')}",
                                        f"use --model {m.get('model')}, or another --checkpoint_dir"))
+    report.problems += lora_resume_refusals(m, info.path, cfg.model.lora_settings())
     # The data position counts blocks of the checkpoint's seq_len in its tokens: another block length or tokenizer
     # would continue at another place (the data themselves are compared when the run has read them).
     identity = {"seq_len": plan.seq_len, "tokenizer": cfg.model.tokenizer}
@@ -607,6 +608,23 @@ def _check_resume(plan: Plan, report: Report):
         from .concat_dataset import tokenizer_identity
         identity["tokenizer_identity"] = tokenizer_identity(plan.tokenizer)
     report.problems += data_position_problems(m, info.path, identity)
+
+
+def lora_resume_refusals(manifest: dict, path, settings) -> list[Problem]:
+    """A checkpoint continues with the adapters it was trained with, and a full fine-tuning checkpoint without any."""
+    from .lora import LoraSettings, lora_resume_problems
+
+    recorded = manifest.get("lora")
+    if settings is not None:
+        return lora_resume_problems(recorded, settings, str(path))
+    if recorded is not None:
+        before = LoraSettings.from_manifest(recorded)
+        return [Problem("--lora_rank", 0, f"{path} holds LoRA adapters (rank {before.rank}, alpha {before.alpha:g}) "
+                        "without the frozen weights", f"resume with --lora_rank {before.rank} --lora_alpha "
+                        f"{before.alpha:g}" + (f" --lora_target_modules {','.join(before.target_modules)}"
+                                               if before.target_modules else "")
+                        + ", or start a new run in another --checkpoint_dir")]
+    return []
 
 
 def merge_rank_problems(per_rank: list[tuple[str, list[Problem]]]) -> list[Problem]:
