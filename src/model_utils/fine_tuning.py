@@ -116,13 +116,15 @@ def fine_tuning_defaults(total_steps: int, lora: bool) -> FineTuningDefaults:
 
 
 def takes_fine_tuning_defaults(cfg) -> bool:
-    """A pretrained model (not a preset trained from scratch) with the project's DeepSpeed config, whose learning rate
-    or warmup the flags leave unset."""
-    from .config import OptimConfig
+    """A pretrained model (not a preset trained from scratch) with one of the repository's DeepSpeed configs (their
+    learning rates are for pretraining from scratch; a config of the user's own keeps its values), whose learning
+    rate or warmup the flags leave unset."""
+    from .config import REPO_ROOT
     from .models import is_preset
 
     optim = cfg.optim
-    return (not is_preset(cfg.model.model) and optim.ds_config == OptimConfig.ds_config
+    repository_config = optim.ds_config_path.resolve().parent in (REPO_ROOT.resolve(), (REPO_ROOT / "configs").resolve())
+    return (not is_preset(cfg.model.model) and repository_config
             and (optim.learning_rate is None or optim.warmup_steps is None))
 
 

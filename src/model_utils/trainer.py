@@ -757,15 +757,38 @@ def finish(run: Run):
 
 
 def export_adapters(run: Run):
-    """A LoRA run's export (rank 0; ZeRO-1/2 hold the whole model on every rank): the adapter in PEFT's format in
-    EXPORT_DIR/adapter and, with --export_merged, the merged model in EXPORT_DIR/merged. Returns the directory a
-    plain transformers model loads from (the merged one), else None."""
+    """A LoRA run's export on rank 0: the adapter in PEFT's format in EXPORT_DIR/adapter and, with --export_merged,
+    the merged model in EXPORT_DIR/merged. ZeRO-1/2 hold the whole model on every rank; under ZeRO-3 every rank takes
+    part in gathering it (checkpoint.gathered_state_dict) into a copy that rank 0 wraps again and exports. Returns the
+    directory a plain transformers model loads from (the merged one), else None."""
+    from .checkpoint import gathered_state_dict
+    from .ds_config import zero_stage
     from .lora import export_lora
 
+    module, merged = run.engine.module, run.cfg.checkpoint.export_merged
+    state = gathered_state_dict(module, run.dist) if zero_stage(run.ds_config) == 3 else None
     written = None
     if run.dist.is_main:
-        written = export_lora(run.engine.module, run.tokenizer, run.run_dir.export,
-                              merged=run.cfg.checkpoint.export_merged)
+        if state is not None:
+            module = unpartitioned_copy(module.config, run.lora, state)
+        written = export_lora(module, run.tokenizer, run.run_dir.export, merged=merged, in_place=state is not None)
         run.log.info("export: " + "; ".join(f"{kind} written to {path}" for kind, path in written.items()))
     run.dist.barrier()
     return written.get("merged") if written else None
+
+
+def unpartitioned_copy(config, settings, state_dict: dict):
+    """A LoRA model of `config` on the CPU holding `state_dict` (a gathered ZeRO-3 model's, adapters included)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .lora import apply_lora
+
+    model = apply_lora(AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32), settings)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise RuntimeError(f"the gathered model does not match its LoRA wrapping: missing {missing[:3]}, unexpected "
+                           f"{unexpected[:3]}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model
