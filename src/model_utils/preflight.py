@@ -211,7 +211,10 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
                                 f"{plan.model.config.num_hidden_layers} recompute ({plan.memory.checkpointed_layers_choice})")
         if plan.memory and plan.memory.delayed_prefetch_choice:
             report.lines.append(f"delayed update prefetch: {plan.memory.delayed_prefetch_choice}")
-        report.lines.append(f"plan: {batch.plan(cfg.batch.max_steps)}")
+        report.lines.append(f"plan: {batch.plan(cfg.batch.max_steps)}" if cfg.batch.num_epochs is None else
+                            f"plan: {cfg.batch.num_epochs:g} epochs (steps from the packed data)")
+        if plan.fine_tuning is not None:
+            report.lines.append(plan.fine_tuning.describe())
     if plan.memory is not None:
         _check_memory(plan, report)
         _note_offload_accumulation(plan, report)
@@ -496,6 +499,7 @@ def _check_data(plan: Plan, report: Report):
     """The column and tokenization of the plan's data source, on a sample; exact counts from the cache if built."""
     from .concat_dataset import (DUMMY_VALIDATION_FRACTION, OPENED_WITHOUT_TOKENIZING, DataError, block_count,
                                  cache_dir_for, describe_without_tokenizing, held_out_count, tokenize_split)
+    from .sft_data import FORMATS
 
     cfg, tokenizer, seq_len, world, micro = plan.cfg, plan.tokenizer, plan.seq_len, plan.world, plan.batch.micro
     source = plan.data_source
@@ -504,6 +508,13 @@ def _check_data(plan: Plan, report: Report):
         blocks = cfg.data.dummy_data - held_out_count(cfg.data.dummy_data, DUMMY_VALIDATION_FRACTION)
     elif source is None:  # not resolved: the plan's problems say why
         return
+    elif plan.data_format in FORMATS:  # fine-tuning examples
+        try:
+            line, blocks = describe_fine_tuning_data(plan)
+        except DataError as e:
+            report.problems.append(e.problem)
+            return
+        report.lines.append(line)
     elif source.kind in OPENED_WITHOUT_TOKENIZING:  # prepared shards, token files, a mixture
         try:
             line, blocks = describe_without_tokenizing(cfg.data, source, tokenizer, seq_len)
@@ -536,10 +547,49 @@ def _check_data(plan: Plan, report: Report):
         except DataError as e:
             report.problems.append(e.problem)
             return
+    if blocks is not None and cfg.batch.num_epochs is not None and blocks >= world * micro:
+        from .fine_tuning import steps_for_epochs
+
+        steps = steps_for_epochs(cfg.batch.num_epochs, blocks, world, micro, plan.batch.accumulation)
+        report.lines.append(f"epochs: {cfg.batch.num_epochs:g} = ~{steps:,} steps at this batch (settled from the "
+                            "packed data when the run starts)")
     if blocks is not None and blocks < world * micro:
         report.problems.append(Problem("--seq_len", seq_len, f"the data gives ~{blocks} training blocks, fewer than one "
                                        f"micro-batch per rank ({micro} x {world} ranks)",
                                        "use more data, a smaller --seq_len or a smaller micro-batch"))
+
+
+SAMPLE_CHECKED_ROWS = 5000  # rows whose format is checked (cheap: no tokenization)
+
+
+def describe_fine_tuning_data(plan: Plan) -> tuple[str, int | None]:
+    """The data line and training blocks of fine-tuning data: from its packed cache where the run built it, else
+    from the first rows: the format checked on SAMPLE_CHECKED_ROWS of each split (a mixed or wrong row is a DataError
+    naming the file, the row and its columns) and SAMPLE_DOCUMENTS of them encoded and packed for the estimate."""
+    from .concat_dataset import held_out_count
+    from .sft_data import (ExampleEncoder, SFTSettings, check_rows, encode_rows, load_sft_splits, open_sft,
+                           pack_examples, sft_cache_dir, _cache_root)
+
+    cfg, source, tokenizer = plan.cfg.data, plan.data_source, plan.tokenizer
+    settings = SFTSettings(plan.seq_len, plan.data_format, cfg.train_on_prompts, cfg.validation_fraction)
+    cache = sft_cache_dir(_cache_root(cfg), source.identity(), tokenizer, settings)
+    if (cache / "meta.json").exists():
+        data = open_sft(cache, cfg.validation_fraction)
+        return f"data: {data.description} (packed cache {cache})", len(data.train_ids)
+    train, validation = load_sft_splits(source, cfg)
+    for split, rows in (("train", train), ("validation", validation)):
+        if rows is not None:
+            check_rows(rows.select(range(min(SAMPLE_CHECKED_ROWS, len(rows)))), plan.data_format,
+                       f"{source.location} ({split} split)")
+    sample = train.select(range(min(SAMPLE_DOCUMENTS, len(train))))
+    encoder = ExampleEncoder(tokenizer, plan.data_format, cfg.train_on_prompts, source.location)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stats = pack_examples(encode_rows(sample, encoder, checked=True), plan.seq_len, pad, len(tokenizer)).stats
+    blocks = int(stats.blocks * len(train) / max(len(sample), 1))
+    if validation is None:
+        blocks -= held_out_count(blocks, cfg.validation_fraction)
+    return (f"data: {source.location}: fine-tuning data ({encoder.describe()}), {len(train):,} rows; the first "
+            f"{len(sample)}: {stats.describe()}; ~{blocks:,} training blocks estimated"), blocks
 
 
 def _sample(source, cfg):
