@@ -568,11 +568,11 @@ def describe_fine_tuning_data(plan: Plan) -> tuple[str, int | None]:
     naming the file, the row and its columns) and SAMPLE_DOCUMENTS of them encoded and packed for the estimate."""
     from .concat_dataset import held_out_count
     from .sft_data import (ExampleEncoder, SFTSettings, check_rows, encode_rows, load_sft_splits, open_sft,
-                           pack_examples, sft_cache_dir, _cache_root)
+                           pack_examples, sft_cache_dir, source_key, _cache_root)
 
     cfg, source, tokenizer = plan.cfg.data, plan.data_source, plan.tokenizer
     settings = SFTSettings(plan.seq_len, plan.data_format, cfg.train_on_prompts, cfg.validation_fraction)
-    cache = sft_cache_dir(_cache_root(cfg), source.identity(), tokenizer, settings)
+    cache = sft_cache_dir(_cache_root(cfg), source_key(source, cfg), tokenizer, settings)
     if (cache / "meta.json").exists():
         data = open_sft(cache, cfg.validation_fraction)
         return f"data: {data.description} (packed cache {cache})", len(data.train_ids)

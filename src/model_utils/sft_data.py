@@ -660,7 +660,10 @@ def load_sft_splits(source, cfg):
     from .sft_corpus import split_files
 
     loaded = datasets.load_dataset("json", data_files=split_files(Path(source.location)), cache_dir=_hf_cache(cfg))
-    return loaded["train"], loaded["validation"]
+    splits = loaded["train"], loaded["validation"]
+    if cfg.max_documents:  # the first N examples of each split
+        splits = tuple(split.select(range(min(cfg.max_documents, len(split)))) for split in splits)
+    return splits
 
 
 def open_sft_source(cfg, source, tokenizer, seq_len: int, data_format: str, dist, log=print) -> PackedData:
@@ -670,7 +673,7 @@ def open_sft_source(cfg, source, tokenizer, seq_len: int, data_format: str, dist
     from .concat_dataset import ensure_token_cache
 
     settings = SFTSettings(seq_len, data_format, cfg.train_on_prompts, cfg.validation_fraction)
-    out_dir = sft_cache_dir(_cache_root(cfg), source.identity(), tokenizer, settings)
+    out_dir = sft_cache_dir(_cache_root(cfg), source_key(source, cfg), tokenizer, settings)
 
     def build(cfg, tokenizer, out_dir, log, source, progress=None):
         train, validation = load_sft_splits(source, cfg)
@@ -687,6 +690,11 @@ def open_sft_source(cfg, source, tokenizer, seq_len: int, data_format: str, dist
     return open_sft(out_dir, cfg.validation_fraction)
 
 
+def source_key(source, cfg) -> str:
+    """What the packed examples are made of: the source and, with --max_documents, how many of its rows."""
+    return source.identity() + (f"|max_documents={cfg.max_documents}" if cfg.max_documents else "")
+
+
 def _cache_root(cfg) -> Path:
     from .corpus import default_cache_root
 
@@ -699,7 +707,7 @@ def ensure_sft_cache(cfg, tokenizer, settings: SFTSettings, source=None, log=pri
     from .concat_dataset import resolve_source
 
     source = source or resolve_source(cfg)
-    out_dir = sft_cache_dir(_cache_root(cfg), source.identity(), tokenizer, settings)
+    out_dir = sft_cache_dir(_cache_root(cfg), source_key(source, cfg), tokenizer, settings)
     if not (out_dir / "meta.json").exists():
         train, validation = load_sft_splits(source, cfg)
         build_sft_files({"train": train, "validation": validation}, tokenizer, settings, out_dir, source.location,

@@ -313,8 +313,10 @@ def model_inputs(run: Run, blocks) -> dict:
 
     from .concat_dataset import document_boundaries, document_positions
 
+    from .sft_data import ExampleBatch
+
     device = run.dist.device
-    if run.examples:
+    if isinstance(blocks, ExampleBatch):
         return example_inputs(run, blocks)
     on_device = to_device(blocks, device)
     inputs, targets = on_device[:, :-1].contiguous(), on_device[:, 1:].contiguous()
@@ -348,7 +350,9 @@ def attention_area(run: Run, blocks) -> int:
     skips, does not change them)."""
     from .concat_dataset import attention_area as document_area, document_positions
 
-    if run.examples:
+    from .sft_data import ExampleBatch
+
+    if isinstance(blocks, ExampleBatch):
         return document_area(blocks.position_ids)
     if run.document_eos is None:
         return len(blocks) * run.batch.seq_len ** 2
