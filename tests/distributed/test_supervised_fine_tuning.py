@@ -69,8 +69,9 @@ def final_eval(output: str) -> float:
 
 def test_masked_loss_on_the_embedded_chats_and_on_prompts_too(base_model, session_cache, tmp_path):
     """The data line and the losses follow --train_on_prompts: only the answers carry loss by default."""
-    args = [*SFT_ARGS, "--model", str(base_model), "--dataset", "embedded-chat", "--max_documents", "150",
-            "--max_steps", "2", "--no-export"]
+    # Blocks of 256: the standard library's questions and the start of their answers fit.
+    args = [*SFT_ARGS, "--seq_len", "256", "--model", str(base_model), "--dataset", "embedded-chat",
+            "--max_documents", "100", "--max_steps", "2", "--no-export"]
     answers = run_trainer(tmp_path / "answers", args)
     everything = run_trainer(tmp_path / "everything", [*args, "--train_on_prompts"])
     assert_ok(answers)
