@@ -75,7 +75,9 @@ def _widths(config) -> tuple[int, int, int, int, int, int]:
     dim = head_dim(config)
     heads = getattr(config, "num_attention_heads", None) or 0
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return config.hidden_size, heads * dim, kv_heads * dim, config.intermediate_size, heads, kv_heads
+    # GPT-2's config names the MLP's width n_inner, None meaning 4 x hidden
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+    return config.hidden_size, heads * dim, kv_heads * dim, inter, heads, kv_heads
 
 
 def _norm_and_attention_statistics(config) -> float:
