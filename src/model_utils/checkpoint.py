@@ -372,6 +372,7 @@ class SaveContext:
     ckpt_dir: Path
     keep_last: int
     manifest_extra: dict = field(default_factory=dict)
+    save_options: dict = field(default_factory=dict)  # engine.save_checkpoint's (LoRA: exclude_frozen_parameters)
 
 
 @dataclass
@@ -398,7 +399,8 @@ def save_checkpoint(engine, ctx: SaveContext, step: int, client_state: dict, rng
     dist.barrier()
     target, failure = path / "(DeepSpeed's files)", None
     try:
-        engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+        engine.save_checkpoint(str(ctx.ckpt_dir), tag=tag, client_state=client_state, save_latest=False,
+                               **ctx.save_options)
         if writer is not None:
             writer.save_file(rng, rng_state_file(path, dist.rank))
             return pending

@@ -106,9 +106,15 @@ def resolve_source(cfg: TrainConfig) -> DataSource:
         from .streaming import resolve_stream
 
         return resolve_stream(cfg, resolve_source(DataView(cfg, streaming=False)))
-    if not cfg.dataset:
+    if not cfg.dataset or cfg.dataset == "embedded":
         corpus = build_embedded_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
         return DataSource("embedded", str(corpus), files=[str(corpus)], builder="json")
+    if cfg.dataset == "embedded-chat" and not Path(cfg.dataset).exists():
+        from .sft_corpus import SPLITS, build_sft_corpus
+
+        corpus = build_sft_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
+        return DataSource("embedded-chat", str(corpus), files=[str(corpus / f"{split}.jsonl") for split in SPLITS],
+                          builder="json")
     from .mixture import parse_mixture
 
     mixture = parse_mixture(cfg.dataset)
@@ -757,12 +763,13 @@ def dummy_packed(num_blocks: int, seq_len: int, vocab_size: int, seed: int) -> P
 
 
 def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, source: DataSource | None = None,
-                 seed: int = 0) -> PackedData:
+                 seed: int = 0, data_format: str | None = None) -> PackedData:
     """The run's packed data on every rank. Prepared directories and token files are memory-mapped by each rank; raw
     data are tokenized once into the token cache (ensure_token_cache) while the other ranks wait on its files; a
     mixture does either for each part; a stream (--streaming) is read by each rank as it trains (streaming.py).
     `source`: what --dataset means, as the run's plan resolved it (resolved here where not given); `seed`: the run's
-    --seed (random blocks, a mixture's draw)."""
+    --seed (random blocks, a mixture's draw); `data_format`: a fine-tuning format (sft_data.resolve_data_format) packs
+    examples with their labels (sft_data.open_sft_source) instead."""
     if cfg.dummy_data:
         return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), seed)
     source = source or resolve_source(cfg)
@@ -770,6 +777,10 @@ def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, sou
         from .streaming import open_stream
 
         return open_stream(cfg, source, tokenizer, seq_len, dist, log, seed)
+    from .sft_data import FORMATS, open_sft_source
+
+    if data_format in FORMATS:
+        return open_sft_source(cfg, source, tokenizer, seq_len, data_format, dist, log)
     if source.kind == "mixture":
         from .mixture import mix
 
@@ -830,13 +841,15 @@ class CacheFiles:
         return self.entry.with_name(f"{self.entry.name}.{what}.json")
 
 
-def ensure_token_cache(cfg: TrainConfig, source: DataSource, tokenizer, out_dir: Path, dist, log=print) -> None:
+def ensure_token_cache(cfg: TrainConfig, source: DataSource, tokenizer, out_dir: Path, dist, log=print,
+                       build=None) -> None:
     """Build the token cache entry `out_dir` once: global rank 0 builds it, and where a node cannot see rank 0's
     claim on it (a node-local cache directory) that node's first rank builds its own. Every other rank polls the
     entry's finished marker, printing the preparer's progress (documents, tokens, rate, ETA), and raises the
     preparer's problem when it records one, or a problem naming the progress file when the preparer stops advancing
     it for --data_stale_minutes. The one collective here (rank 0's claim) comes before any tokenization, so no
-    collective timeout bounds the preparation."""
+    collective timeout bounds the preparation. `build`: what fills the entry, build_token_files's arguments (None:
+    build_token_files; fine-tuning data: sft_data's packing)."""
     import socket
     import uuid
 
@@ -864,7 +877,7 @@ def ensure_token_cache(cfg: TrainConfig, source: DataSource, tokenizer, out_dir:
     if builds:
         try:
             with Progress(files.beside("progress"), "data: tokenizing", claim=mine) as progress:
-                build_token_files(cfg, tokenizer, out_dir, log, source, progress=progress)
+                (build or build_token_files)(cfg, tokenizer, out_dir, log, source, progress=progress)
         except DataError as e:
             record_failure(files.beside("failed"), e.problem, mine)
             raise

@@ -106,13 +106,43 @@ class ModelConfig:
                                                "with which the run still fits the GPU by the preflight's memory "
                                                "estimate, at the micro-batch all of them allow: the memory left over "
                                                "buys back recomputation); or a count.", parse="layer_count")
+    lora_rank: int = _f(0, "LoRA: train low-rank adapters of this rank beside the frozen weights (Hu et al. 2021); "
+                           "0 (the default): off, every weight trains (full fine-tuning). 16 is this project's usual "
+                           "choice (docs/FINE-TUNING.md).")
+    lora_alpha: float = _f(32.0, "LoRA: scale of the adapters' output, alpha / rank. Default 32 (scale 2 at rank 16), "
+                                 "between PEFT's LoraConfig default (8) and TRL's PEFT example (16 at rank 32).")
+    lora_dropout: float = _f(0.05, "LoRA: dropout on the adapters' input in training. Default 0.05, TRL's PEFT example "
+                                   "and QLoRA's for large models.")
+    lora_target_modules: str | None = _f(None, "LoRA: comma-separated names of the layers that get adapters (e.g. "
+                                               "q_proj,v_proj). Default: the model family's every attention and MLP "
+                                               "linear layer (QLoRA's finding), peft's all-linear for other families.")
+
+    def lora_settings(self):
+        """lora.LoraSettings of these flags, or None where --lora_rank is 0 (full fine-tuning)."""
+        if not self.lora_rank:
+            return None
+        from .lora import LoraSettings, parse_target_modules
+
+        return LoraSettings(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                            target_modules=parse_target_modules(self.lora_target_modules))
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """What the model reads: the dataset, how it is tokenized and cached, and how blocks are formed."""
     dataset: str | None = _f(None, "A save_to_disk directory, a text/JSONL/Parquet file or directory, or a hub dataset "
-                                   "name. Default: the embedded corpus built offline from the Python standard library.")
+                                   "name; `embedded` (the text corpus built offline from the Python standard library) "
+                                   "or `embedded-chat` (chats about the standard library's functions, built offline, "
+                                   "for fine-tuning). Default: `embedded` for a preset; a pretrained model needs one.")
+    data_format: str = _f("auto", "What the rows hold (docs/FINE-TUNING.md): chat (messages), prompt_completion, "
+                                  "alpaca (instruction/input/output), tokens (input_ids, optional labels), text "
+                                  "(examples kept apart, loss on all). Fine-tuning formats are packed as examples "
+                                  "with loss on the answers. auto (the default): chat, prompt_completion or alpaca "
+                                  "from the columns, tokens where a labels column is there, else pretraining text "
+                                  "(documents concatenated into blocks).",
+                          choices=("auto", "text", "chat", "prompt_completion", "alpaca", "tokens"))
+    train_on_prompts: bool = _f(False, "Fine-tuning formats: loss on every token, prompts included. Default off: "
+                                       "only the answers (assistant messages, completions, outputs) carry loss.")
     dataset_config_name: str | None = _f(None, "Hub dataset configuration name (e.g. 'en' for allenai/c4).")
     local_dataset: str = _f("auto", "true: DATASET must be a local path; false: a hub name; auto: a path if it exists.",
                             choices=("auto", "true", "false"))
@@ -146,6 +176,9 @@ class BatchConfig:
     """How much each optimizer step sees and how many steps run. The global batch is stated once; the
     gradient accumulation is derived from it (ds_config.BatchRequest)."""
     max_steps: int = _f(300, "Optimizer steps to train; also the scheduler's total_num_steps.")
+    num_epochs: float | None = _f(None, "Train for this many passes over the training blocks instead of --max_steps "
+                                        "(converted to steps at the global batch, stated in the batch line; may be "
+                                        "fractional). Default: off, --max_steps sets the length.")
     global_batch_tokens: int | None = _f(None, "Tokens per optimizer step, over all ranks: the global batch, stated once. "
                                                "Accumulation is derived (tokens / (micro-batch x world size x "
                                                "seq_len)), so a run on more or fewer nodes optimises the same way. "
@@ -204,6 +237,9 @@ class CheckpointConfig:
                                                   "checkpoint_dir holding `latest`).")
     export_dir: str | None = _f(None, "Where the final Hugging Face model is written. Default: CHECKPOINT_DIR/hf.")
     export: bool = _f(True, "Export a Hugging Face model (safetensors, config, tokenizer) at the end.")
+    export_merged: bool = _f(False, "LoRA: export the merged model (adapters added into the weights, loadable by "
+                                    "transformers without peft) to EXPORT_DIR/merged beside the adapter "
+                                    "(EXPORT_DIR/adapter). Default off: the adapter alone.")
 
 
     @property
@@ -472,10 +508,55 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
                                     "pip install wandb (or the project's `monitor` extra), or drop --wandb; "
                                     "WANDB_MODE=offline logs without network"))
     problems += speed_problems(cfg.speed)
+    problems += fine_tuning_problems(cfg)
     if cfg.checkpoint.resume == "never" and cfg.checkpoint.resume_from_checkpoint:
         problems.append(Problem("--resume", cfg.checkpoint.resume, "conflicts with --resume_from_checkpoint",
                                 "drop one of the two"))
     return problems
+
+
+def fine_tuning_problems(cfg: TrainConfig) -> list[Problem]:
+    """LoRA's values and combinations, --num_epochs against --max_steps, and a pretrained model without data."""
+    from .models import is_preset
+
+    problems = []
+    model, data = cfg.model, cfg.data
+    settings = model.lora_settings()
+    if model.lora_rank < 0:
+        problems.append(Problem("--lora_rank", model.lora_rank, "must be 0 (off) or a positive rank",
+                                "use e.g. --lora_rank 16, or leave it out for full fine-tuning"))
+    elif settings is not None:
+        problems += settings.problems()
+    else:
+        given = [name for name in ("lora_alpha", "lora_dropout", "lora_target_modules", "export_merged")
+                 if name in cfg.explicit]
+        if given:
+            problems.append(Problem(f"--{given[0]}", cfg.flag(given[0]), "applies to LoRA, which is off "
+                                    "(--lora_rank 0)", f"add --lora_rank 16 (or another rank), or drop --{given[0]}"))
+    epochs = cfg.batch.num_epochs
+    if epochs is not None:
+        if not epochs > 0:
+            problems.append(Problem("--num_epochs", epochs, "must be positive", "use e.g. 1, 3 or 0.5"))
+        if "max_steps" in cfg.explicit:
+            problems.append(Problem("--num_epochs", epochs, f"and --max_steps {cfg.batch.max_steps} both set the "
+                                    "length", "give one of them"))
+        if data.dummy_data:
+            problems.append(Problem("--num_epochs", epochs, "counts passes over a dataset, and --dummy_data has "
+                                    "none", "use --max_steps with --dummy_data"))
+    if not data.dataset and not data.dummy_data and not is_preset(model.model):
+        problems.append(Problem("--dataset", None, f"a pretrained model ({model.model}) is fine-tuned on data you "
+                                "choose; the embedded pretraining corpus is not taken by default",
+                                "pass --dataset PATH_OR_HUB_NAME, or --dataset embedded-chat (chats built offline "
+                                "from the standard library's docstrings), or --dataset embedded (its text corpus)"))
+    if data.dataset and data.dataset.startswith("embedded") and data.dataset not in EMBEDDED_DATASETS \
+            and not os.path.exists(data.dataset):
+        problems.append(Problem("--dataset", data.dataset, "is not one of the embedded datasets",
+                                f"use one of {', '.join(EMBEDDED_DATASETS)}, or a path or hub name"))
+    return problems
+
+
+# The datasets built offline (concat_dataset.resolve_source): the pretraining text corpus and the chat dataset.
+EMBEDDED_DATASETS = ("embedded", "embedded-chat")
 
 
 # Environment variables a job script may set for the speed options: the trainer reads flags only, so a script that

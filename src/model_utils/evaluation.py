@@ -37,7 +37,8 @@ def first_position_logits(head):
 
 
 def chunked_cross_entropy(head, hidden, targets, chunk_tokens: int = CHUNK_TOKENS):
-    """Mean next-token cross-entropy of `hidden` (..., H) through `head` against `targets` (...), chunk by chunk."""
+    """Mean next-token cross-entropy of `hidden` (..., H) through `head` against `targets` (...), chunk by chunk: over
+    the targets that carry loss (-100 marks those that do not: prompts and padding of fine-tuning data)."""
     import torch
     import torch.nn.functional as F
 
@@ -46,7 +47,7 @@ def chunked_cross_entropy(head, hidden, targets, chunk_tokens: int = CHUNK_TOKEN
     for start in range(0, flat.shape[0], chunk_tokens):
         logits = head(flat[start:start + chunk_tokens]).float()
         total += F.cross_entropy(logits, labels[start:start + chunk_tokens], reduction="sum").double()
-    return total / max(labels.numel(), 1)
+    return total / max(int((labels != -100).sum()), 1)
 
 
 def evaluation_loss(engine, model, batch: dict):

@@ -2,10 +2,13 @@
 
     python -m model_utils.export checkpoints                      # the newest complete checkpoint -> checkpoints/hf
     python -m model_utils.export checkpoints/step-00001000 --output /models/run1 --dtype bfloat16
+    python -m model_utils.export checkpoints --merged             # a LoRA run: hf/adapter and hf/merged
 
 Works for ZeRO stages 1, 2 and 3, offloaded or not: DeepSpeed's `zero_to_fp32` merges the fp32 master weights from
 every rank's optimizer shards (never the possibly-empty 16-bit ZeRO-3 module weights). The model is built on the meta
-device and takes those tensors as its parameters (`assign=True`), so only one full copy is ever in memory.
+device and takes those tensors as its parameters (`assign=True`), so only one full copy is ever in memory. A LoRA
+checkpoint holds the adapters only: they are loaded into the pretrained model its manifest names, wrapped again with
+the manifest's LoRA settings (lora.export_lora_checkpoint).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from .checkpoint import ResumeError, resolve_explicit, write_hf_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str = "bfloat16", log=print) -> Path:
+def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str = "bfloat16", log=print,
+                      merged: bool = False) -> Path:
+    """Write the checkpoint as a Hugging Face model to `output`; a LoRA checkpoint as its adapter (output/adapter)
+    and, with `merged`, the merged model (output/merged)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
@@ -37,6 +43,8 @@ def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str =
     config = model_config(model_name, tokenizer)
     out = Path(output) if output else info.path.parent / "hf"
 
+    if manifest.get("lora"):
+        return export_adapter_checkpoint(info, manifest, tokenizer, out, dtype, merged, log)
     log(f"export: merging the fp32 weights of {info.path} (ZeRO stage {manifest.get('zero_stage')}, "
         f"{manifest.get('world_size')} ranks)")
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.path.name)
@@ -57,14 +65,35 @@ def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str =
     return out
 
 
+def export_adapter_checkpoint(info, manifest: dict, tokenizer, out: Path, dtype: str, merged: bool, log) -> Path:
+    """A LoRA checkpoint (adapters and their optimizer state, no frozen weight): the adapters' fp32 weights merged
+    from the ranks' shards, loaded into the pretrained model wrapped again with the checkpoint's settings."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from .lora import LoraSettings, export_lora_checkpoint
+    from .sft_data import attach_chat_template
+
+    settings = LoraSettings.from_manifest(manifest["lora"])
+    log(f"export: the LoRA adapters of {info.path} (rank {settings.rank}) on {manifest['model']}")
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.path.name,
+                                                          exclude_frozen_parameters=True)
+    attach_chat_template(tokenizer)  # as the run's own export: the template its chats were rendered with
+    written = export_lora_checkpoint(manifest["model"], settings, state_dict, tokenizer, out, merged, DTYPES[dtype])
+    log("export: " + "; ".join(f"{kind} written to {path}" for kind, path in written.items()))
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step-XXXXXXXX directory, or a checkpoint directory (newest complete one)")
     parser.add_argument("--output", help="output directory (default: <checkpoint dir>/hf)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--merged", action="store_true", help="a LoRA checkpoint: also the merged model "
+                                                               "(OUTPUT/merged), loadable without peft")
     args = parser.parse_args(argv)
     try:
-        export_checkpoint(Path(args.checkpoint), Path(args.output) if args.output else None, args.dtype)
+        export_checkpoint(Path(args.checkpoint), Path(args.output) if args.output else None, args.dtype,
+                          merged=args.merged)
     except ResumeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

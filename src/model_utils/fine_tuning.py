@@ -113,3 +113,71 @@ def fine_tuning_defaults(total_steps: int, lora: bool) -> FineTuningDefaults:
                                   "LoRA: QLoRA's rate for models up to 13B, Alpaca/QLoRA warmup")
     return FineTuningDefaults(FULL_FINE_TUNING_LR, warmup, FINE_TUNING_WEIGHT_DECAY,
                               "TRL SFTConfig's rate, Stanford Alpaca's warmup, transformers' weight decay")
+
+
+def takes_fine_tuning_defaults(cfg) -> bool:
+    """A pretrained model (not a preset trained from scratch) with one of the repository's DeepSpeed configs (their
+    learning rates are for pretraining from scratch; a config of the user's own keeps its values), whose learning
+    rate or warmup the flags leave unset."""
+    from .config import REPO_ROOT
+    from .models import is_preset
+
+    optim = cfg.optim
+    repository_config = optim.ds_config_path.resolve().parent in (REPO_ROOT.resolve(), (REPO_ROOT / "configs").resolve())
+    return (not is_preset(cfg.model.model) and repository_config
+            and (optim.learning_rate is None or optim.warmup_steps is None))
+
+
+def with_fine_tuning_defaults(cfg, total_steps: int):
+    """(cfg with the fine-tuning defaults in its unset --learning_rate/--warmup_steps, the defaults or None where they
+    do not apply: takes_fine_tuning_defaults)."""
+    if not takes_fine_tuning_defaults(cfg):
+        return cfg, None
+    defaults = fine_tuning_defaults(total_steps, cfg.model.lora_rank > 0)
+    warmup = min(max(1, defaults.warmup_steps), max(1, total_steps - 1))  # WarmupDecayLR: at least 1, below the end
+    defaults = FineTuningDefaults(defaults.learning_rate, warmup, defaults.weight_decay, defaults.source)
+    changes = {}
+    if cfg.optim.learning_rate is None:
+        changes["learning_rate"] = defaults.learning_rate
+    if cfg.optim.warmup_steps is None:
+        changes["warmup_steps"] = warmup
+    return cfg.with_flags(**changes), defaults
+
+
+def apply_weight_decay(ds: dict, defaults: FineTuningDefaults | None) -> dict:
+    """The DeepSpeed config with the fine-tuning defaults' weight decay (the project's ds_config.json is for
+    pretraining from scratch); unchanged where no defaults apply."""
+    if defaults is not None and isinstance(ds.get("optimizer"), dict):
+        ds.setdefault("optimizer", {}).setdefault("params", {})["weight_decay"] = defaults.weight_decay
+    return ds
+
+
+@dataclass(frozen=True)
+class EpochLength:
+    """--num_epochs settled once the data is packed: the scheduler's total, the step the loop stops at, and the batch
+    line's part."""
+
+    total_steps: int  # num_epochs passes at this batch: the scheduler's total_num_steps
+    stop_step: int  # where this run stops: total_steps, or on resume steps_to_finish from the data position
+    description: str
+
+
+def settle_epochs(num_epochs: float, training_blocks: int, world: int, micro: int, accumulation: int,
+                  resumed: dict | None = None) -> EpochLength:
+    """The length of a --num_epochs run; `resumed`: the checkpoint manifest it continues (step, data_position).
+    Raises ConfigError where the data do not fill a micro-batch."""
+    from .config import ConfigError
+
+    problems = epochs_problems(num_epochs, None, training_blocks, world, micro)
+    if problems:
+        raise ConfigError(problems)
+    total = steps_for_epochs(num_epochs, training_blocks, world, micro, accumulation)
+    stop = total
+    if resumed is not None:
+        position = resumed.get("data_position", {})
+        stop = steps_to_finish(num_epochs, training_blocks, world, micro, accumulation, int(resumed["step"]),
+                               int(position.get("epoch", 0)), int(position.get("blocks_consumed", 0)))
+    description = describe_epochs(num_epochs, total, training_blocks, world, micro, accumulation)
+    if stop != total:
+        description += f"; this resumed run stops at step {stop:,}, the end of epoch {num_epochs:g} at its batch"
+    return EpochLength(total, stop, description)

@@ -75,7 +75,9 @@ def _widths(config) -> tuple[int, int, int, int, int, int]:
     dim = head_dim(config)
     heads = getattr(config, "num_attention_heads", None) or 0
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return config.hidden_size, heads * dim, kv_heads * dim, config.intermediate_size, heads, kv_heads
+    # GPT-2's config names the MLP's width n_inner, None meaning 4 x hidden
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+    return config.hidden_size, heads * dim, kv_heads * dim, inter, heads, kv_heads
 
 
 def _norm_and_attention_statistics(config) -> float:
@@ -169,16 +171,21 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
                  off_par: bool, bf16: bool, zero: dict, checkpointing: bool, fused: bool, chunk: int,
                  generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True,
                  gpu_optimizer_share: float = 0.0, checkpointed_layers: int | None = None,
-                 delayed_prefetch: bool = False, accumulation: int | None = None) -> PhaseMemory:
+                 delayed_prefetch: bool = False, accumulation: int | None = None,
+                 frozen_params: int = 0) -> PhaseMemory:
+    """`num_params`: the parameters that train (weight, gradient, optimizer state each); `frozen_params`: those that
+    do not (LoRA's frozen model: their 16-bit weight only, partitioned under ZeRO-3)."""
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
                                gpu_optimizer_share, delayed_prefetch, accumulation)
+    if not (off_par and stage == 3):
+        states += (2 if bf16 else 4) * frozen_params / (world if stage >= 3 else 1)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers),
         evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
         export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
         # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states
-        generation=states + num_params * 2 if generate else 0.0)
+        generation=states + (num_params + frozen_params) * 2 if generate else 0.0)
 
 
 def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool,

@@ -50,6 +50,12 @@ class ModelPlan:
     param_groups: tuple[tuple[int, ...], ...]  # the optimizer's groups' parameter sizes (models.decay_groups)
     checkpointable_layers: int  # the layers transformers checkpoints one by one (models.checkpointable_layers)
     flops: object  # models.FlopsModel
+    frozen_params: int = 0  # parameters that do not train (the model's own weights under LoRA), in num_params
+    lora: object = None  # lora.LoraSettings; None: every weight trains
+
+    @property
+    def trainable_params(self) -> int:
+        return self.num_params - self.frozen_params
 
 
 @dataclass(frozen=True)
@@ -94,14 +100,14 @@ class MemoryModel:
         if prefetch is None:
             prefetch = self.speed.delayed_update_prefetch == "on" and self.prefetch_applies(ds)
         off_opt, off_par = dsc.offloads(ds)
-        return phase_memory(self.model.num_params, self.model.config, self.world, self.seq_len, micro,
+        return phase_memory(self.model.trainable_params, self.model.config, self.world, self.seq_len, micro,
                             dsc.zero_stage(ds), off_opt, off_par, dsc.precision(ds) != "fp32",
                             ds.get("zero_optimization", {}), self.gradient_checkpointing, self.fused_loss,
                             self.speed.flce_chunk_budget, self.generation,
                             fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), compiled=self.compiles(ds),
                             gpu_optimizer_share=self.gpu_optimizer_share(ds),
                             checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
-                            accumulation=self.batch.accumulation_at(micro))
+                            accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params)
 
     def peak(self, ds: dict, micro: int, checkpointed_layers: int | None = None, prefetch: bool | None = None) -> float:
         return self.phases(ds, micro, checkpointed_layers, prefetch).peak[1]
@@ -116,7 +122,7 @@ class MemoryModel:
         from . import ds_config as dsc
         from .memory import offload_host_bytes
 
-        return offload_host_bytes(self.model.num_params, self.world, self.hardware.ranks_per_node, dsc.zero_stage(ds),
+        return offload_host_bytes(self.model.trainable_params, self.world, self.hardware.ranks_per_node, dsc.zero_stage(ds),
                                   *dsc.offloads(ds), dsc.fp32_grad_accumulation(ds), gpu=self.hardware.gpus,
                                   gpu_optimizer_share=self.gpu_optimizer_share(ds),
                                   pinned_optimizer=bool(dsc.offload_setting(ds, "offload_optimizer", "pin_memory")))
@@ -179,6 +185,8 @@ class Plan:
     resume: object = None  # checkpoint.CheckpointInfo to resume from; None: a fresh start (or not the deciding rank)
     incomplete_moved: tuple[str, ...] = ()  # incomplete checkpoints moved aside by this start
     data_source: object = None  # concat_dataset.DataSource; None for --dummy_data or on ranks that do not decide
+    data_format: str | None = None  # sft_data.resolve_data_format: a fine-tuning format, or "pretraining"
+    fine_tuning: object = None  # fine_tuning.FineTuningDefaults in cfg and ds_config; None: the config's own values
     problems: tuple[Problem, ...] = ()
     notes: tuple[str, ...] = ()
 
@@ -216,11 +224,16 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
     from . import ds_config as dsc
     from .models import default_seq_len
 
+    from .fine_tuning import apply_weight_decay, with_fine_tuning_defaults
+
     problems, notes = list(validate_args(cfg)), []
+    fine_tuning = None
+    if cfg.batch.num_epochs is None:  # with --num_epochs the trainer applies them once the data give the length
+        cfg, fine_tuning = with_fine_tuning_defaults(cfg, cfg.batch.max_steps)
     hardware = probe_hardware(on_training_hardware, world)
     fused = fused_loss(cfg.speed, hardware)
     seq_len = cfg.model.seq_len or default_seq_len(cfg.model.model)
-    plan = Plan(cfg, world, hardware, fused, seq_len)
+    plan = Plan(cfg, world, hardware, fused, seq_len, fine_tuning=fine_tuning)
 
     ds_path = cfg.optim.ds_config_path
     raw, found = dsc.load_json(ds_path) if ds_path.is_file() else (None, [])  # a missing file: validate_args
@@ -235,6 +248,8 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         plan, found, said = plan_batch(plan, raw)
         problems += found
         notes += said
+        if plan.ds_config is not None:
+            plan = dataclasses.replace(plan, ds_config=apply_weight_decay(copy.deepcopy(plan.ds_config), fine_tuning))
     if plan.ds_config is not None and model is not None:
         plan, found = plan_memory(plan)
         problems += found
@@ -242,9 +257,10 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         resume, moved, found, said = find_resume_point(cfg, move_incomplete)
         problems += found
         notes += said
-        source, found = find_data_source(cfg, tokenizer)
+        source, data_format, found = find_data_source(cfg, tokenizer)
         problems += found
-        plan = dataclasses.replace(plan, resume=resume, incomplete_moved=tuple(moved), data_source=source)
+        plan = dataclasses.replace(plan, resume=resume, incomplete_moved=tuple(moved), data_source=source,
+                                   data_format=data_format)
     return dataclasses.replace(plan, problems=tuple(problems), notes=tuple(notes))
 
 
@@ -298,12 +314,25 @@ def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None
                                          "directory with config.json, or a reachable hub id")]
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
+    base_params = sum(p.numel() for p in meta_model.parameters())
+    layers = len(checkpointable_layers(meta_model))
+    settings, frozen = cfg.model.lora_settings(), 0
+    if settings is not None:  # the adapters are sized on the meta device too: trainable vs frozen for the memory
+        from .lora import LoraError, apply_lora, parameter_counts
+
+        try:
+            with torch.device("meta"):
+                meta_model = apply_lora(meta_model, settings)
+        except LoraError as e:
+            return tokenizer, None, e.problems
+        frozen = parameter_counts(meta_model).frozen
     num_params = sum(p.numel() for p in meta_model.parameters())
+    # FLOPs: the base model's 6N per token (model FLOPs; LoRA skips the weights' gradients, not the rest).
     model = ModelPlan(tokenizer, config, num_params,
                       param_groups=tuple(tuple(p.numel() for p in group)
                                          for group in decay_groups(meta_model.parameters())),
-                      checkpointable_layers=len(checkpointable_layers(meta_model)),
-                      flops=FlopsModel.from_config(config, num_params, seq_len))
+                      checkpointable_layers=layers, flops=FlopsModel.from_config(config, base_params, seq_len),
+                      frozen_params=frozen, lora=settings)
     return tokenizer, model, []
 
 
@@ -354,10 +383,10 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
         checkpointed_layers=layers, checkpointed_layers_choice=layers_choice,
         delayed_prefetch=prefetch, delayed_prefetch_choice=prefetch_choice,
         host_bytes=memory_model.host_bytes(ds),
-        resume_host_bytes=resume_host_bytes(model.num_params, plan.world, plan.hardware.ranks_per_node,
+        resume_host_bytes=resume_host_bytes(model.trainable_params, plan.world, plan.hardware.ranks_per_node,
                                             dsc.offloads(ds)[0], memory_model.gpu_optimizer_share(ds)))
     bf16 = dsc.precision(ds) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
-    checkpoint_bytes = model.num_params * (2 + 12 if bf16 else 4 + 8) * 1.05
+    checkpoint_bytes = model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05  # LoRA: no frozen weight
     writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,
                                     any(dsc.offloads(ds)), plan.hardware, plan.world)
     return dataclasses.replace(plan, memory=memory, checkpoints=writes), problems
@@ -476,17 +505,20 @@ def find_resume_point(cfg: TrainConfig, move_incomplete: bool) -> tuple[object, 
     return resume, moved, [], notes
 
 
-def find_data_source(cfg: TrainConfig, tokenizer) -> tuple[object, list[Problem]]:
-    """What --dataset means (files, a saved dataset, the hub, the embedded corpus); the data themselves are read by
-    the preflight's sample check and the run's tokenization."""
+def find_data_source(cfg: TrainConfig, tokenizer) -> tuple[object, str | None, list[Problem]]:
+    """What --dataset means (files, a saved dataset, the hub, the embedded corpus) and what its rows hold (a
+    fine-tuning format or pretraining text, from --data_format and the columns); the data themselves are read by the
+    preflight's sample check and the run's tokenization."""
     from .concat_dataset import DataError, resolve_source
+    from .sft_data import resolve_data_format
 
     if cfg.data.dummy_data or tokenizer is None:
-        return None, []
+        return None, None, []
     try:
-        return resolve_source(cfg.data), []
+        source = resolve_source(cfg.data)
+        return source, resolve_data_format(cfg.data, source), []
     except DataError as e:
-        return None, [e.problem]
+        return None, None, [e.problem]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -163,8 +163,8 @@ def checked_plan(cfg: TrainConfig, dist, log) -> Plan:
         log.warn(note)
     for line in report.estimates:  # memory and checkpoint disk; the run logs its config, batch and model lines
         log.info(line)
-    resume, source = dist.broadcast_object((plan.resume, plan.data_source))
-    return dataclasses.replace(plan, resume=resume, data_source=source)
+    resume, source, data_format = dist.broadcast_object((plan.resume, plan.data_source, plan.data_format))
+    return dataclasses.replace(plan, resume=resume, data_source=source, data_format=data_format)
 
 
 def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> Report:
@@ -211,7 +211,11 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
                                 f"{plan.model.config.num_hidden_layers} recompute ({plan.memory.checkpointed_layers_choice})")
         if plan.memory and plan.memory.delayed_prefetch_choice:
             report.lines.append(f"delayed update prefetch: {plan.memory.delayed_prefetch_choice}")
-        report.lines.append(f"plan: {batch.plan(cfg.batch.max_steps, streamed=cfg.data.streaming)}")
+        report.lines.append(f"plan: {batch.plan(cfg.batch.max_steps, streamed=cfg.data.streaming)}"
+                            if cfg.batch.num_epochs is None else
+                            f"plan: {cfg.batch.num_epochs:g} epochs (steps from the packed data)")
+        if plan.fine_tuning is not None:
+            report.lines.append(plan.fine_tuning.describe())
     if plan.memory is not None:
         _check_memory(plan, report)
         _note_offload_accumulation(plan, report)
@@ -496,6 +500,7 @@ def _check_data(plan: Plan, report: Report):
     """The column and tokenization of the plan's data source, on a sample; exact counts from the cache if built."""
     from .concat_dataset import (DUMMY_VALIDATION_FRACTION, OPENED_WITHOUT_TOKENIZING, DataError, block_count,
                                  cache_dir_for, describe_without_tokenizing, held_out_count, tokenize_split)
+    from .sft_data import FORMATS
 
     cfg, tokenizer, seq_len, world, micro = plan.cfg, plan.tokenizer, plan.seq_len, plan.world, plan.batch.micro
     source = plan.data_source
@@ -512,6 +517,13 @@ def _check_data(plan: Plan, report: Report):
         except DataError as e:
             report.problems.append(e.problem)
         return
+    elif plan.data_format in FORMATS:  # fine-tuning examples
+        try:
+            line, blocks = describe_fine_tuning_data(plan)
+        except DataError as e:
+            report.problems.append(e.problem)
+            return
+        report.lines.append(line)
     elif source.kind in OPENED_WITHOUT_TOKENIZING:  # prepared shards, token files, a mixture
         try:
             line, blocks = describe_without_tokenizing(cfg.data, source, tokenizer, seq_len)
@@ -544,10 +556,49 @@ def _check_data(plan: Plan, report: Report):
         except DataError as e:
             report.problems.append(e.problem)
             return
+    if blocks is not None and cfg.batch.num_epochs is not None and blocks >= world * micro:
+        from .fine_tuning import steps_for_epochs
+
+        steps = steps_for_epochs(cfg.batch.num_epochs, blocks, world, micro, plan.batch.accumulation)
+        report.lines.append(f"epochs: {cfg.batch.num_epochs:g} = ~{steps:,} steps at this batch (settled from the "
+                            "packed data when the run starts)")
     if blocks is not None and blocks < world * micro:
         report.problems.append(Problem("--seq_len", seq_len, f"the data gives ~{blocks} training blocks, fewer than one "
                                        f"micro-batch per rank ({micro} x {world} ranks)",
                                        "use more data, a smaller --seq_len or a smaller micro-batch"))
+
+
+SAMPLE_CHECKED_ROWS = 5000  # rows whose format is checked (cheap: no tokenization)
+
+
+def describe_fine_tuning_data(plan: Plan) -> tuple[str, int | None]:
+    """The data line and training blocks of fine-tuning data: from its packed cache where the run built it, else
+    from the first rows: the format checked on SAMPLE_CHECKED_ROWS of each split (a mixed or wrong row is a DataError
+    naming the file, the row and its columns) and SAMPLE_DOCUMENTS of them encoded and packed for the estimate."""
+    from .concat_dataset import held_out_count
+    from .sft_data import (ExampleEncoder, SFTSettings, check_rows, encode_rows, load_sft_splits, open_sft,
+                           pack_examples, sft_cache_dir, source_key, _cache_root)
+
+    cfg, source, tokenizer = plan.cfg.data, plan.data_source, plan.tokenizer
+    settings = SFTSettings(plan.seq_len, plan.data_format, cfg.train_on_prompts, cfg.validation_fraction)
+    cache = sft_cache_dir(_cache_root(cfg), source_key(source, cfg), tokenizer, settings)
+    if (cache / "meta.json").exists():
+        data = open_sft(cache, cfg.validation_fraction)
+        return f"data: {data.description} (packed cache {cache})", len(data.train_ids)
+    train, validation = load_sft_splits(source, cfg)
+    for split, rows in (("train", train), ("validation", validation)):
+        if rows is not None:
+            check_rows(rows.select(range(min(SAMPLE_CHECKED_ROWS, len(rows)))), plan.data_format,
+                       f"{source.location} ({split} split)")
+    sample = train.select(range(min(SAMPLE_DOCUMENTS, len(train))))
+    encoder = ExampleEncoder(tokenizer, plan.data_format, cfg.train_on_prompts, source.location)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stats = pack_examples(encode_rows(sample, encoder, checked=True), plan.seq_len, pad, len(tokenizer)).stats
+    blocks = int(stats.blocks * len(train) / max(len(sample), 1))
+    if validation is None:
+        blocks -= held_out_count(blocks, cfg.validation_fraction)
+    return (f"data: {source.location}: fine-tuning data ({encoder.describe()}), {len(train):,} rows; the first "
+            f"{len(sample)}: {stats.describe()}; ~{blocks:,} training blocks estimated"), blocks
 
 
 def _sample(source, cfg):
@@ -609,6 +660,7 @@ def _check_resume(plan: Plan, report: Report):
     if m.get("model") not in (None, cfg.model.model):
         report.problems.append(Problem("--model", cfg.model.model, f"{info.path} holds a checkpoint of {m.get('model')}",
                                        f"use --model {m.get('model')}, or another --checkpoint_dir"))
+    report.problems += lora_resume_refusals(m, info.path, cfg.model.lora_settings())
     # The data position counts blocks of the checkpoint's seq_len in its tokens: another block length or tokenizer
     # would continue at another place (the data themselves are compared when the run has read them).
     identity = {"seq_len": plan.seq_len, "tokenizer": cfg.model.tokenizer}
@@ -618,6 +670,23 @@ def _check_resume(plan: Plan, report: Report):
     report.problems += data_position_problems(m, info.path, identity)
     report.problems += stream_resume_problems(m, info.path, cfg.data.streaming, cfg.data.stream_shuffle_blocks,
                                               plan.world)
+
+
+def lora_resume_refusals(manifest: dict, path, settings) -> list[Problem]:
+    """A checkpoint continues with the adapters it was trained with, and a full fine-tuning checkpoint without any."""
+    from .lora import LoraSettings, lora_resume_problems
+
+    recorded = manifest.get("lora")
+    if settings is not None:
+        return lora_resume_problems(recorded, settings, str(path))
+    if recorded is not None:
+        before = LoraSettings.from_manifest(recorded)
+        return [Problem("--lora_rank", 0, f"{path} holds LoRA adapters (rank {before.rank}, alpha {before.alpha:g}) "
+                        "without the frozen weights", f"resume with --lora_rank {before.rank} --lora_alpha "
+                        f"{before.alpha:g}" + (f" --lora_target_modules {','.join(before.target_modules)}"
+                                               if before.target_modules else "")
+                        + ", or start a new run in another --checkpoint_dir")]
+    return []
 
 
 def merge_rank_problems(per_rank: list[tuple[str, list[Problem]]]) -> list[Problem]:

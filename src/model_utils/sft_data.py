@@ -564,18 +564,152 @@ def open_sft(out_dir: Path, validation_fraction: float = SFTSettings.validation_
     return PackedData(train, train_ids, val, val_ids, description)
 
 
-def ensure_sft_cache(cfg, tokenizer, settings: SFTSettings, source=None, log=print) -> Path:
-    """The cache directory of the fine-tuning data, built first where it is missing (one process: global rank 0, as
-    in concat_dataset.prepare_data, whose rank-0 branch calls this in place of cache_dir_for/build_token_files and
-    whose ranks then call open_sft in place of open_packed). `source`: the plan's resolved --dataset."""
-    from .concat_dataset import load_splits, resolve_source
+# --------------------------------------------------------------------------------------------------------------------
+# The run's data: which format, the splits, the cache built by one rank
+# --------------------------------------------------------------------------------------------------------------------
+PRETRAINING = "pretraining"  # resolve_data_format's answer for documents concatenated into blocks (concat_dataset)
+PRETRAINING_KINDS = ("prepared", "npy", "mixture")  # sources only the pretraining pipeline reads
+
+
+def _first_json_record(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1 << 20)
+    if head.lstrip().startswith("["):  # one JSON document (a list of records)
+        records = json.loads(Path(path).read_text(encoding="utf-8"))
+        return records[0] if records and isinstance(records[0], dict) else {}
+    for line in head.splitlines():
+        if line.strip():
+            record = json.loads(line)
+            return record if isinstance(record, dict) else {}
+    return {}
+
+
+def source_columns(source, cfg) -> list[str]:
+    """The column names of a data source's training split, read from its first record or its schema (a hub dataset:
+    its first row, streamed). Raises DataError where they cannot be read."""
+    from .concat_dataset import LOAD_ERRORS, load_problem, stream_documents
+
+    try:
+        if source.kind in ("files", "embedded", "embedded-chat"):
+            first = source.files[0]
+            if source.builder == "json":
+                return list(_first_json_record(first))
+            if source.builder == "parquet":
+                import pyarrow.parquet
+
+                return list(pyarrow.parquet.ParquetFile(first).schema_arrow.names)
+            if source.builder == "csv":
+                import csv
+
+                with open(first, encoding="utf-8", newline="") as f:
+                    return next(csv.reader(f), [])
+            if source.builder == "text":
+                return ["text"]
+        if source.kind == "disk":
+            import datasets
+
+            loaded = datasets.load_from_disk(source.location)
+            if isinstance(loaded, datasets.DatasetDict):
+                loaded = loaded["train" if "train" in loaded else next(iter(loaded))]
+            return list(loaded.column_names)
+        if source.kind == "hub":
+            rows = list(stream_documents(source.location, cfg.dataset_config_name, None, "train", 1))
+            return list(rows[0]) if rows else []
+        # arrow files: the loader reads them
+        from .concat_dataset import load_splits
+
+        return list(load_splits(source, cfg)[0].column_names)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise load_problem(source, e) from e
+    except LOAD_ERRORS as e:
+        raise load_problem(source, e) from e
+
+
+def resolve_data_format(cfg, source) -> str:
+    """--data_format resolved for this source: a fine-tuning format (FORMATS), or PRETRAINING (documents concatenated
+    into blocks, concat_dataset's pipeline). auto: chat, prompt_completion or alpaca from the columns, tokens where a
+    labels column comes with input_ids, else PRETRAINING. Raises DataError naming the data and the columns where an
+    explicit format's columns are missing or the source is one only pretraining reads."""
+    if source is None:
+        return PRETRAINING
+    if source.kind in PRETRAINING_KINDS:
+        if cfg.data_format in FORMATS:
+            raise DataError(Problem("--data_format", cfg.data_format, f"{source.location} is {source.kind} data, "
+                                    "which holds token streams without examples", "leave --data_format at auto, or "
+                                    "point --dataset at rows (JSONL, Parquet, a saved dataset)"))
+        return PRETRAINING
+    columns = source_columns(source, cfg)
+    if cfg.data_format == "auto":
+        fmt = next((name for name, required in REQUIRED_COLUMNS.items() if all(c in columns for c in required)), None)
+        if fmt in ("chat", "prompt_completion", "alpaca") or (fmt == "tokens" and "labels" in columns):
+            return fmt
+        return PRETRAINING
+    return detect_format(columns, cfg.data_format, source.location)
+
+
+def load_sft_splits(source, cfg):
+    """(train, validation or None) of a fine-tuning source: the embedded chat dataset's two files as its splits,
+    anything else as concat_dataset.load_splits reads it."""
+    from .concat_dataset import load_splits
+
+    if source.kind != "embedded-chat":
+        return load_splits(source, cfg)
+    import datasets
+
+    from .concat_dataset import _hf_cache
+    from .sft_corpus import split_files
+
+    loaded = datasets.load_dataset("json", data_files=split_files(Path(source.location)), cache_dir=_hf_cache(cfg))
+    splits = loaded["train"], loaded["validation"]
+    if cfg.max_documents:  # the first N examples of each split
+        splits = tuple(split.select(range(min(cfg.max_documents, len(split)))) for split in splits)
+    return splits
+
+
+def open_sft_source(cfg, source, tokenizer, seq_len: int, data_format: str, dist, log=print) -> PackedData:
+    """The packed fine-tuning data on every rank: global rank 0 encodes and packs them into the cache
+    (concat_dataset.ensure_token_cache's protocol: the other ranks wait on its files), then every rank memory-maps
+    them (open_sft)."""
+    from .concat_dataset import ensure_token_cache
+
+    settings = SFTSettings(seq_len, data_format, cfg.train_on_prompts, cfg.validation_fraction)
+    out_dir = sft_cache_dir(_cache_root(cfg), source_key(source, cfg), tokenizer, settings)
+
+    def build(cfg, tokenizer, out_dir, log, source, progress=None):
+        train, validation = load_sft_splits(source, cfg)
+        if progress is not None:
+            progress.set_total(len(train) + (len(validation) if validation is not None else 0))
+        meta = build_sft_files({"train": train, "validation": validation}, tokenizer, settings, out_dir,
+                               source.location, log)
+        if progress is not None:
+            examples = sum(split["stats"]["examples"] for split in meta["splits"].values())
+            tokens = sum(split["stats"]["tokens"] for split in meta["splits"].values())
+            progress.update(examples, tokens, examples)
+
+    ensure_token_cache(cfg, source, tokenizer, out_dir, dist, log, build=build)
+    return open_sft(out_dir, cfg.validation_fraction)
+
+
+def source_key(source, cfg) -> str:
+    """What the packed examples are made of: the source and, with --max_documents, how many of its rows."""
+    return source.identity() + (f"|max_documents={cfg.max_documents}" if cfg.max_documents else "")
+
+
+def _cache_root(cfg) -> Path:
     from .corpus import default_cache_root
 
+    return Path(cfg.data_cache_dir) if cfg.data_cache_dir else default_cache_root()
+
+
+def ensure_sft_cache(cfg, tokenizer, settings: SFTSettings, source=None, log=print) -> Path:
+    """The cache directory of the fine-tuning data, built here where it is missing (one process, no other ranks:
+    tools and tests; a run goes through open_sft_source). `source`: the resolved --dataset."""
+    from .concat_dataset import resolve_source
+
     source = source or resolve_source(cfg)
-    root = Path(cfg.data_cache_dir) if cfg.data_cache_dir else default_cache_root()
-    out_dir = sft_cache_dir(root, source.identity(), tokenizer, settings)
+    out_dir = sft_cache_dir(_cache_root(cfg), source_key(source, cfg), tokenizer, settings)
     if not (out_dir / "meta.json").exists():
-        train, validation = load_splits(source, cfg)
+        train, validation = load_sft_splits(source, cfg)
         build_sft_files({"train": train, "validation": validation}, tokenizer, settings, out_dir, source.location,
                         log)
     return out_dir

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import time
@@ -53,6 +54,8 @@ class Run:
     peak_tflops: float | None = None
     document_eos: int | None = None  # --document_mask: the token that ends a document
     document_boundaries: bool = False  # the attention takes documents as boundaries (FlashAttention-4), not a mask
+    lora: object = None  # lora.LoraSettings of a LoRA run; None: every weight trains
+    examples: bool = False  # fine-tuning data (sft_data): blocks of examples with their labels and positions
     step: int = 0
     tokens_seen: int = 0
     position: DataPosition | None = None
@@ -95,7 +98,6 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
     cfg, run_dir, batch = plan.cfg, plan.cfg.checkpoint.run_dir, plan.batch
     ds = copy.deepcopy(plan.ds_config)  # DeepSpeed and the universal-checkpoint load write into it
     prepare_ds_monitor(ds, run_dir)
-    log.info(describe_ds_config(ds))
 
     resume_tag = plan.resume.path.name if plan.resume else None
     if plan.resume and needs_universal(plan.resume, dist.world_size, dsc.zero_stage(ds)):
@@ -103,7 +105,15 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
         ds.setdefault("checkpoint", {})["load_universal"] = True
 
     tokenizer = plan.tokenizer
-    data = prepare_data(cfg.data, tokenizer, batch.seq_len, dist, log.info, source=plan.data_source, seed=cfg.seed)
+    data = prepare_data(cfg.data, tokenizer, batch.seq_len, dist, log.info, source=plan.data_source, seed=cfg.seed,
+                        data_format=plan.data_format)
+    examples = is_example_data(data)
+    length = None
+    if cfg.batch.num_epochs is not None:  # the length in steps follows from the packed data
+        cfg, ds, length = settle_length(plan, ds, len(data.train_ids), dist.world_size, log)
+    elif plan.fine_tuning is not None:
+        log.info(plan.fine_tuning.describe())
+    log.info(describe_ds_config(ds))
     identity = data_identity(cfg, tokenizer, batch.seq_len, data, dist.world_size)
     if plan.resume:  # every rank alike: the same manifest (broadcast), the same data
         problems = data_position_problems(plan.resume.manifest, plan.resume.path, identity)
@@ -123,7 +133,10 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
                         cfg.model.gradient_checkpointing, layers)
     in_force = apply_speed_options(model, cfg.speed, dist.device.type == "cuda", log.info,
                                    warn=lambda message: log.warn(message, all_ranks=True),
-                                   documents=cfg.data.document_mask, fused=plan.fused_loss)
+                                   documents=cfg.data.document_mask or examples, fused=plan.fused_loss)
+    lora = cfg.model.lora_settings()
+    if lora is not None:
+        model = wrap_with_adapters(model, lora, log)
 
     matrices, others = decay_groups(model.parameters())
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
@@ -143,12 +156,17 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
         saves = BackgroundSaves(install(engine, log.info), dist, log.info)
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
+    documents = cfg.data.document_mask or examples  # examples: positions restart at each one
     run = Run(cfg, dist, run_dir, ds, tokenizer, model, engine, data, order, batch, plan.model.flops, log,
               data_identity=identity, speed_in_force=in_force, peak_tflops=peak, position=DataPosition(),
               saves=saves, incomplete_moved=plan.incomplete_moved,
-              document_eos=tokenizer.eos_token_id if cfg.data.document_mask else None,
-              document_boundaries=cfg.data.document_mask and takes_document_boundaries(model))
-    if cfg.data.document_mask:
+              document_eos=tokenizer.eos_token_id if cfg.data.document_mask and not examples else None,
+              document_boundaries=documents and takes_document_boundaries(model), lora=lora, examples=examples)
+    if examples:
+        log.info("attention: within each example (positions restart at every example, "
+                 + ("FlashAttention-4 takes the examples' boundaries)" if run.document_boundaries
+                    else "transformers masks attention to each example)"))
+    elif cfg.data.document_mask:
         log.info("attention: within documents (--document_mask; positions restart after each EOS, "
                  + ("FlashAttention-4 takes the documents' boundaries)" if run.document_boundaries
                     else "transformers masks attention to each document)"))
@@ -159,6 +177,7 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
              f"ZeRO stage {dsc.zero_stage(ds)}")
     log.info(f"batch: {batch.describe()}; "
              f"{batch.plan(cfg.batch.max_steps, max(data.train_tokens or 0, 1), is_streamed(data))}"
+             + (f"; {length.description}" if length else "")
              + (f"; micro-batch {plan.micro_batch_choice}" if plan.micro_batch_choice else ""))
     if layers is not None:
         log.info(f"activation checkpointing: {layers} of {plan.model.config.num_hidden_layers} decoder layers "
@@ -169,6 +188,51 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
         load_checkpoint(run, plan.resume, resume_tag)
     log.sinks = Sinks(cfg, run_dir, dist, ds, engine, run.step, log)  # TensorBoard / W&B (rank 0)
     return run
+
+
+def settle_length(plan: Plan, ds: dict, training_blocks: int, world: int, log: Logger):
+    """--num_epochs once the data are packed: (cfg whose max_steps is the step the run stops at, the DeepSpeed config
+    whose scheduler counts the epochs' steps and takes the fine-tuning defaults where they apply, the EpochLength).
+    Only the optimizer and scheduler sections change: the rest of `ds` is the plan's."""
+    from . import ds_config as dsc
+    from .fine_tuning import apply_weight_decay, settle_epochs, with_fine_tuning_defaults
+
+    cfg, batch = plan.cfg, plan.batch
+    length = settle_epochs(cfg.batch.num_epochs, training_blocks, world, batch.micro, batch.accumulation,
+                           plan.resume.manifest if plan.resume else None)
+    scheduled, defaults = with_fine_tuning_defaults(cfg.with_flags(max_steps=length.total_steps), length.total_steps)
+    resolved, _, problems = dsc.resolve_settings(plan.raw_ds_config, scheduled, plan.hardware.precision,
+                                                 plan.model.config.hidden_size)
+    if problems:
+        raise ConfigError(problems)
+    apply_weight_decay(resolved, defaults)
+    ds = copy.deepcopy(ds)
+    for section in ("optimizer", "scheduler"):
+        if section in resolved:
+            ds[section] = resolved[section]
+    if defaults is not None:
+        log.info(defaults.describe())
+    return dataclasses.replace(scheduled, batch=dataclasses.replace(scheduled.batch, max_steps=length.stop_step)), \
+        ds, length
+
+
+def is_example_data(data) -> bool:
+    """Fine-tuning data: blocks of examples with their labels and positions (sft_data), not of concatenated text."""
+    from .sft_data import PackedExamples
+
+    return isinstance(data.train, PackedExamples)
+
+
+def wrap_with_adapters(model, settings, log: Logger):
+    """The model with LoRA adapters (lora.apply_lora), its other weights frozen; bad settings stop every rank alike."""
+    from .lora import LoraError, apply_lora, summary
+
+    try:
+        model = apply_lora(model, settings)
+    except LoraError as e:
+        raise ConfigError(e.problems) from e
+    log.info(summary(model, settings).describe())
+    return model
 
 
 def data_identity(cfg: TrainConfig, tokenizer, seq_len: int, data, world_size: int = 1) -> dict:
@@ -194,7 +258,7 @@ def load_checkpoint(run: Run, info, tag: str):
     from .process import set_rng_state
     from .streaming import resume_stream
 
-    _, client = run.engine.load_checkpoint(str(info.path.parent), tag=tag)
+    _, client = run.engine.load_checkpoint(str(info.path.parent), tag=tag, **checkpoint_options(run)[1])
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load {info.path}")
     run.step, run.tokens_seen = client["step"], client["tokens_seen"]
@@ -219,6 +283,14 @@ def load_checkpoint(run: Run, info, tag: str):
     if changed:
         run.log.warn(f"resume: the optimisation differs from the checkpoint's run ({'; '.join(changed)}): the run "
                      "continues with this run's values; the same settings continue it exactly")
+
+
+def checkpoint_options(run: Run) -> tuple[dict, dict]:
+    """(engine.save_checkpoint's, engine.load_checkpoint's) extra arguments: a LoRA run's checkpoints leave the frozen
+    weights out (lora.checkpoint_options), which the resumed run has from the pretrained model."""
+    from .lora import checkpoint_options as lora_options
+
+    return lora_options() if run.lora else ({}, {})
 
 
 def speed_changes(manifest: dict, speed, in_force: dict | None, resumed_at: int = 0) -> list[str]:
@@ -252,7 +324,11 @@ def model_inputs(run: Run, blocks) -> dict:
 
     from .concat_dataset import document_boundaries, document_positions
 
+    from .sft_data import ExampleBatch
+
     device = run.dist.device
+    if isinstance(blocks, ExampleBatch):
+        return example_inputs(run, blocks)
     on_device = to_device(blocks, device)
     inputs, targets = on_device[:, :-1].contiguous(), on_device[:, 1:].contiguous()
     batch = {"input_ids": inputs, "labels": targets, "shift_labels": targets}
@@ -267,11 +343,28 @@ def model_inputs(run: Run, blocks) -> dict:
     return batch
 
 
+def example_inputs(run: Run, batch) -> dict:
+    """The model's keyword arguments for a batch of packed examples (sft_data.ExampleBatch): its targets (-100 outside
+    the answers) and positions restarting at every example; FlashAttention-4 takes the examples' boundaries."""
+    import torch
+
+    arrays = batch.model_arrays(run.document_boundaries)
+    inputs = {k: to_device(v, run.dist.device) if hasattr(v, "shape") else v for k, v in arrays.items()}
+    if "cu_seq_lens_q" in inputs:
+        torch._dynamo.maybe_mark_dynamic(inputs["cu_seq_lens_q"], 0)  # their count varies: one compiled graph
+    return inputs
+
+
 def attention_area(run: Run, blocks) -> int:
     """The query-key pairs the blocks' attention covers, for FLOPs and MFU: T² per block, or each document's length
-    squared with --document_mask (model FLOPs: what the kernel computes, or skips, does not change them)."""
+    squared with --document_mask, each example's with fine-tuning data (model FLOPs: what the kernel computes, or
+    skips, does not change them)."""
     from .concat_dataset import attention_area as document_area, document_positions
 
+    from .sft_data import ExampleBatch
+
+    if isinstance(blocks, ExampleBatch):
+        return document_area(blocks.position_ids)
     if run.document_eos is None:
         return len(blocks) * run.batch.seq_len ** 2
     return document_area(document_positions(blocks[:, :-1], run.document_eos))
@@ -416,7 +509,9 @@ def save(run: Run, wait: bool = False):
     ctx = SaveContext(run.run_dir.root, run.cfg.checkpoint.keep_last_checkpoints,
                       {"model": run.cfg.model.model, **run.data_identity, "zero_stage": zero_stage(run.ds_config),
                        "ds_config": run.ds_config, "perf": run.cfg.speed.as_dict(),
-                       "levers_in_force": run.speed_in_force})
+                       "levers_in_force": run.speed_in_force,
+                       "lora": run.lora.as_manifest() if run.lora else None},
+                      save_options=checkpoint_options(run)[0])
     client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
               # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)
               UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
@@ -664,9 +759,53 @@ def finish(run: Run):
     settle(run.engine)  # the evaluation and the export see every step's update (--delayed_update_from_step)
     log_evaluation(run, "eval (final)")
     if run.cfg.checkpoint.export:
-        out = export_hf(run.engine, run.model, run.tokenizer, run.run_dir.export, zero_stage(run.ds_config),
-                        run.dist, run.log.info)
-        if run.cfg.logging.generate_prompt and run.dist.is_main:
+        if run.examples:  # the export is prompted through the template its chats were rendered with
+            from .sft_data import attach_chat_template
+            attach_chat_template(run.tokenizer)
+        if run.lora:
+            out = export_adapters(run)
+        else:
+            out = export_hf(run.engine, run.model, run.tokenizer, run.run_dir.export, zero_stage(run.ds_config),
+                            run.dist, run.log.info)
+        if run.cfg.logging.generate_prompt and run.dist.is_main and out is not None:
             from .generate import generate_text
             run.log.info(f"sample: {generate_text(out, run.cfg.logging.generate_prompt)}")
     write_summary(run, "completed", export=str(run.run_dir.export) if run.cfg.checkpoint.export else None)
+
+
+def export_adapters(run: Run):
+    """A LoRA run's export on rank 0: the adapter in PEFT's format in EXPORT_DIR/adapter and, with --export_merged,
+    the merged model in EXPORT_DIR/merged. ZeRO-1/2 hold the whole model on every rank; under ZeRO-3 every rank takes
+    part in gathering it (checkpoint.gathered_state_dict) into a copy that rank 0 wraps again and exports. Returns the
+    directory a plain transformers model loads from (the merged one), else None."""
+    from .checkpoint import gathered_state_dict
+    from .ds_config import zero_stage
+    from .lora import export_lora
+
+    module, merged = run.engine.module, run.cfg.checkpoint.export_merged
+    state = gathered_state_dict(module, run.dist) if zero_stage(run.ds_config) == 3 else None
+    written = None
+    if run.dist.is_main:
+        if state is not None:
+            module = unpartitioned_copy(module.config, run.lora, state)
+        written = export_lora(module, run.tokenizer, run.run_dir.export, merged=merged, in_place=state is not None)
+        run.log.info("export: " + "; ".join(f"{kind} written to {path}" for kind, path in written.items()))
+    run.dist.barrier()
+    return written.get("merged") if written else None
+
+
+def unpartitioned_copy(config, settings, state_dict: dict):
+    """A LoRA model of `config` on the CPU holding `state_dict` (a gathered ZeRO-3 model's, adapters included)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .lora import apply_lora
+
+    model = apply_lora(AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32), settings)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise RuntimeError(f"the gathered model does not match its LoRA wrapping: missing {missing[:3]}, unexpected "
+                           f"{unexpected[:3]}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model

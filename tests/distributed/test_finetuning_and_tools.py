@@ -50,7 +50,7 @@ def _first_step_loss_of(model_dir, seq_len, micro, world, seed):
 @pytest.mark.parametrize("config", ["ds_config.json", "configs/zero3.json"])
 def test_finetuning_starts_at_the_pretrained_models_loss(pretrained, config, tmp_path):
     """Under ZeRO-3 the model is built partitioned (HfDeepSpeedConfig -> zero.Init) and from_pretrained fills it."""
-    run = run_trainer(tmp_path / "ckpt", [*FAST_ARGS, "--model", str(pretrained), "--seq_len", "128",
+    run = run_trainer(tmp_path / "ckpt", [*FAST_ARGS, "--model", str(pretrained), "--dataset", "embedded", "--seq_len", "128",
                                           "--max_steps", "3", "--ds_config", config, "--seed", "5",
                                           "--export_dir", str(tmp_path / "finetuned")])
     assert_ok(run)
