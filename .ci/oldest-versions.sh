@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The oldest versions pyproject.toml allows: a virtual environment with the floor of each dependency installed exactly,
-# then the main job (./train-singlenode.sh, shortened), the exact-resume test and the op build lock tests on it (the
-# floor of torch locks its op builds the older way). FLOORS_ONLY=1 prints the pins and stops.
+# then the main job (./train-singlenode.sh, shortened), the exact-resume test, the op build lock tests (the floor of
+# torch locks its op builds the older way) and the fine-tuning blocks (chat templates, LoRA through peft) on it. FLOORS_ONLY=1 prints the pins and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,3 +55,4 @@ test -f "$ckpt/hf/model.safetensors"
 rm -rf "$ckpt"
 "$py" -m pytest -q tests/distributed/test_training.py -k "resume_after_kill_9 or loss_falls or export_loads"
 "$py" -m pytest -q tests/unit/test_build_locks.py
+"$py" -m pytest -q tests/unit/test_lora.py tests/unit/test_sft_data.py tests/unit/test_fine_tuning_schedule.py

@@ -198,6 +198,7 @@ def lora_parameter_counts(model_config, settings: LoraSettings | None) -> Parame
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
+        model.tie_weights()  # transformers 5.0 leaves a meta model's tied LM head untied until asked
         if settings is not None:
             model = apply_lora(model, settings)
     return parameter_counts(model)

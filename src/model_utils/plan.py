@@ -314,6 +314,7 @@ def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None
                                          "directory with config.json, or a reachable hub id")]
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
+        meta_model.tie_weights()  # transformers 5.0 leaves a meta model's tied LM head untied until asked
     base_params = sum(p.numel() for p in meta_model.parameters())
     layers = len(checkpointable_layers(meta_model))
     settings, frozen = cfg.model.lora_settings(), 0
