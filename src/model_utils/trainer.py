@@ -79,42 +79,77 @@ def start_log(cfg: TrainConfig, dist: Dist) -> Logger:
 
 
 def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
-    """The run of a checked plan (preflight.checked_plan: every rank holds the same resume point and data source)."""
-    import deepspeed
-    import torch
-
-    from . import ds_config as dsc
-    from .checkpoint import convert_to_universal, data_position_problems, needs_universal
-    from .concat_dataset import BlockOrder, DataPosition, prepare_data
-    from .models import build_model, decay_groups, gpu_peak_tflops
-    from .monitor import Sinks, describe_ds_config, prepare_ds_monitor
-    from .patches.deepspeed_offload import delay_offload_updates
-    from .patches.deepspeed_zero3 import keep_partial_offload_state
+    """The run of a checked plan (preflight.checked_plan: every rank holds the same resume point and data source):
+    the engine's DeepSpeed config, the data, the model and engine, then the resume."""
+    from .concat_dataset import DataPosition
+    from .monitor import Sinks
     from .patches.flash_attn4 import takes_document_boundaries
-    from .process import seed_everything
-    from .speed import apply_speed_options, streamline_zero_step
-    from .streaming import is_streamed
 
-    cfg, run_dir, batch = plan.cfg, plan.cfg.checkpoint.run_dir, plan.batch
+    ds, resume_tag = engine_config(plan, dist, log)
+    loaded = load_data(plan, ds, dist, log)
+    cfg, ds = loaded.cfg, loaded.ds_config
+    model, engine, in_force, saves = build_engine(plan, loaded, dist, log)
+    documents = cfg.data.document_mask or loaded.examples  # examples: positions restart at each one
+    run = Run(cfg, dist, cfg.checkpoint.run_dir, ds, plan.tokenizer, model, engine, loaded.data, loaded.order,
+              plan.batch, plan.model.flops, log, data_identity=loaded.identity, speed_in_force=in_force,
+              peak_tflops=gpu_peak(dist), position=DataPosition(), saves=saves, incomplete_moved=plan.incomplete_moved,
+              document_eos=plan.tokenizer.eos_token_id if cfg.data.document_mask and not loaded.examples else None,
+              document_boundaries=documents and takes_document_boundaries(model), lora=cfg.model.lora_settings(),
+              examples=loaded.examples)
+    describe_run(run, plan, loaded.length)
+    if plan.resume:
+        load_checkpoint(run, plan.resume, resume_tag)
+    log.sinks = Sinks(cfg, run.run_dir, dist, ds, engine, run.step, log)  # TensorBoard / W&B (rank 0)
+    return run
+
+
+def engine_config(plan: Plan, dist: Dist, log: Logger) -> tuple[dict, str | None]:
+    """The plan's DeepSpeed config as the engine takes it (DeepSpeed's own monitor writing into the run directory; a
+    checkpoint of another world size converted to a universal one), and the checkpoint tag to load."""
+    from . import ds_config as dsc
+    from .checkpoint import convert_to_universal, needs_universal
+    from .monitor import prepare_ds_monitor
+
     ds = copy.deepcopy(plan.ds_config)  # DeepSpeed and the universal-checkpoint load write into it
-    prepare_ds_monitor(ds, run_dir)
-
+    prepare_ds_monitor(ds, plan.cfg.checkpoint.run_dir)
     resume_tag = plan.resume.path.name if plan.resume else None
     if plan.resume and needs_universal(plan.resume, dist.world_size, dsc.zero_stage(ds)):
         resume_tag = convert_to_universal(plan.resume, dist, log.info)
         ds.setdefault("checkpoint", {})["load_universal"] = True
+    return ds, resume_tag
 
-    tokenizer = plan.tokenizer
-    data = prepare_data(cfg.data, tokenizer, batch.seq_len, dist, log.info, source=plan.data_source, seed=cfg.seed,
-                        data_format=plan.data_format)
-    examples = is_example_data(data)
+
+@dataclass(frozen=True)
+class LoadedData:
+    """The run's data, and what follows from them: with --num_epochs the run's length (the configuration's max_steps
+    and the DeepSpeed scheduler settled from the packed data)."""
+
+    data: PackedData
+    order: BlockOrder
+    identity: dict  # what the data position means (data_identity)
+    examples: bool  # fine-tuning examples with their labels (sft_data), not concatenated text
+    cfg: TrainConfig
+    ds_config: dict
+    length: object  # fine_tuning.EpochLength with --num_epochs, else None
+
+
+def load_data(plan: Plan, ds: dict, dist: Dist, log: Logger) -> LoadedData:
+    """Every rank's data (rank 0 prepares, the others wait on its files), checked against the resume point."""
+    from .checkpoint import data_position_problems
+    from .concat_dataset import BlockOrder, prepare_data
+    from .monitor import describe_ds_config
+    from .streaming import is_streamed
+
+    cfg, batch = plan.cfg, plan.batch
+    data = prepare_data(cfg.data, plan.tokenizer, batch.seq_len, dist, log.info, source=plan.data_source,
+                        seed=cfg.seed, data_format=plan.data_format)
     length = None
     if cfg.batch.num_epochs is not None:  # the length in steps follows from the packed data
         cfg, ds, length = settle_length(plan, ds, len(data.train_ids), dist.world_size, log)
     elif plan.fine_tuning is not None:
         log.info(plan.fine_tuning.describe())
     log.info(describe_ds_config(ds))
-    identity = data_identity(cfg, tokenizer, batch.seq_len, data, dist.world_size)
+    identity = data_identity(cfg, plan.tokenizer, batch.seq_len, data, dist.world_size)
     if plan.resume:  # every rank alike: the same manifest (broadcast), the same data
         problems = data_position_problems(plan.resume.manifest, plan.resume.path, identity)
         if problems:
@@ -122,18 +157,33 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
     order = (data.order(dist.world_size, batch.micro) if is_streamed(data)
              else BlockOrder(data.train_ids, cfg.seed, dist.world_size, batch.micro))
     log.info(f"data: {data.description}")
+    return LoadedData(data, order, identity, is_example_data(data), cfg, ds, length)
 
+
+def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
+    """(model, DeepSpeed engine, the speed options in force, background saves or None): the model built (under
+    zero.Init for ZeRO-3), its speed options applied, LoRA's adapters where asked, the engine with its patches."""
+    import deepspeed
+    import torch
+
+    from . import ds_config as dsc
+    from .models import build_model, decay_groups
+    from .patches.deepspeed_offload import delay_offload_updates
+    from .patches.deepspeed_zero3 import keep_partial_offload_state
+    from .process import seed_everything
+    from .speed import apply_speed_options, streamline_zero_step
+
+    cfg, ds = loaded.cfg, loaded.ds_config
     seed_everything(cfg.seed)
     zero3_context = None
     if dsc.zero_stage(ds) == 3:
         from transformers.integrations import HfDeepSpeedConfig
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
-    layers = plan.memory.checkpointed_layers
     model = build_model(cfg.model.model, plan.model.config, torch.float32, cfg.model.attn_implementation,
-                        cfg.model.gradient_checkpointing, layers)
+                        cfg.model.gradient_checkpointing, plan.memory.checkpointed_layers)
     in_force = apply_speed_options(model, cfg.speed, dist.device.type == "cuda", log.info,
                                    warn=lambda message: log.warn(message, all_ranks=True),
-                                   documents=cfg.data.document_mask or examples, fused=plan.fused_loss)
+                                   documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss)
     lora = cfg.model.lora_settings()
     if lora is not None:
         model = wrap_with_adapters(model, lora, log)
@@ -154,15 +204,25 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
     if plan.checkpoints.background:
         from .background_save import BackgroundSaves, install
         saves = BackgroundSaves(install(engine, log.info), dist, log.info)
+    return model, engine, in_force, saves
 
-    peak = gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
-    documents = cfg.data.document_mask or examples  # examples: positions restart at each one
-    run = Run(cfg, dist, run_dir, ds, tokenizer, model, engine, data, order, batch, plan.model.flops, log,
-              data_identity=identity, speed_in_force=in_force, peak_tflops=peak, position=DataPosition(),
-              saves=saves, incomplete_moved=plan.incomplete_moved,
-              document_eos=tokenizer.eos_token_id if cfg.data.document_mask and not examples else None,
-              document_boundaries=documents and takes_document_boundaries(model), lora=lora, examples=examples)
-    if examples:
+
+def gpu_peak(dist: Dist) -> float | None:
+    """This GPU's dense bf16 peak in TFLOP/s for MFU; None on CPU or an unknown GPU."""
+    import torch
+
+    from .models import gpu_peak_tflops
+
+    return gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
+
+
+def describe_run(run: Run, plan: Plan, length) -> None:
+    """The header lines of a built run: attention, model, batch, recomputed layers."""
+    from . import ds_config as dsc
+    from .streaming import is_streamed
+
+    cfg, log, batch, ds = run.cfg, run.log, run.batch, run.ds_config
+    if run.examples:
         log.info("attention: within each example (positions restart at every example, "
                  + ("FlashAttention-4 takes the examples' boundaries)" if run.document_boundaries
                     else "transformers masks attention to each example)"))
@@ -176,18 +236,14 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
              f"precision {precision}{' (dynamic loss scaling)' if precision == 'fp16' else ''}, "
              f"ZeRO stage {dsc.zero_stage(ds)}")
     log.info(f"batch: {batch.describe()}; "
-             f"{batch.plan(cfg.batch.max_steps, max(data.train_tokens or 0, 1), is_streamed(data))}"
+             f"{batch.plan(cfg.batch.max_steps, max(run.data.train_tokens or 0, 1), is_streamed(run.data))}"
              + (f"; {length.description}" if length else "")
              + (f"; micro-batch {plan.micro_batch_choice}" if plan.micro_batch_choice else ""))
+    layers = plan.memory.checkpointed_layers
     if layers is not None:
         log.info(f"activation checkpointing: {layers} of {plan.model.config.num_hidden_layers} decoder layers "
                  "recompute" + (f" ({plan.memory.checkpointed_layers_choice})"
                                 if plan.memory.checkpointed_layers_choice else ""))
-
-    if plan.resume:
-        load_checkpoint(run, plan.resume, resume_tag)
-    log.sinks = Sinks(cfg, run_dir, dist, ds, engine, run.step, log)  # TensorBoard / W&B (rank 0)
-    return run
 
 
 def settle_length(plan: Plan, ds: dict, training_blocks: int, world: int, log: Logger):
