@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -602,8 +603,10 @@ def train(run: Run) -> int:
     cfg, log = run.cfg, run.log
     stop = StopSignal()
     interval, nonfinite, saves, trace = Interval(run), NonfiniteSteps(run), SaveSchedule(run), DataTrace(run)
-    log.bar = tqdm(total=cfg.batch.max_steps, initial=run.step, desc="train", disable=not run.dist.is_main,
-                   dynamic_ncols=True)
+    # A progress bar on a terminal only: in a job's log file its redraws would be lines of carriage returns, and the
+    # log lines every --log_interval steps say the same.
+    log.bar = tqdm(total=cfg.batch.max_steps, initial=run.step, desc="train", dynamic_ncols=True,
+                   disable=not (run.dist.is_main and sys.stderr.isatty()))
     run.engine.train()
     while run.step < cfg.batch.max_steps:
         # --- one optimizer step at this learning rate ---
