@@ -3,7 +3,8 @@
 import sys
 from importlib import metadata
 
-NAMES = ("torch", "deepspeed", "transformers", "datasets", "tokenizers", "numpy", "safetensors", "tqdm", "accelerate")
+NAMES = ("torch", "deepspeed", "transformers", "datasets", "tokenizers", "numpy", "safetensors", "tqdm", "accelerate",
+         "trl")
 
 
 def version(name: str) -> str:

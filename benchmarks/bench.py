@@ -230,12 +230,13 @@ def worker_env(environ, nproc: int, torch_threads: int) -> dict:
     return env
 
 
-def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None) -> dict:
-    """Run one measurement in fresh processes; return its result or {'error': ...}."""
+def run_job(job: dict, nproc: int, timeout: int, log_dir: Path | None, script: Path | None = None) -> dict:
+    """Run one measurement in fresh processes (`script --worker JOB --result FILE`, this one by default); return its
+    result or {'error': ...}."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
     os.unlink(result_path)
-    me = str(Path(__file__).resolve())
+    me = str((script or Path(__file__)).resolve())
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", me]
     else:
@@ -277,6 +278,22 @@ def run_jobs(jobs: list[dict], run, report) -> list[dict]:
         results.append(r)
         report(job, r)
     return results
+
+
+def result_reporter(json_path: str | None, vers: dict, nproc: int, command: str):
+    """report(job, result) for run_jobs: a line per run (its figures rounded, the log's tail where it failed) and,
+    with `json_path`, the run appended there as a JSON line with the versions and the command."""
+    def report(job: dict, r: dict) -> None:
+        short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("losses", "tail")}
+        print(f"{job['name']}: {json.dumps(short)}", flush=True)
+        if "tail" in r:
+            print(r["tail"], flush=True)
+        if json_path:
+            with open(json_path, "a") as f:
+                record = {"job": job, "result": r, "versions": vers, "nproc": nproc, "command": command}
+                f.write(json.dumps(record) + "\n")
+
+    return report
 
 
 def _ds_set_suffix(items: list[str]) -> str:
@@ -440,15 +457,7 @@ def main(argv=None) -> int:
     command = "python benchmarks/bench.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
     print(f"# {command}\n# {json.dumps(vers)}", flush=True)
 
-    def report(job, r):
-        short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("losses", "tail")}
-        print(f"{job['name']}: {json.dumps(short)}", flush=True)
-        if "tail" in r:
-            print(r["tail"], flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps({"job": job, "result": r, "versions": vers, "nproc": a.nproc, "command": command}) + "\n")
-
+    report = result_reporter(a.json, vers, a.nproc, command)
     results = run_jobs(jobs, lambda job: run_job(job, a.nproc, a.timeout, log_dir), report)
     perf = [(j, r) for j, r in zip(jobs, results) if not j["name"].startswith("losscheck")]
     ref_name = next((j["name"] for j, r in perf if is_hf_liger_peer(j) and "error" not in r), None)

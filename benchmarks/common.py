@@ -12,7 +12,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
-if importlib.util.find_spec("model_utils") is None:  # a checkout without `pip install -e .` (the GPU image)
+# The package of this checkout, ahead of any installed one (the GPU image has none; a venv may hold another
+# checkout's editable install): the benchmark measures the code beside it.
+if (SRC / "model_utils").is_dir() or importlib.util.find_spec("model_utils") is None:
     sys.path.insert(0, str(SRC))
 
 GIB = 1024**3

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, in the repository root, what run_device.sh installs on a GPU machine whose image lacks the project's GPU set:
-# .whl/ (DeepSpeed built as a wheel, Liger, datasets and the packages of theirs the image lacks) and .fa4/part-aa,
+# .whl/ (DeepSpeed built as a wheel, Liger, datasets, TRL and the packages of theirs the image lacks) and .fa4/part-aa,
 # part-ab (flash-attn-4 with its CuTe DSL libraries, unpacked and xz-compressed: ~69 MB, split in two to travel in two
 # calls, README.md). Both folders are ignored by git (.git/info/exclude). Versions: benchmarks/constraints.txt.
 #   bash benchmarks/device_bundle.sh          # needs pip with a package index and, for DeepSpeed's wheel, torch
@@ -29,7 +29,7 @@ echo "+ ${cmd[*]}"
 # What the device image lacks besides (KINDS.md lists its packages).
 cmd=("$PYTHON" -m pip download -q --no-deps "${platforms[@]}" -d .whl "liger-kernel==$(pin liger-kernel)"
      "datasets==$(pin datasets)" "dill<0.4.2" "multiprocess<0.70.20" pydantic==2.13.4 pydantic-core==2.46.4 annotated-types
-     typing-inspection hjson)
+     typing-inspection hjson "trl==$(pin trl)")
 echo "+ ${cmd[*]}"
 "${cmd[@]}"
 

@@ -20,8 +20,13 @@ HF_PEERS = {"noliger": {"liger": False, "attn": "sdpa"}, "liger": {"liger": True
 
 
 def hf_ds_config(job: dict, workdir: Path) -> dict:
-    """The same DeepSpeed config, with the values HF Trainer fills from TrainingArguments set to "auto"."""
-    raw = json.loads(ds_config_for(job, workdir / "ds_config.json").read_text())
+    """The job's DeepSpeed config (common.ds_config_for) as HF Trainer takes it (trainer_ds_config)."""
+    return trainer_ds_config(json.loads(ds_config_for(job, workdir / "ds_config.json").read_text()))
+
+
+def trainer_ds_config(raw: dict) -> dict:
+    """A copy of a DeepSpeed config with the values HF Trainer fills from TrainingArguments set to "auto": batch
+    sizes, accumulation, clipping, bf16, the optimizer's hyperparameters and the scheduler's step counts."""
     ds = copy.deepcopy(raw)
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
                 "gradient_clipping"):
@@ -39,6 +44,41 @@ def hf_ds_config(job: dict, workdir: Path) -> dict:
     return ds
 
 
+def step_timer(warmup: int, steps: int, rank: int):
+    """A TrainerCallback timing whole optimizer steps (Trainer's on_step_begin fires before a step's first
+    micro-batch, on_step_end after its update), CUDA synchronised at both ends as the engine worker times the
+    trainer's train_step, with GPU telemetry over the timed steps; it keeps the losses Trainer logs."""
+    from transformers import TrainerCallback
+
+    telemetry = GpuTelemetry()
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t, self.gpu, self.losses = [], None, {}, []
+
+        def on_step_begin(self, a, state, control, **kw):
+            if len(self.times) == warmup and rank == 0:
+                telemetry.start()
+            cuda_sync()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            cuda_sync()
+            self.times.append(time.perf_counter() - self.t)
+            if len(self.times) == warmup + steps:  # the last timed step: Trainer's wind-down is not sampled
+                self.gpu = telemetry.stop()
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+
+        def finish(self) -> dict:
+            """The telemetry's figures (stopped here if the run ended before its last timed step)."""
+            return self.gpu or telemetry.stop()
+
+    return StepTimer()
+
+
 def worker_hf(job: dict, workdir: Path) -> dict:
     normalize_env()
     from model_utils.distributed import distributed_env_problems
@@ -46,7 +86,7 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     assert not distributed_env_problems()  # a single process gets RANK/WORLD_SIZE/MASTER_* like the trainer's
     import numpy as np
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from model_utils.concat_dataset import dummy_packed
     from model_utils.models import build_model, gpu_peak_tflops, model_config
@@ -90,28 +130,10 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     model = build_model(job["model"], mconf, torch.float32, job.get("attn", "sdpa"), False)
 
     rank = int(os.environ.get("RANK", "0"))
-    telemetry = GpuTelemetry()
-
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t, self.gpu = [], None, {}
-
-        def on_step_begin(self, a, state, control, **kw):
-            if len(self.times) == warmup and rank == 0:
-                telemetry.start()
-            cuda_sync()
-            self.t = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            cuda_sync()
-            self.times.append(time.perf_counter() - self.t)
-            if len(self.times) == warmup + steps:  # the last timed step: Trainer's wind-down is not sampled
-                self.gpu = telemetry.stop()
-
-    timer = Timer()
+    timer = step_timer(warmup, steps, rank)
     trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[timer])
     trainer.train()
-    gpu = timer.gpu or telemetry.stop()
+    gpu = timer.finish()
     world = args.world_size
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     f12, f6 = flops_per_token(mconf, num_params, seq_len)

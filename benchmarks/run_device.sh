@@ -25,19 +25,28 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, deepspeed, liger_kernel, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 START=$(date +%s); BUDGET=${BUDGET:-540}
-bench() {  # bench NAME SECONDS_NEEDED ARGS...
-  local name=$1 need=$2; shift 2
+run_bench() {  # run_bench SCRIPT NAME SECONDS_NEEDED ARGS...: one invocation of a benchmark script, if time is left
+  local script=$1 name=$2 need=$3; shift 3
   local left=$((BUDGET - ($(date +%s) - START)))
   if [ "$left" -lt "$need" ]; then echo "SKIP $name (left ${left}s < ${need}s)"; return; fi
   echo "=== $name ($(($(date +%s) - START))s)"
   # --log-dir: one folder per section, so runs of the same name in two sections keep both logs
-  python3 benchmarks/bench.py --json "$OUT/results.jsonl" --log-dir "$OUT/logs/$name" --write-doc "$OUT/$name.md" "$@" 2>&1 \
-    | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|loss|Loss|#|Best|Round|Over)' | cut -c1-400
+  python3 "$script" --json "$OUT/results.jsonl" --log-dir "$OUT/logs/$name" --write-doc "$OUT/$name.md" "$@" 2>&1 \
+    | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|ours|trl|full|lora|loss|Loss|#|Best|Round|Over)' \
+    | cut -c1-400
 }
+bench() { run_bench benchmarks/bench.py "$@"; }  # bench NAME SECONDS_NEEDED bench.py-ARGS...
+sft() { run_bench benchmarks/sft_bench.py "$@"; }  # sft NAME SECONDS_NEEDED sft_bench.py-ARGS...
 # Qwen3-4B at 131,072 tokens per step with the offload preset (ZeRO-2, the optimizer offloaded) and under ZeRO-3 with
 # parameters and optimizer offloaded: the setups of the offload and zero3-* plans
 Q4B_ZERO2=(--model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072)
 Q4B_ZERO3=(--model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072)
+# Supervised fine-tuning on chat data (sft_bench.py): one model (SFT_MODEL) and its modes (SFT_MODES) per call, 2048-token
+# blocks, 65,536 block tokens per optimizer step, each side at its micro-batches; the model is written once per machine.
+SFT_MODEL=${SFT_MODEL:-qwen3-1.7b}; SFT_MODES=${SFT_MODES:-full}
+read -r -a SFT_MODE_LIST <<<"$SFT_MODES"
+SFT_ARGS=(--model "$SFT_MODEL" --modes "${SFT_MODE_LIST[@]}" --seq_len 2048 --global_batch_tokens 65536 --steps 4 --warmup 2
+          --workdir /tmp/sft-work)
 run_plan() {
 case "$1" in
   h100)  # the issue's one-H100 table: each side at micro-batch 8, 12, 14, 16, both HF peers, one invocation (~6-7 min)
@@ -107,6 +116,11 @@ case "$1" in
     bench q4b_zero2_best 470 "${Q4B_ZERO2[@]}" --steps 2 --warmup 1 --micro_batch_size 4 --variants delayed_update \
       --compare-hf --hf-skip noliger --hf-micro-batch-size 16 --hf-gradient-checkpointing on --timeout 230 \
       --title "Qwen3-4B, offload preset, 1 H100, 131,072 tokens per step: our delayed update at 4 x 8, the peer at 16 x 2"
+    ;;
+  sft)  # ours against TRL's SFTTrainer + DeepSpeed + Liger on the embedded chats: ours at micro-batch 4 and 8, TRL at
+    # 1, 2 and 4 (padding-free: a micro-batch's bins are one row, whose SDPA mask grows with its square) (~8 min a mode)
+    sft "sft-$SFT_MODEL-${SFT_MODES// /-}" 300 "${SFT_ARGS[@]}" --micro_batch_size 4 8 --peer-micro-batch-size 1 2 4 \
+      --timeout 240 --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU: ours against TRL SFTTrainer"
     ;;
   gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch
     echo "=== gpu-tests ($(($(date +%s) - START))s)"

@@ -91,12 +91,12 @@ class SpeedConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model trains and how its layers run."""
-    model: str = _f("tiny", "Preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b; random init), or a Hugging "
-                            "Face model directory / hub id (pretrained weights, continued training).")
+    model: str = _f("tiny", "Preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama-1b; random "
+                            "init), or a Hugging Face model directory / hub id (pretrained weights, continued training).")
     tokenizer: str | None = _f(None, "Tokenizer name or path for AutoTokenizer. Default: the project's shipped "
                                      "tokenizer for presets, the model's own tokenizer for a pretrained model.")
     seq_len: int | None = _f(None, "Tokens per packed training block. Default: the preset's context length "
-                                   "(256 for tiny, 4096 for Qwen3), or 2048 for a pretrained model.")
+                                   "(256 for tiny, 4096 for the others), or 2048 for a pretrained model.")
     attn_implementation: str = _f("sdpa", "Attention backend passed to transformers: sdpa, eager, flash_attention_2.")
     attention_dropout: float | None = _f(None, "Dropout on the attention weights in training (the config's "
                                                "attention_dropout). Default: the model's own (0.0 for the presets).")

@@ -1,4 +1,5 @@
-"""Model presets (Qwen3 architecture through transformers' real `Qwen3Config`), pretrained loading, and FLOP counting."""
+"""Model presets (Qwen3 through transformers' real `Qwen3Config`, a Llama-architecture one through `LlamaConfig`),
+pretrained loading, and FLOP counting."""
 
 from __future__ import annotations
 
@@ -21,12 +22,22 @@ PRESETS: dict[str, dict] = {
                      num_attention_heads=32, tie_word_embeddings=True),
     "qwen3-8b": dict(QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, tie_word_embeddings=False),
+    # Llama 3.2 1B's dimensions (config.json of meta-llama/Llama-3.2-1B: GQA, head_dim 64, tied embeddings, its
+    # vocabulary size) without its RoPE scaling, in transformers' Llama architecture (no QK-norm), with the
+    # tokenizer the run uses (PRESET_ARCHITECTURES).
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, hidden_act="silu",
+                     max_position_embeddings=131072, rope_theta=500_000.0, rms_norm_eps=1e-5, attention_bias=False,
+                     mlp_bias=False, attention_dropout=0.0, initializer_range=0.02, tie_word_embeddings=True,
+                     bos_token_id=128000, eos_token_id=128001),
     # CPU-sized Qwen3 (same code path, ~3M parameters): the embedded default. Vocabulary follows the tokenizer.
     "tiny": dict(vocab_size=None, hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=48, hidden_act="silu", max_position_embeddings=2048,
                  rope_theta=10_000.0, rms_norm_eps=1e-6, attention_dropout=0.0, initializer_range=0.02,
                  tie_word_embeddings=True),
 }
+# The transformers architecture of each preset not in Qwen3's.
+PRESET_ARCHITECTURES = {"llama-1b": "llama"}
 DEFAULT_SEQ_LEN = {"tiny": 256}
 DEFAULT_SEQ_LEN_QWEN3 = 4096
 DEFAULT_SEQ_LEN_PRETRAINED = 2048
@@ -34,6 +45,11 @@ DEFAULT_SEQ_LEN_PRETRAINED = 2048
 
 def is_preset(name: str) -> bool:
     return name.lower() in PRESETS
+
+
+def preset_names() -> str:
+    """The presets, comma-separated (for help texts and problems)."""
+    return ", ".join(PRESETS)
 
 
 def tokenizer_source(tokenizer: str | None, model: str) -> str | None:
@@ -61,7 +77,7 @@ def model_config(name: str, tokenizer=None, attention_dropout: float | None = No
 
 
 def _model_config(name: str, tokenizer=None):
-    from transformers import AutoConfig, Qwen3Config
+    from transformers import AutoConfig, LlamaConfig, Qwen3Config
 
     if is_preset(name):
         params = dict(PRESETS[name.lower()])
@@ -74,7 +90,8 @@ def _model_config(name: str, tokenizer=None):
             params["eos_token_id"] = tokenizer.eos_token_id
             params["bos_token_id"] = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
             params["pad_token_id"] = tokenizer.pad_token_id
-        return Qwen3Config(**params)
+        architecture = {"llama": LlamaConfig}.get(PRESET_ARCHITECTURES.get(name.lower()), Qwen3Config)
+        return architecture(**params)
     return AutoConfig.from_pretrained(name)
 
 

@@ -297,7 +297,7 @@ def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import FlopsModel, checkpointable_layers, decay_groups, model_config, tokenizer_source
+    from .models import FlopsModel, checkpointable_layers, decay_groups, model_config, preset_names, tokenizer_source
     from .tokenizer import load_tokenizer
 
     try:
@@ -310,7 +310,7 @@ def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None
         config = model_config(cfg.model.model, tokenizer, cfg.model.attention_dropout)
     except (OSError, ValueError) as e:
         return tokenizer, None, [Problem("--model", cfg.model.model, f"could not be loaded: {e}".split("\n")[0],
-                                         "use a preset (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b), a model "
+                                         f"use a preset ({preset_names()}), a model "
                                          "directory with config.json, or a reachable hub id")]
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)

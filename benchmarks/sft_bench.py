@@ -1,0 +1,594 @@
+#!/usr/bin/env python3
+"""Supervised fine-tuning throughput on chat data: the trainer's own path against TRL's SFTTrainer + DeepSpeed + Liger.
+
+    python benchmarks/sft_bench.py --model qwen3-1.7b --seq_len 2048 --global_batch_tokens 65536 \\
+        --micro_batch_size 8 16 --peer-micro-batch-size 1 2 --modes full lora
+    python benchmarks/sft_bench.py --model tiny --seq_len 128 --micro_batch_size 1 --global_batch_tokens 256 \\
+        --steps 2 --warmup 1 --max_examples 64                                      # CPU smoke run
+
+Both sides train the same model on the same chat rows, at the same global batch (blocks of --seq_len per optimizer
+step), with the same DeepSpeed config and the same optimizer and schedule:
+
+- Model: a preset name is written once as a random-init Hugging Face model (bf16 safetensors and the run's tokenizer,
+  its chat template attached) under --workdir, and both sides load that directory; a model directory is used as it is.
+- Rows: --dataset embedded-chat (the project's chats about the standard library, sft_corpus.build_sft_corpus: its
+  train split) or a chat JSONL file (`messages` per row); the first --max_examples rows of it are written to
+  --workdir/rows.jsonl, which both sides read.
+- Ours: `parse_args` (--dataset ROWS --data_format chat --validation_fraction 0, --lora_rank for the LoRA row) ->
+  `make_plan` -> `check_plan(check_disk=False)` -> `build_run` -> `train_step` + `agree_after_step`, timed per step
+  after --warmup steps as bench.py times it. Examples are packed whole into blocks (best fit, positions restarting at
+  every example, the rest of a block padding); the loss is on the assistant tokens.
+- Peer: TRL `SFTTrainer` with `SFTConfig(packing=True, packing_strategy="bfd", padding_free=True,
+  assistant_only_loss=True, max_length=--seq_len, use_liger_kernel=True on CUDA, bf16 on CUDA, gradient
+  checkpointing as ours, deepspeed=the same config with HF's "auto" values)`, the tokenizer with the chat template
+  ours renders with (its `{% generation %}` marks give both sides the same assistant mask), the learning rate,
+  betas, epsilon, weight decay, clipping and warm-up of our plan, and for the LoRA row
+  `peft_config=lora.lora_config(...)`: the LoraConfig our run builds (rank, alpha, dropout, targets). Timed by a
+  TrainerCallback over whole optimizer steps with CUDA synchronised, as hf_peer.py does.
+
+What differs by design, each side as its library does it: TRL packs the tokenized conversations (n tokens each) into
+bins of --seq_len by its own best-fit decreasing and flattens a micro-batch's bins into one row without padding
+(padding-free, positions restarting per example); ours packs the shifted examples (n - 1 positions each) into blocks
+of --seq_len with padding at each block's end. Trainer shuffles the bins by its seed, ours its blocks by the run's seed.
+So the steps see different examples: the report compares the mean loss over the same steps, beside each side's
+first losses. Trainer's loss is the token mean over the optimizer step, ours the mean of the micro-batches' means.
+
+Tokens counted, both sides alike: the positions of the timed steps that hold example tokens (non-padding), per GPU.
+TFLOP/s and MFU by the project's convention (report.flops_per_token: 6N over those tokens, N the base model's
+matrix parameters, the adapters left out, plus attention within each example: 12·L·H·Q per query-key pair, and
+torchtitan's 6·L·H·Q). Also reported: the loss-carrying tokens per step, peak GPU memory, and per mode each side at
+its fastest micro-batch with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory  # noqa: E402
+from report import flops_per_token, throughput, versions  # noqa: E402
+from telemetry import GpuTelemetry  # noqa: E402
+
+SIDES = {"ours": "ours", "trl": "TRL SFTTrainer"}
+MODES = ("full", "lora")
+IGNORE_INDEX = -100
+LOSSES_SHOWN = 5  # first losses printed per side
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What both workers count
+# ----------------------------------------------------------------------------------------------------------------------
+def segment_lengths(positions) -> list[int]:
+    """The lengths of the runs in one row of position ids: a run starts wherever the position is 0."""
+    import numpy as np
+
+    positions = np.asarray(positions).reshape(-1)
+    starts = np.flatnonzero(positions == 0)
+    if len(starts) == 0 or starts[0] != 0:
+        starts = np.concatenate([[0], starts])
+    return np.diff(np.append(starts, len(positions))).tolist()
+
+
+def block_example_lengths(positions, targets) -> list[int]:
+    """The examples' lengths in one packed block of ours: its runs of positions, less a last run whose targets carry
+    no loss (the padding; every example placed carries loss, sft_data.pack_examples)."""
+    import numpy as np
+
+    lengths = segment_lengths(positions)
+    targets = np.asarray(targets).reshape(-1)
+    if lengths and not (targets[len(targets) - lengths[-1]:] != IGNORE_INDEX).any():
+        lengths = lengths[:-1]
+    return lengths
+
+
+def work_of(lengths: list[int]) -> tuple[int, int]:
+    """(tokens, attention query-key pairs) of examples of these lengths, each attending within itself."""
+    return sum(lengths), sum(n * n for n in lengths)
+
+
+def base_parameters(model) -> int:
+    """The model's parameters less LoRA adapters' (ZeRO-3's partitioned ones by their full size)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for name, p in model.named_parameters() if "lora_" not in name)
+
+
+def figures(config, num_params: int, seq_len: int, tokens: int, area: int, loss_tokens: int, times: list[float],
+            world_size: int) -> dict:
+    """Per-GPU throughput of the timed steps from the tokens and attention pairs all ranks processed in them."""
+    import torch
+
+    from model_utils.models import gpu_peak_tflops
+
+    steps = max(len(times), 1)
+    per_gpu_step = tokens / world_size / steps
+    f12, f6 = flops_per_token(config, num_params, seq_len, area / tokens if tokens else None)
+    peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    return {"tokens_per_step_per_gpu": per_gpu_step, "loss_tokens_per_step_per_gpu": loss_tokens / world_size / steps,
+            **throughput(per_gpu_step, times, f12, f6, peak)}
+
+
+def all_ranks_sum(values: list[float], device) -> list[float]:
+    """`values` summed over the ranks (as they are without a process group)."""
+    import torch
+
+    if not torch.distributed.is_initialized():
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def all_ranks_max(value: float, device) -> float:
+    import torch
+
+    if not torch.distributed.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, torch.distributed.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Workers (one process per GPU; rank 0 writes the result)
+# ----------------------------------------------------------------------------------------------------------------------
+def trainer_argv(job: dict, workdir: Path) -> list[str]:
+    """The trainer's flags for a job: its rows as chat data, the global batch, the DeepSpeed config, LoRA."""
+    argv = ["--model", job["model"], "--dataset", job["rows"], "--data_format", "chat", "--validation_fraction", "0",
+            "--data_cache_dir", job["data_cache"], "--seq_len", str(job["seq_len"]),
+            "--micro_batch_size", str(job["micro_batch_size"]),
+            "--global_batch_tokens", str(job["global_batch_tokens"]),
+            "--max_steps", str(job["steps"] + job["warmup"]),
+            "--ds_config", str(ds_config_for(job, workdir / "ds_config.json")),
+            "--checkpoint_dir", str(workdir / "ckpt"), "--resume", "never", "--eval_interval", "0",
+            "--checkpoint_freq", "0", "--no-export", "--log_interval", str(10**6), "--seed", str(job["seed"])]
+    if job.get("gradient_checkpointing"):
+        argv.append("--gradient_checkpointing")
+    if job["mode"] == "lora":
+        argv += ["--lora_rank", str(job["lora_rank"]), "--lora_alpha", str(job["lora_alpha"])]
+        if job.get("lora_target_modules"):
+            argv += ["--lora_target_modules", job["lora_target_modules"]]
+    return argv
+
+
+def worker_ours(job: dict, workdir: Path) -> dict | None:
+    normalize_env()
+    import numpy as np
+    import torch
+
+    from model_utils.config import parse_args
+    from model_utils.distributed import distributed_env_problems, setup_distributed
+    from model_utils.plan import make_plan
+    from model_utils.preflight import check_plan, raise_on_problems
+    from model_utils.trainer import agree_after_step, build_run, start_log, train_step
+
+    steps, warmup = job["steps"], job["warmup"]
+    cfg = parse_args(trainer_argv(job, workdir))
+    assert not distributed_env_problems()
+    dist = setup_distributed()
+    t0 = time.perf_counter()
+    log = start_log(cfg, dist)
+    plan = make_plan(cfg, dist.world_size, on_training_hardware=True)
+    raise_on_problems(check_plan(plan, check_disk=False))  # a benchmark never saves
+    run = build_run(plan, dist, log)
+    setup_s = time.perf_counter() - t0
+    run.engine.train()
+    times, losses, timed_blocks = [], [], []
+    telemetry = GpuTelemetry()
+    for i in range(steps + warmup):
+        if i == warmup and dist.is_main:
+            telemetry.start()
+        cuda_sync()
+        t = time.perf_counter()
+        result = train_step(run)
+        agree_after_step(run, result)
+        cuda_sync()
+        dt = time.perf_counter() - t
+        losses.append(result.loss_sum.item() / run.batch.accumulation)  # this rank's mean over its micro-batches
+        if i >= warmup:
+            times.append(dt)
+            timed_blocks += result.blocks
+    gpu = telemetry.stop()
+    tokens = area = loss_tokens = 0
+    for index in timed_blocks:  # counted after the timed steps, from the host's copy of the blocks
+        block = run.data.train.batch([index])
+        t, a = work_of(block_example_lengths(block.position_ids[0], block.targets[0]))
+        tokens, area, loss_tokens = tokens + t, area + a, loss_tokens + block.loss_tokens
+    tokens, area, loss_tokens = all_ranks_sum([tokens, area, loss_tokens], dist.device)
+    data_loss_tokens = int((np.asarray(run.data.train.targets) != IGNORE_INDEX).sum())  # every block trains
+    out = {"side": "ours", "data_loss_tokens": data_loss_tokens, "mode": job["mode"], "world_size": dist.world_size,
+           "setup_s": setup_s, "losses": losses,
+           "micro_batch_size": run.batch.micro, "gradient_accumulation_steps": run.batch.accumulation,
+           "seq_len": run.batch.seq_len, "blocks_per_step": run.batch.micro * run.batch.accumulation * dist.world_size,
+           "num_params": base_parameters(run.engine.module), "timed_steps": len(times),
+           "attention": "FlashAttention-4" if run.document_boundaries else cfg.model.attn_implementation,
+           **figures(run.engine.module.config, base_parameters(run.engine.module), run.batch.seq_len, int(tokens),
+                     int(area), int(loss_tokens), times, dist.world_size), **peak_memory(), **gpu}
+    if "peak_mem_gib" in out:
+        out["peak_mem_gib"] = all_ranks_max(out["peak_mem_gib"], dist.device)
+    out["host_peak_gib"] = all_ranks_max(host_peak_gib(), dist.device)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return out if dist.is_main else None
+
+
+def read_rows(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def worker_trl(job: dict, workdir: Path) -> dict | None:
+    normalize_env()
+    from model_utils.distributed import distributed_env_problems
+
+    assert not distributed_env_problems()
+    import datasets
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_peer import step_timer, trainer_ds_config
+    from model_utils.config import parse_args
+    from model_utils.lora import lora_config
+    from model_utils.models import build_model
+    from model_utils.plan import make_plan
+    from model_utils.sft_data import resolve_chat_template
+
+    steps, warmup, mb, seq_len = job["steps"], job["warmup"], job["micro_batch_size"], job["seq_len"]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    accumulation = job["global_batch_tokens"] // (mb * world * seq_len)
+    # Our plan for the same flags: its resolved DeepSpeed config (optimizer, schedule, clipping), LoRA settings and
+    # tokenizer, so the peer trains with what our run trains with.
+    cfg = parse_args(trainer_argv(job, workdir))
+    plan = make_plan(cfg, world, on_training_hardware=True)
+    raw = plan.ds_config
+    opt = raw.get("optimizer", {}).get("params", {})
+    betas = opt.get("betas", [0.9, 0.999])
+    warmup_steps = raw.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)
+    tokenizer = plan.tokenizer
+    tokenizer.chat_template, _ = resolve_chat_template(tokenizer)  # the template ours renders chats with
+    rows = datasets.Dataset.from_list([{"messages": row["messages"]} for row in read_rows(job["rows"])])
+    cuda = torch.cuda.is_available()
+    liger = bool(job.get("peer_liger")) and cuda  # Liger's kernels are Triton: CUDA only
+    args = SFTConfig(
+        output_dir=str(workdir / "trl"), per_device_train_batch_size=mb, gradient_accumulation_steps=accumulation,
+        gradient_checkpointing=bool(job.get("gradient_checkpointing")),
+        gradient_checkpointing_kwargs={"use_reentrant": False}, max_steps=steps + warmup,
+        learning_rate=opt.get("lr", 3e-4), weight_decay=opt.get("weight_decay", 0.0), adam_beta1=betas[0],
+        adam_beta2=betas[1], adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=raw.get("gradient_clipping", 1.0),
+        warmup_steps=warmup_steps, bf16=cuda, deepspeed=trainer_ds_config(raw), use_liger_kernel=liger,
+        max_length=seq_len, packing=True, packing_strategy="bfd", padding_free=True, assistant_only_loss=True,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=job["seed"],
+        dataloader_num_workers=2 if cuda else 0, use_cpu=not cuda)
+    model = build_model(job["model"], plan.model.config, torch.float32, job.get("peer_attn", "sdpa"), False)
+    lora = cfg.model.lora_settings()
+    timer = step_timer(warmup, steps, rank)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
+                         peft_config=lora_config(plan.model.config, lora) if lora else None, callbacks=[timer])
+    timed = []  # per micro-batch of a timed step: its tokens, its position ids and its loss tokens (on the device)
+
+    def count(module, positional, kwargs):
+        """What each training forward takes in (a micro-batch's flattened bins), kept without waiting for the GPU."""
+        if module.training and len(timer.times) >= warmup:
+            ids = kwargs.get("input_ids", positional[0] if positional else None)
+            labels = kwargs.get("labels")
+            loss_tokens = (labels[..., 1:] != IGNORE_INDEX).sum() if labels is not None else None
+            timed.append((ids.numel(), kwargs.get("position_ids"), loss_tokens))
+
+    trainer.model.register_forward_pre_hook(count, with_kwargs=True)
+    trainer.train()
+    gpu = timer.finish()
+    tokens = area = loss_tokens = 0
+    for numel, positions, labelled in timed:
+        lengths = segment_lengths(positions.cpu().numpy()) if positions is not None else [numel]
+        t, a = work_of(lengths)
+        tokens, area = tokens + t, area + a
+        loss_tokens += int(labelled.item()) if labelled is not None else 0
+    device = trainer.args.device
+    tokens, area, loss_tokens = all_ranks_sum([tokens, area, loss_tokens], device)
+    times = timer.times[warmup:]
+    num_params = base_parameters(trainer.model)
+    data_loss_tokens = sum(sum(label != IGNORE_INDEX for label in labels) for labels in trainer.train_dataset["labels"])
+    out = {"side": "trl", "data_loss_tokens": int(data_loss_tokens), "mode": job["mode"], "world_size": world,
+           "losses": timer.losses,
+           "micro_batch_size": mb, "gradient_accumulation_steps": accumulation, "seq_len": seq_len,
+           "blocks_per_step": mb * accumulation * world, "num_params": num_params, "timed_steps": len(times),
+           "liger": liger, "attention": job.get("peer_attn", "sdpa"),
+           **figures(plan.model.config, num_params, seq_len, int(tokens), int(area), int(loss_tokens), times, world),
+           **peak_memory(), **gpu}
+    if "peak_mem_gib" in out:
+        out["peak_mem_gib"] = all_ranks_max(out["peak_mem_gib"], device)
+    out["host_peak_gib"] = all_ranks_max(host_peak_gib(), device)
+    return out if rank == 0 else None
+
+
+def worker_main(job_json: str, result_path: str) -> int:
+    job = json.loads(job_json)
+    with tempfile.TemporaryDirectory(prefix="sft-bench-") as tmp:
+        result = (worker_ours if job["side"] == "ours" else worker_trl)(job, Path(tmp))
+    if result is not None:
+        Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Driver: the rows and the model both sides read, the runs, the report
+# ----------------------------------------------------------------------------------------------------------------------
+class BenchProblem(Exception):
+    """Input the benchmark cannot run with; the message names it and says what to do."""
+
+
+def write_rows(dataset: str, max_examples: int, out: Path) -> tuple[Path, int]:
+    """The first `max_examples` chat rows (0: all) of --dataset as JSONL at `out`, each checked as a chat
+    (sft_data.check_row); returns the file and its row count."""
+    from model_utils.concat_dataset import DataError
+    from model_utils.sft_corpus import build_sft_corpus, split_files
+    from model_utils.sft_data import check_row
+
+    if dataset == "embedded-chat":
+        source = split_files(build_sft_corpus())["train"]
+    else:
+        source = dataset
+        if not Path(source).is_file():
+            raise BenchProblem(f"--dataset {dataset}: no such file; give a chat JSONL file (one "
+                               '{"messages": [{"role": ..., "content": ...}, ...]} per line) or embedded-chat')
+    rows = []
+    with open(source, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BenchProblem(f"--dataset {dataset}: line {number} is not JSON ({e.msg}); write one JSON "
+                                   "object per line") from e
+            if not isinstance(row, dict) or "messages" not in row:
+                raise BenchProblem(f"--dataset {dataset}: line {number} has no `messages` (the benchmark measures "
+                                   "chat data); give each row a list of {role, content} messages")
+            try:
+                check_row(row, "chat", number, dataset)
+            except DataError as e:
+                raise BenchProblem(str(e)) from e
+            rows.append({"messages": row["messages"]})
+            if max_examples and len(rows) == max_examples:
+                break
+    if not rows:
+        raise BenchProblem(f"--dataset {dataset}: holds no rows; give a chat JSONL file with conversations")
+    out.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    return out, len(rows)
+
+
+def model_directory(model: str, seed: int, workdir: Path) -> Path:
+    """The model both sides load: a preset written once under `workdir` as a random-init Hugging Face model (bf16,
+    the run's tokenizer with the chat template ours renders with), or the directory given."""
+    from model_utils.models import is_preset, preset_names
+
+    if not is_preset(model):
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise BenchProblem(f"--model {model}: neither a preset ({preset_names()}) nor a model directory with "
+                               "config.json; give a preset or a Hugging Face model directory (the trainer's --export "
+                               "writes one)")
+        return path.resolve()
+    out = workdir / f"model-{model.lower()}-seed{seed}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+
+    from model_utils.models import build_model, model_config
+    from model_utils.process import seed_everything
+    from model_utils.sft_data import attach_chat_template
+    from model_utils.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    attach_chat_template(tokenizer)
+    seed_everything(seed)
+    built = build_model(model, model_config(model, tokenizer), torch.bfloat16, "sdpa", False)
+    tmp = out.with_name(out.name + ".tmp")
+    built.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def global_batch(a) -> int:
+    """--global_batch_tokens, checked against every micro-batch measured; default: the least that each makes whole
+    optimizer steps of."""
+    per_micro = {mb: mb * a.nproc * a.seq_len for mb in sorted(set(a.micro_batch_size + a.peer_micro_batch_size))}
+    if not a.global_batch_tokens:
+        return math.lcm(*per_micro.values())
+    for mb, tokens in per_micro.items():
+        if a.global_batch_tokens % tokens:
+            raise BenchProblem(f"--global_batch_tokens {a.global_batch_tokens}: not a multiple of micro-batch {mb} x "
+                               f"{a.nproc} GPU(s) x seq_len {a.seq_len} = {tokens} tokens; give a multiple of each")
+    return a.global_batch_tokens
+
+
+def make_jobs(a, model: Path, rows: Path, data_cache: Path, global_tokens: int) -> list[dict]:
+    """Per mode: ours at each --micro_batch_size, then the peer at each --peer-micro-batch-size."""
+    base = {"model": str(model), "rows": str(rows), "data_cache": str(data_cache), "seq_len": a.seq_len,
+            "global_batch_tokens": global_tokens, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
+            "ds_config": a.ds_config, "zero_stage": a.zero_stage, "ds_set": a.ds_set,
+            "gradient_checkpointing": a.gradient_checkpointing, "lora_rank": a.lora_rank, "lora_alpha": a.lora_alpha,
+            "lora_target_modules": a.lora_target_modules, "peer_liger": a.peer_liger == "on",
+            "peer_attn": a.peer_attn}
+    jobs = []
+    for mode in a.modes:
+        for side, micro_batches in (("ours", a.micro_batch_size), ("trl", a.peer_micro_batch_size)):
+            if side in a.skip:
+                continue
+            for mb in micro_batches:
+                accumulation = global_tokens // (mb * a.nproc * a.seq_len)
+                jobs.append(dict(base, side=side, mode=mode, micro_batch_size=mb,
+                                 variant=f"{side}-{mode}", name=f"{side}-{mode}-mb{mb}-ga{accumulation}"))
+    return jobs
+
+
+def row(job: dict, r: dict) -> str:
+    if "error" in r:
+        return f"| {job['name']} | {SIDES[job['side']]} | {job['micro_batch_size']} | {r['error']} | | | | | | | |"
+    mfu = f"{100 * r['mfu']:.1f}% / {100 * r['mfu_6']:.1f}%" if "mfu" in r else "-"
+    mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
+    losses = r.get("losses") or []
+    return (f"| {job['name']} | {SIDES[job['side']]} | {r['micro_batch_size']} x {r['gradient_accumulation_steps']} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | {mem} | "
+            f"{1e3 * r['step_s_median']:.0f} | {r['tokens_per_step_per_gpu']:,.0f} | "
+            f"{r['loss_tokens_per_step_per_gpu']:,.0f} | {statistics.fmean(losses) if losses else float('nan'):.4f} |")
+
+
+def table(jobs: list[dict], results: list[dict]) -> str:
+    lines = ["| run | side | micro-batch x accumulation | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT / 6·LHQT) | "
+             "peak GiB | step ms | tokens/step/GPU | loss tokens/step/GPU | mean loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    return "\n".join(lines + [row(j, r) for j, r in zip(jobs, results)])
+
+
+def best_of(jobs: list[dict], results: list[dict], side: str, mode: str) -> tuple[dict, dict] | None:
+    ran = [(j, r) for j, r in zip(jobs, results) if j["side"] == side and j["mode"] == mode and "error" not in r]
+    return max(ran, key=lambda jr: jr[1]["tokens_per_s_per_gpu"], default=None)
+
+
+def compare_losses(ours: list[float], peer: list[float]) -> dict:
+    """The same steps of both sides: their first losses, each side's mean over them and the difference of the means
+    (the steps see different examples: see the module docstring)."""
+    n = min(len(ours), len(peer))
+    if not n:
+        return {}
+    mean_ours, mean_peer = statistics.fmean(ours[:n]), statistics.fmean(peer[:n])
+    return {"steps": n, "ours_first": [round(x, 4) for x in ours[:min(n, LOSSES_SHOWN)]],
+            "peer_first": [round(x, 4) for x in peer[:min(n, LOSSES_SHOWN)]], "ours_mean": mean_ours,
+            "peer_mean": mean_peer, "mean_diff": mean_ours - mean_peer}
+
+
+def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[str, dict]:
+    """Per mode: each side at its fastest micro-batch, the ratio, and the losses of those two runs."""
+    lines, record = [], {}
+    for mode in modes:
+        ours, peer = best_of(jobs, results, "ours", mode), best_of(jobs, results, "trl", mode)
+        if not ours or not peer:
+            lines.append(f"{mode}: no pair ran")
+            continue
+        ratio = ours[1]["tokens_per_s_per_gpu"] / peer[1]["tokens_per_s_per_gpu"]
+        losses = compare_losses(ours[1].get("losses", []), peer[1].get("losses", []))
+        record[mode] = {"ours": ours[0]["name"], "peer": peer[0]["name"], "ratio": ratio, "losses": losses,
+                        "data_loss_tokens": {"ours": ours[1]["data_loss_tokens"], "peer": peer[1]["data_loss_tokens"]}}
+        lines.append(f"{mode}, best micro-batch each: ours {ours[1]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU at "
+                     f"{ours[0]['micro_batch_size']}, TRL {peer[1]['tokens_per_s_per_gpu']:,.0f} at "
+                     f"{peer[0]['micro_batch_size']}: {ratio:.2f}x")
+        lines.append(f"{mode}, tokens carrying loss in the whole data: ours {ours[1]['data_loss_tokens']:,}, TRL "
+                     f"{peer[1]['data_loss_tokens']:,} (equal where both mask the same tokens and truncate nothing)")
+        if losses:
+            lines.append(f"{mode}, losses over the same {losses['steps']} steps: ours first {losses['ours_first']}, "
+                         f"TRL first {losses['peer_first']}; mean ours {losses['ours_mean']:.4f}, TRL "
+                         f"{losses['peer_mean']:.4f} (ours - TRL {losses['mean_diff']:+.4f})")
+    return "\n".join(lines), record
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-1.7b", help="a preset (written once as a random-init model under "
+                                                          "--workdir) or a Hugging Face model directory")
+    p.add_argument("--dataset", default="embedded-chat", help="embedded-chat, or a chat JSONL file (`messages`)")
+    p.add_argument("--max_examples", type=int, default=0, help="the first N rows (0: all)")
+    p.add_argument("--seq_len", type=int, default=2048, help="block (ours) and bin (TRL's max_length) length")
+    p.add_argument("--micro_batch_size", type=int, nargs="+", default=[8], help="ours: one or more")
+    p.add_argument("--peer-micro-batch-size", dest="peer_micro_batch_size", type=int, nargs="+", default=None,
+                   help="TRL's per_device_train_batch_size: one or more (default: --micro_batch_size's)")
+    p.add_argument("--global_batch_tokens", type=int, default=None, metavar="N",
+                   help="block tokens per optimizer step on both sides (blocks x seq_len); default: the least "
+                        "multiple of every micro-batch x GPUs x seq_len")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="full fine-tuning, LoRA, or both")
+    p.add_argument("--lora_rank", type=int, default=16)
+    p.add_argument("--lora_alpha", type=float, default=32.0)
+    p.add_argument("--lora_target_modules", default=None, help="comma-separated (default: the trainer's for the "
+                                                               "architecture)")
+    p.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ds_config", default="ds_config.json")
+    p.add_argument("--zero_stage", type=int, default=None, help="override the config's ZeRO stage")
+    p.add_argument("--ds-set", dest="ds_set", nargs="*", default=[], metavar="KEY=JSON",
+                   help="override DeepSpeed config values, e.g. zero_optimization.overlap_comm=false")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="both sides")
+    p.add_argument("--peer-attn", dest="peer_attn", default="sdpa",
+                   help="TRL side's attn_implementation (e.g. flash_attention_4 where flash-attn-4 is installed)")
+    p.add_argument("--peer-liger", dest="peer_liger", default="on", choices=("on", "off"),
+                   help="TRL side's use_liger_kernel (on CUDA only)")
+    p.add_argument("--skip", nargs="*", default=[], choices=list(SIDES), help="sides not to run")
+    p.add_argument("--nproc", type=int, default=None, help="GPUs to use (default: all present; 1 on CPU)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
+    p.add_argument("--workdir", default=None, help="the rows, the model written from a preset and ours' packed data "
+                                                   "(default: a temporary folder)")
+    p.add_argument("--json", default=None, help="append results (JSON lines) to this file")
+    p.add_argument("--log-dir", dest="log_dir", default=None, help="full log of every measurement")
+    p.add_argument("--write-doc", dest="write_doc", default=None, help="write the tables as a markdown section")
+    p.add_argument("--title", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        return worker_main(a.worker, a.result)
+    from bench import gpu_count, result_reporter, run_job, run_jobs
+
+    normalize_env()
+    a.nproc = a.nproc or max(gpu_count(), 1)
+    a.peer_micro_batch_size = a.peer_micro_batch_size or a.micro_batch_size
+    counts = (("seq_len", a.seq_len), ("steps", a.steps), ("lora_rank", a.lora_rank))
+    bad = [f"--{name} {value}" for name, value in counts if value < 1]
+    bad += [f"micro-batch {mb}" for mb in a.micro_batch_size + a.peer_micro_batch_size if mb < 1]
+    if bad or a.warmup < 0 or a.max_examples < 0:
+        p.error(f"{', '.join(bad) or '--warmup/--max_examples below 0'}: give positive counts")
+    workdir = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="sft-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        global_tokens = global_batch(a)
+        rows, count = write_rows(a.dataset, a.max_examples, workdir / "rows.jsonl")
+        model = model_directory(a.model, a.seed, workdir)
+    except BenchProblem as e:
+        p.error(str(e))
+    log_dir = Path(a.log_dir) if a.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    jobs = make_jobs(a, model, rows, workdir / "data-cache", global_tokens)
+    vers = versions()
+    vers["trl"] = _version("trl")
+    command = "python benchmarks/sft_bench.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None
+                                                                                     else sys.argv[1:]))
+    print(f"# {command}\n# {json.dumps(vers)}\n# {count:,} rows of {a.dataset}, model {model}, "
+          f"{global_tokens:,} block tokens ({global_tokens // a.seq_len} blocks of {a.seq_len}) per optimizer step",
+          flush=True)
+
+    report = result_reporter(a.json, vers, a.nproc, command)
+    me = Path(__file__)
+    results = run_jobs(jobs, lambda job: run_job(job, a.nproc, a.timeout, log_dir, script=me), report)
+    text = table(jobs, results)
+    best, record = summary(jobs, results, a.modes)
+    text += "\n\n" + best
+    print("\n" + text, flush=True)
+    if a.json and record:
+        with open(a.json, "a") as f:
+            f.write(json.dumps({"summary": record, "versions": vers, "nproc": a.nproc, "command": command}) + "\n")
+    if a.write_doc:
+        title = a.title or f"Supervised fine-tuning, {a.model}, {a.nproc} GPU(s)"
+        body = [f"### {title}", "", f"Hardware/versions: `{json.dumps(vers)}`", "", f"Command: `{command}`", "",
+                f"Data: {count:,} chat rows of {a.dataset}; {global_tokens:,} block tokens per optimizer step. "
+                "Tokens counted: the positions holding example tokens (no padding).", "", text, ""]
+        Path(a.write_doc).write_text("\n".join(body))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def _version(name: str) -> str | None:
+    from model_utils.monitor import package_version
+
+    return package_version(name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
