@@ -1,7 +1,7 @@
 """What one decoder layer keeps for its backward pass, per token, measured on the GPU: the data behind
 `memory.layer_activation_bytes_per_token` (compiled layers) and `memory.eager_layer_activation_bytes_per_token`.
 
-For each model it builds the preset with 1 and with 3 decoder layers, applies the trainer's speed levers (the same
+For each model it builds the preset with 1 and with 3 decoder layers, applies the trainer's speed options (the same
 `apply_speed_options`), and reads the memory a forward pass leaves allocated for the backward at micro-batches 1 and 2.
 The difference between 3 layers and 1, over 2 layers and the batch's tokens, is one layer's activations per token;
 the embedding, the loss and the logits cancel. One JSON line per model, layer count and micro-batch goes to --json.

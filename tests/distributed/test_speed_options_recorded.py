@@ -1,4 +1,4 @@
-"""The speed levers of a real run (2 CPU ranks) are recorded where a user and a resume look for them: the run header,
+"""The speed options of a real run (2 CPU ranks) are recorded where a user and a resume look for them: the run header,
 summary.json and each checkpoint's manifest (the settings and what they resolved to on this machine). A resume with
 a lever that changes the numerics, or a changed optimisation setting, says so and carries on."""
 
@@ -10,7 +10,7 @@ from conftest import FAST_ARGS, assert_ok, run_trainer
 from model_utils.config import SpeedConfig
 
 
-def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cache, tmp_path):
+def test_options_are_recorded_and_a_changed_option_is_named_on_resume(session_cache, tmp_path):
     ckpt = tmp_path / "ckpt"
     args = [*FAST_ARGS, "--checkpoint_freq", "2", "--no-export"]
     first = run_trainer(ckpt, [*args, "--max_steps", "2"])
@@ -28,7 +28,7 @@ def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cach
 
     same = run_trainer(ckpt, [*args, "--max_steps", "3"])
     assert_ok(same)
-    assert "speed levers that change the numerics differ" not in same.output
+    assert "speed options that change the numerics differ" not in same.output
     # A longer run stretches the cosine decay: the resume names it, with the flag it comes from.
     assert ("the optimisation differs from the checkpoint's run (scheduler.params.total_num_steps: 2 -> 3 "
             "(--max_steps))") in same.output
@@ -37,6 +37,6 @@ def test_levers_are_recorded_and_a_changed_lever_is_named_on_resume(session_cach
                                  "--gradient_checkpointing", "--checkpointed_layers", "1"])
     assert_ok(changed)
     assert "activation checkpointing: 1 of 4 decoder layers recompute" in changed.output
-    assert ("speed levers that change the numerics differ from the checkpoint's (flce_chunk_budget: 8 -> 4)"
+    assert ("speed options that change the numerics differ from the checkpoint's (flce_chunk_budget: 8 -> 4)"
             in changed.output)  # the overflow check skips the same steps in every mode: not named
     assert json.loads((ckpt / "step-00000004" / "manifest.json").read_text())["perf"]["flce_chunk_budget"] == 4

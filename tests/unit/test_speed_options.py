@@ -1,4 +1,4 @@
-"""The speed levers (SpeedConfig, model_utils/speed.py) on CPU: flags, validation with every other problem, their
+"""The speed options (SpeedConfig, model_utils/speed.py) on CPU: flags, validation with every other problem, their
 record in the manifest and the resume check, and the fall-backs that keep CPU runs and CI on the trainer's code path."""
 
 from __future__ import annotations
