@@ -100,3 +100,15 @@ def memory_stats(device: torch.device) -> dict:
     if current is not None:
         out.update(host_mem_gib=current, host_peak_mem_gib=peak)
     return out
+
+
+def bars_only_on_a_terminal() -> None:
+    """The libraries' progress bars (transformers' shard writes, datasets' maps) off where stderr is not a terminal:
+    in a job's log file each redraw would be another line of carriage returns; the run's own log lines say the same."""
+    if sys.stderr.isatty():
+        return
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()

@@ -71,8 +71,9 @@ def start_log(cfg: TrainConfig, dist: Dist) -> Logger:
     """The run's log, its header (job, nodes, world size, versions, effective flags) and this rank's host threads."""
     from .monitor import start_run_log
     from .process import share_host_cores
-    from .run_log import Logger
+    from .run_log import Logger, bars_only_on_a_terminal
 
+    bars_only_on_a_terminal()
     log = Logger(dist, cfg.checkpoint.run_dir.metrics)
     start_run_log(log, cfg, dist)
     log.info(share_host_cores())  # before DeepSpeedCPUAdam or any thread pool starts
