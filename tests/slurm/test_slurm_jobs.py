@@ -320,3 +320,43 @@ def test_job_composes_the_same_training_command_with_and_without_container(slurm
     command = f"src/train_deepspeed.py --max_steps 9 --checkpoint_dir {ckpt} --seed 3"
     assert bare.endswith(command) and pyxis.endswith(f" _ python {command}")
     assert bare.split(" bash -c ")[1].split(" _ ")[0] == pyxis.split(" bash -c ")[1].split(" _ ")[0]
+
+
+def test_prepare_data_sbatch_tokenizes_on_both_nodes(slurm, tmp_path):
+    """`./prepare-data.sbatch` as a CPU job on the two nodes: each node's task tokenizes its share of the shards (the
+    shards' .done records name two processes), one of them writes the manifest, and the prepared tokens are those of
+    a preparation in one process."""
+    import os
+
+    import numpy as np
+
+    from model_utils.config import DataConfig
+    from model_utils.prepare import prepare
+
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i}: " + "the words of a corpus line " * 30}) + "\n"
+                            for i in range(300)))
+    out = tmp_path / "prepared"
+    result = slurm.run("./prepare-data.sbatch", "--dataset", str(data), "--output", str(out), "--shard_mb", "0.02",
+                       env={"PREPARE_PROCS": "1"})
+    assert result.returncode == 0, result.stderr
+    job_id = submitted_job(result)
+    info = slurm.wait_job(job_id, timeout=240)
+    log = job_log(job_id, "ds-prepare")
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED", text[-3000:]
+    assert "2 node(s) prepare the data" in text
+    done = [json.loads(p.read_text()) for p in (out / "shards").glob("*.done")]
+    assert len(done) > 2 and len({d["pid"] for d in done}) == 2, done  # one tokenizing process per node's task
+
+    def tokens(folder: Path) -> np.ndarray:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        return np.concatenate([np.fromfile(folder / s["file"], dtype=manifest["dtype"])[:s["tokens"]]
+                               for s in manifest["shards"] if s["split"] == "train"])
+
+    alone = tmp_path / "alone"
+    with open(os.devnull, "w") as quiet:
+        prepare(DataConfig(dataset=str(data)), None, alone, num_proc=1, shard_mb=0.02, log=lambda *_: None,
+                stream=quiet)
+    np.testing.assert_array_equal(tokens(out), tokens(alone))
+    log.unlink()
