@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import ResumeError, resolve_explicit, write_hf_model
+from .run_dir import RunDir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,7 +42,7 @@ def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str =
         raise ResumeError(f"{info.path / 'manifest.json'} does not name the model; it was not written by this project")
     tokenizer = load_tokenizer(tokenizer_source(manifest.get("tokenizer"), model_name))
     config = model_config(model_name, tokenizer)
-    out = Path(output) if output else info.path.parent / "hf"
+    out = Path(output) if output else RunDir.of(info.path.parent).export
 
     if manifest.get("lora"):
         return export_adapter_checkpoint(info, manifest, tokenizer, out, dtype, merged, log)
