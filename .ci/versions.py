@@ -3,7 +3,7 @@
 import sys
 from importlib import metadata
 
-NAMES = ("torch", "deepspeed", "transformers", "datasets", "tokenizers", "numpy", "safetensors", "tqdm", "accelerate",
+NAMES = ("torch", "deepspeed", "transformers", "datasets", "tokenizers", "numpy", "safetensors", "tqdm", "peft", "accelerate",
          "trl")
 
 
