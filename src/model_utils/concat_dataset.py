@@ -16,6 +16,7 @@ nothing already consumed is read again.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -80,20 +81,9 @@ class DataSource:
         return json.dumps([self.kind, self.location])
 
 
-class DataView:
-    """Data settings with some fields replaced, the caller's settings object left as it is (a mixture's parts, the
-    preparation's command line)."""
-
-    def __init__(self, base, **changes):
-        self._base, self._changes = base, changes
-
-    def __getattr__(self, name):
-        changes = self.__dict__["_changes"]
-        return changes[name] if name in changes else getattr(self.__dict__["_base"], name)
-
-
-def _with_dataset(cfg, dataset: str) -> DataView:
-    return DataView(cfg, dataset=dataset)
+def _with_dataset(cfg, dataset: str):
+    """The data settings of one part of a mixture."""
+    return dataclasses.replace(cfg, dataset=dataset)
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -102,10 +92,10 @@ def _is_saved_dataset(path: Path) -> bool:
 
 def resolve_source(cfg: TrainConfig) -> DataSource:
     """Decide what DATASET means, or raise DataError naming the setting and the fix."""
-    if getattr(cfg, "streaming", False):
+    if cfg.streaming:
         from .streaming import resolve_stream
 
-        return resolve_stream(cfg, resolve_source(DataView(cfg, streaming=False)))
+        return resolve_stream(cfg, resolve_source(dataclasses.replace(cfg, streaming=False)))
     if not cfg.dataset or cfg.dataset == "embedded":
         corpus = build_embedded_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
         return DataSource("embedded", str(corpus), files=[str(corpus)], builder="json")

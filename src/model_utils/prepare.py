@@ -18,8 +18,9 @@ See docs/DATA-PREPARATION.md.
 from __future__ import annotations
 
 import argparse
-import glob
+import dataclasses
 import functools
+import glob
 import hashlib
 import itertools
 import json
@@ -134,10 +135,10 @@ def _ranges(kind: str, path: str, nbytes: int, size: int):
 
 def _row_shards(source, cfg, shard_mb) -> list[Shard]:
     """Row ranges of the Arrow files holding each split (a saved dataset, a hub download, CSV or Arrow files)."""
-    from .concat_dataset import DataView, load_splits
+    from .concat_dataset import load_splits
 
     # --max_documents: a saved dataset or local files are cut by row range below; only a hub dataset is streamed.
-    everything = DataView(cfg, max_documents=cfg.max_documents if source.kind == "hub" else 0)
+    everything = dataclasses.replace(cfg, max_documents=cfg.max_documents if source.kind == "hub" else 0)
     shards = []
     for split, ds in zip(("train", "validation"), load_splits(source, everything)):
         if ds is None:
@@ -643,12 +644,14 @@ def argument_problems(args) -> list[Problem]:
 
 
 def main(argv=None) -> int:
-    from .config import exit_on_problems
-    from .concat_dataset import DataError, DataView
+    from .config import DataConfig, exit_on_problems
+    from .concat_dataset import DataError
 
     args = parse_args(argv)
     exit_on_problems(argument_problems(args))
-    cfg = DataView(args, validation_fraction=0.0, dummy_data=0, document_mask=False, seed=0)
+    cfg = DataConfig(dataset=args.dataset, dataset_config_name=args.dataset_config_name,
+                     local_dataset=args.local_dataset, text_column=args.text_column,
+                     max_documents=args.max_documents, data_cache_dir=args.data_cache_dir, validation_fraction=0.0)
     try:
         prepare(cfg, args.tokenizer, Path(args.output), args.num_proc, args.shard_mb)
     except (DataError, PreparationFailed) as e:
