@@ -190,9 +190,9 @@ def parameter_counts(model) -> ParameterCounts:
     return ParameterCounts(trainable, frozen)
 
 
-def lora_parameter_counts(model_config, settings: LoraSettings | None) -> ParameterCounts:
-    """The counts a model of `model_config` has with these adapters (None: no LoRA, everything trainable), from a
-    model built on the meta device: nothing is allocated or downloaded beyond the config."""
+def meta_model(model_config, settings: LoraSettings | None):
+    """A model of `model_config` on the meta device (nothing allocated or downloaded beyond the config), its tied
+    weights tied, with these adapters (None: none): what the plan sizes and counts."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -201,7 +201,12 @@ def lora_parameter_counts(model_config, settings: LoraSettings | None) -> Parame
         model.tie_weights()  # transformers 5.0 leaves a meta model's tied LM head untied until asked
         if settings is not None:
             model = apply_lora(model, settings)
-    return parameter_counts(model)
+    return model
+
+
+def lora_parameter_counts(model_config, settings: LoraSettings | None) -> ParameterCounts:
+    """The counts a model of `model_config` has with these adapters (None: no LoRA, everything trainable)."""
+    return parameter_counts(meta_model(model_config, settings))
 
 
 def checkpoint_options() -> tuple[dict, dict]:

@@ -294,9 +294,7 @@ def fused_loss(speed: SpeedConfig, hardware: Hardware) -> bool:
 
 def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None, list[Problem]]:
     """(tokenizer, the model sized on the meta device, problems)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from .lora import LoraError, meta_model, parameter_counts
     from .models import FlopsModel, checkpointable_layers, decay_groups, model_config, preset_names, tokenizer_source
     from .tokenizer import load_tokenizer
 
@@ -312,26 +310,20 @@ def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None
         return tokenizer, None, [Problem("--model", cfg.model.model, f"could not be loaded: {e}".split("\n")[0],
                                          f"use a preset ({preset_names()}), a model "
                                          "directory with config.json, or a reachable hub id")]
-    with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(config)
-        meta_model.tie_weights()  # transformers 5.0 leaves a meta model's tied LM head untied until asked
-    base_params = sum(p.numel() for p in meta_model.parameters())
-    layers = len(checkpointable_layers(meta_model))
-    settings, frozen = cfg.model.lora_settings(), 0
-    if settings is not None:  # the adapters are sized on the meta device too: trainable vs frozen for the memory
-        from .lora import LoraError, apply_lora, parameter_counts
-
-        try:
-            with torch.device("meta"):
-                meta_model = apply_lora(meta_model, settings)
-        except LoraError as e:
-            return tokenizer, None, e.problems
-        frozen = parameter_counts(meta_model).frozen
-    num_params = sum(p.numel() for p in meta_model.parameters())
+    settings = cfg.model.lora_settings()
+    try:  # the adapters are sized on the meta device too: trainable vs frozen for the memory
+        sized = meta_model(config, settings)
+    except LoraError as e:
+        return tokenizer, None, e.problems
+    counts = parameter_counts(sized)
+    num_params = counts.trainable + counts.frozen
+    base_params = counts.frozen if settings is not None else num_params  # LoRA freezes every weight of the model
+    frozen = counts.frozen if settings is not None else 0
+    layers = len(checkpointable_layers(sized))
     # FLOPs: the base model's 6N per token (model FLOPs; LoRA skips the weights' gradients, not the rest).
     model = ModelPlan(tokenizer, config, num_params,
                       param_groups=tuple(tuple(p.numel() for p in group)
-                                         for group in decay_groups(meta_model.parameters())),
+                                         for group in decay_groups(sized.parameters())),
                       checkpointable_layers=layers, flops=FlopsModel.from_config(config, base_params, seq_len),
                       frozen_params=frozen, lora=settings)
     return tokenizer, model, []
