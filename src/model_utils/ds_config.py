@@ -187,6 +187,17 @@ def resolve_settings(raw: dict, cfg: TrainConfig, hardware: str, hidden_size: in
     return ds, notes, problems
 
 
+def with_layer_prefetch(ds: dict, raw: dict, layer_params: int) -> dict:
+    """ZeRO-3 gathering whole decoder layers (speed.py: compiled layers are leaf modules): a prefetch bucket left at
+    "auto" holds one layer's parameters, so the next layer's gather runs during this one's compute (the size
+    resolve_settings writes, Hugging Face's 0.9 h^2, covers one linear module of it)."""
+    if raw.get("zero_optimization", {}).get("stage3_prefetch_bucket_size", AUTO) != AUTO:
+        return ds
+    ds = copy.deepcopy(ds)
+    ds.setdefault("zero_optimization", {})["stage3_prefetch_bucket_size"] = int(layer_params)
+    return ds
+
+
 def zero12_optimizer_offload(ds: dict) -> bool:
     """ZeRO-1/2 with the optimizer offloaded: DeepSpeed's path whose gradient accumulation goes through host memory
     unless grad_accum_dtype is fp32."""

@@ -57,6 +57,11 @@ class ModelPlan:
     def trainable_params(self) -> int:
         return self.num_params - self.frozen_params
 
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer's parameters (the non-embedding ones shared out over the layers)."""
+        return self.flops.non_embedding_params // max(1, self.flops.num_layers)
+
 
 @dataclass(frozen=True)
 class MemoryModel:
@@ -78,9 +83,10 @@ class MemoryModel:
     def compiles(self, ds: dict) -> bool:
         """Whether the run compiles its decoder layers (speed.use_compile), on the GPUs it trains on."""
         from . import ds_config as dsc
-        from .speed import use_compile
+        from .speed import use_compile, zero3_keeps_eager_layers
 
-        return use_compile(self.hardware.gpus, dsc.zero_stage(ds) == 3, self.speed)
+        eager = zero3_keeps_eager_layers(dsc.zero_stage(ds), dsc.offloads(ds)[1], self.model.lora is not None)
+        return use_compile(self.hardware.gpus, eager, self.speed)
 
     def prefetch_applies(self, ds: dict) -> bool:
         """Whether the delayed update can keep a second GPU copy of the 16-bit partition: ZeRO-1/2 with the optimizer
@@ -180,7 +186,7 @@ class Plan:
     micro_batch_choice: str | None = None  # how "auto" chose the micro-batch; None where it was given
     memory_model: MemoryModel | None = None
     memory: MemoryEstimate | None = None
-    compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); not under ZeRO-3
+    compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); speed.use_compile
     checkpoints: CheckpointWrites | None = None
     resume: object = None  # checkpoint.CheckpointInfo to resume from; None: a fresh start (or not the deciding rank)
     incomplete_moved: tuple[str, ...] = ()  # incomplete checkpoints moved aside by this start
@@ -358,8 +364,11 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     if batch is None:
         return dataclasses.replace(plan, memory_model=memory_model), problems, notes
     ds, notes, problems = dsc.with_batch(ds, batch, notes, problems)
+    compiled = memory_model.compiles(ds) if memory_model else False
+    if compiled and dsc.zero_stage(ds) == 3:
+        ds = dsc.with_layer_prefetch(ds, raw, model.layer_params)
     return (dataclasses.replace(plan, ds_config=ds, batch=batch, micro_batch_choice=choice, memory_model=memory_model,
-                                compiled_layers=memory_model.compiles(ds) if memory_model else False),
+                                compiled_layers=compiled),
             problems, notes)
 
 

@@ -4,6 +4,10 @@ code path; what reaches below a library's public API lives in `patches/`, gated 
 
 Under ZeRO-3 the LM head weight is partitioned and Liger's fused loss reads it outside `lm_head.forward`; it is
 registered as an external parameter of the top-level module so ZeRO gathers it for the whole forward/backward.
+
+Under ZeRO-3 with the parameters on the GPUs, each decoder layer is a ZeRO-3 leaf module (DeepSpeed's public
+`set_z3_leaf_modules`): its parameters are gathered and released together by hooks on the layer alone, which run
+eagerly around the layer's compiled `forward`, so the graph sees whole weights and no hook inside it.
 """
 
 from __future__ import annotations
@@ -45,8 +49,16 @@ def _is_zero3(model) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def use_compile(cuda: bool, zero3: bool, speed: SpeedConfig) -> bool:
-    return speed.compile in ("layers", "auto") and cuda and not zero3
+def use_compile(cuda: bool, zero3_eager: bool, speed: SpeedConfig) -> bool:
+    """Compiled decoder layers: with CUDA, unless ZeRO-3 keeps them eager (`zero3_keeps_eager_layers`)."""
+    return speed.compile in ("layers", "auto") and cuda and not zero3_eager
+
+
+def zero3_keeps_eager_layers(zero_stage: int, offload_param: bool, lora: bool) -> bool:
+    """ZeRO-3 runs eager layers, hooks on every submodule, where the parameters are offloaded (a whole layer's
+    gather would come from host memory, which the per-submodule hooks spread over the layer's compute) or LoRA wraps
+    the layers (peft's frozen weights are found released in the compiled layers' backward)."""
+    return zero_stage == 3 and (offload_param or lora)
 
 
 def use_fa4(cuda: bool, model, speed: SpeedConfig) -> bool:
@@ -57,16 +69,18 @@ def use_fa4(cuda: bool, model, speed: SpeedConfig) -> bool:
 
 
 def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, documents: bool = False,
-                       fused: bool | None = None) -> dict:
+                       fused: bool | None = None, compiled: bool | None = None) -> dict:
     """Patch `model` in place with the options that apply; return what is in force (recorded in the checkpoint's
     manifest and summary.json). `log` reports what was applied (rank 0 is enough: every rank applies the same, except
     that a rank whose FlashAttention-4 probe fails keeps SDPA); `warn` (default `log`) reports that failure, from the
     rank it happened on. `documents`: the run masks attention to documents (--document_mask), so FlashAttention-4's
     probe covers its variable-length kernels. `fused`: the run's plan's decision on the fused loss (plan.fused_loss,
-    which its memory estimate assumed); None decides here, as the plan does."""
+    which its memory estimate assumed); None decides here, as the plan does. `compiled`: the plan's decision on the
+    compiled layers (plan.compiled_layers); None decides here, as the plan does for parameters on the GPUs."""
     warn = warn or log
     zero3 = _is_zero3(model)
-    compiled = use_compile(cuda, zero3, speed)
+    if compiled is None:
+        compiled = use_compile(cuda, False, speed)
     applied = {"fused_kernels": "off", "flce_chunk_budget": None, "compile": "layers" if compiled else "off",
                "attention_kernel": "sdpa", "sdpa_backend": "auto"}
     if fused is None:
@@ -85,7 +99,8 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
         log("kernels: liger-kernel is not installed, so the loss materialises full fp32 logits (slower, more memory); "
             "`pip install .[gpu]` adds Liger's kernels")
     if compiled:
-        _compile_layers(model, speed.activation_budget, log)
+        compiled = _compile_layers(model, speed.activation_budget, log, zero3)
+        applied["compile"] = "layers" if compiled else "off"
     if cuda and speed.sdpa_backend != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
         _sdpa_wrap(model, speed.sdpa_backend, log)  # also the fall-back path of FlashAttention-4
         applied["sdpa_backend"] = speed.sdpa_backend
@@ -113,7 +128,7 @@ def _decoder_layers(model):
     return getattr(base, "layers", None)
 
 
-def _compile_layers(model, budget: float, log) -> bool:
+def _compile_layers(model, budget: float, log, zero3: bool = False) -> bool:
     import torch
 
     layers = _decoder_layers(model)
@@ -121,10 +136,22 @@ def _compile_layers(model, budget: float, log) -> bool:
         log("compile: no decoder layers found; running eagerly")
         return False
     budget_set = torch_compile.configure(len(layers), budget, log) and budget < 1.0
-    for layer in layers:
-        layer.compile()
+    if zero3:
+        # ZeRO-3 gathers a leaf module's parameters at once in the hooks it registers on that module only (at
+        # deepspeed.initialize, after this); the hooks stay outside the graph, which compiles the layer's forward.
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [type(layers[0])])
+        # one compiled function with the layer as its argument: a graph shared by all layers, as Module.compile gives
+        compiled_forward = torch.compile(type(layers[0]).forward)
+        for layer in layers:
+            layer.forward = functools.partial(compiled_forward, layer)
+    else:
+        for layer in layers:
+            layer.compile()
     log(f"compile: torch.compile on each of the {len(layers)} decoder layers"
-        + (f" (activation memory budget {budget})" if budget_set else ""))
+        + (f" (activation memory budget {budget})" if budget_set else "")
+        + ("; ZeRO-3 gathers each layer's parameters at once (leaf modules), outside the graph" if zero3 else ""))
     return True
 
 

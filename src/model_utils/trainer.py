@@ -185,7 +185,8 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
                         cfg.model.gradient_checkpointing, plan.memory.checkpointed_layers)
     in_force = apply_speed_options(model, cfg.speed, dist.device.type == "cuda", log.info,
                                    warn=lambda message: log.warn(message, all_ranks=True),
-                                   documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss)
+                                   documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss,
+                                   compiled=plan.compiled_layers)
     lora = cfg.model.lora_settings()
     if lora is not None:
         model = wrap_with_adapters(model, lora, log)

@@ -3,11 +3,16 @@ record in the manifest and the resume check, and the fall-backs that keep CPU ru
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from model_utils import speed
 from model_utils.config import SpeedConfig, TrainConfig, build_parser, parse_args, speed_problems, validate_args
 from model_utils.patches import flash_attn4
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _tiny_model():
@@ -133,12 +138,61 @@ def test_auto_attention_falls_back_to_sdpa_when_fa4_fails_its_probe(monkeypatch)
     assert model.config._attn_implementation == flash_attn4.FA4_NAME
 
 
-def test_compile_only_with_cuda_and_not_under_zero3():
+def test_compile_only_with_cuda_and_not_where_zero3_keeps_eager_layers():
     auto = SpeedConfig()
-    assert speed.use_compile(cuda=True, zero3=False, speed=auto)
-    assert not speed.use_compile(cuda=False, zero3=False, speed=auto)
-    assert not speed.use_compile(cuda=True, zero3=True, speed=auto)
-    assert not speed.use_compile(cuda=True, zero3=False, speed=SpeedConfig(compile="off"))
+    assert speed.use_compile(cuda=True, zero3_eager=False, speed=auto)
+    assert not speed.use_compile(cuda=False, zero3_eager=False, speed=auto)
+    assert not speed.use_compile(cuda=True, zero3_eager=True, speed=auto)
+    assert not speed.use_compile(cuda=True, zero3_eager=False, speed=SpeedConfig(compile="off"))
+    assert not speed.zero3_keeps_eager_layers(3, offload_param=False, lora=False)
+    assert speed.zero3_keeps_eager_layers(3, offload_param=True, lora=False)
+    assert speed.zero3_keeps_eager_layers(3, offload_param=False, lora=True)
+    assert not speed.zero3_keeps_eager_layers(2, offload_param=True, lora=True)
+
+
+def _zero3_plan(monkeypatch, config: str, *flags: str, raw_edit=None, tmp_path=None):
+    from model_utils import plan as plan_module
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "139.8")
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
+    path = REPO / "configs" / config
+    if raw_edit:
+        raw = json.loads(path.read_text())
+        raw_edit(raw)
+        path = tmp_path / config
+        path.write_text(json.dumps(raw))
+    cfg = parse_args(["--model", "qwen3-8b", "--ds_config", str(path), "--global_batch_tokens", "262144",
+                      "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export", *flags])
+    return plan_module.make_plan(cfg, 4, decides=False)
+
+
+def test_zero3_plans_compiled_layers_gathered_whole_with_the_next_one_prefetched(monkeypatch, tmp_path):
+    """Qwen3-8B, configs/zero3.json, 4 GPUs: the layers compile, and the "auto" prefetch bucket holds one layer's
+    parameters (Hugging Face's 0.9 h^2 where the layers stay eager: a single linear module's)."""
+    hidden = 4096
+    plan = _zero3_plan(monkeypatch, "zero3.json")
+    assert plan.compiled_layers
+    layer = plan.model.layer_params
+    assert 200e6 < layer < 240e6  # Qwen3-8B: 4096 x (2 x 4096 + 2 x 1024) + 3 x 4096 x 12288, and its norms
+    assert plan.ds_config["zero_optimization"]["stage3_prefetch_bucket_size"] == layer
+
+    offloaded = _zero3_plan(monkeypatch, "zero3-offload.json")
+    assert not offloaded.compiled_layers
+    assert offloaded.ds_config["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * hidden * hidden)
+
+    def written(raw):
+        raw["zero_optimization"]["stage3_prefetch_bucket_size"] = 50_000_000
+    mine = _zero3_plan(monkeypatch, "zero3.json", raw_edit=written, tmp_path=tmp_path)
+    assert mine.compiled_layers and mine.ds_config["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000
+
+    assert not _zero3_plan(monkeypatch, "zero3.json", "--lora_rank", "16").compiled_layers
+
+    eager = _zero3_plan(monkeypatch, "zero3.json", "--compile", "off")
+    assert not eager.compiled_layers
+    assert eager.ds_config["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * hidden * hidden)
+    # the compiled layers keep fewer activations: the estimate at the same micro-batch is lower
+    micro = plan.batch.micro
+    assert plan.memory_model.peak(plan.ds_config, micro) < eager.memory_model.peak(eager.ds_config, micro)
 
 
 def test_fused_kernels_fall_back_without_liger(monkeypatch):

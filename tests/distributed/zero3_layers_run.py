@@ -1,0 +1,84 @@
+"""One rank of a ZeRO-3 run on CPU (gloo) whose decoder layers are eager or compiled, started by
+test_zero3_compiled_layers.py.
+
+    python zero3_layers_run.py WORK_DIR eager|compiled
+
+The model is a tiny Qwen3 built under zero.Init; `compiled` applies speed._compile_layers as the trainer does under
+ZeRO-3 (each layer a ZeRO-3 leaf module, its forward compiled, the hooks outside the graph; the trainer does so on
+GPUs only: here Inductor's CPU backend compiles the same graph). Rank 0 writes the losses, the final weights
+(gathered) and what the hooks cover to WORK_DIR/<mode>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+sys.path.insert(0, str(SRC))
+
+STEPS = 4
+SEQ_LEN = 32
+MICRO = 2
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+    "steps_per_print": 1_000_000,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+    # a prefetch bucket of one layer's parameters, as plan.py writes for compiled layers under ZeRO-3
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 60_000},
+}
+
+
+def main(work_dir: str, mode: str) -> None:
+    import deepspeed
+    import torch
+    from deepspeed.utils import z3_leaf_module
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from model_utils import speed
+    from model_utils.distributed import setup_distributed
+
+    dist = setup_distributed()
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, use_cache=False)
+    config._attn_implementation = "sdpa"
+    ds = dict(DS_CONFIG, train_batch_size=MICRO * 2 * dist.world_size)
+    context = HfDeepSpeedConfig(ds)  # noqa: F841  (zero.Init while the model is built, as the trainer does)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if mode == "compiled":
+        assert speed._compile_layers(model, 1.0, print, zero3=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        for _ in range(2):  # accumulation
+            ids = torch.randint(0, config.vocab_size, (dist.world_size, MICRO, SEQ_LEN), generator=generator)
+            batch = ids[dist.rank]
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+
+    layer = model.model.layers[0]
+    weights = {}
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            weights[name] = param.detach().double().sum().item()
+    if dist.rank == 0:
+        from torch._dynamo.utils import counters
+
+        (Path(work_dir) / f"{mode}.json").write_text(json.dumps({
+            "losses": losses, "weights": weights,
+            "layer_is_leaf": z3_leaf_module(layer),
+            "hooked_projection": hasattr(layer.self_attn.q_proj, "ds_id"),
+            "graphs": counters["stats"]["unique_graphs"],
+        }))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
