@@ -73,6 +73,8 @@ VARIANTS = {
     "delayed_update_no_prefetch": {"args": ["--delayed_update_from_step", "1", "--delayed_update_prefetch", "off"]},
     # ...and with --gradient_checkpointing, only as many layers recomputed as the GPU needs (--checkpointed_layers auto).
     "delayed_update_auto_layers": {"args": ["--delayed_update_from_step", "1", "--checkpointed_layers", "auto"]},
+    # The default path with eager decoder layers (what ZeRO-3 runs with the parameters offloaded or LoRA's adapters).
+    "eager_layers": {"args": ["--compile", "off"]},
     # The default path with attention within documents (the trainer's --document_mask); pair with --document_length.
     "document_mask": {"args": ["--document_mask"]},
     "nofused_document_mask": {"args": _variant(fused_kernels="off")["args"] + ["--document_mask"]},  # its reference

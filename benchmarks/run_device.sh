@@ -271,6 +271,13 @@ EOF
         --title "Qwen3-8B, partial offload (0.55), 1 H200, 2 x 16 without checkpointing (auto's choice), delayed update"
     fi
     ;;
+  zero3-4gpu)  # Qwen3-8B, configs/zero3.json, 4 GPUs, 262,144 tokens per step at 4 x 4: ours with the layers compiled
+    # (the default: each a ZeRO-3 leaf module) and eager (hooks on every submodule), then HF Trainer + DeepSpeed + Liger
+    # at 4 x 4, its best (8 does not fit without checkpointing), one invocation (~8 min)
+    bench q8b_zero3_4gpu 540 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --global_batch_tokens 262144 \
+      --micro_batch_size 4 --steps 3 --warmup 2 --timeout 200 --variants default eager_layers --compare-hf \
+      --hf-skip noliger --title "Qwen3-8B, ZeRO-3, 4 GPUs, 262,144 tokens per step: compiled and eager layers, HF + Liger"
+    ;;
   scale)  # per-GPU scaling on 1/2/4 H200 (default path), Qwen3-8B ZeRO-3, the loss check, then the peers if time
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)
     bench h200_1gpu 60 --nproc 1 --micro_batch_size 8 "${C[@]}" --title "Qwen3-0.6B, 1 H200, default path"
