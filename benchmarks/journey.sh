@@ -23,6 +23,12 @@
 #   finetune    the model default exported, fine-tuned (MODEL=<its hf directory>)
 #   saves       a save every 10 steps, in the background and synchronously: how long training stands still per save
 #   saves-large one save of JOURNEY_LARGE_MODEL (Qwen3-4B: 55 GiB, one fits the disk) with ZeRO-2 + optimizer offload
+#   seeds-large the seeds' shape: JOURNEY_SEEDS_MODEL (llama-7b: Llama 2 7B's dimensions, random weights written once
+#               as a Hugging Face model, the stand-in for a hub checkpoint) fine-tuned on the embedded chats with
+#               configs/zero3.json on every GPU of the node at the automatic micro-batch: 2 steps, save (~88 GiB)
+#   seeds-large-resume  the same directory resumed to step 3: evaluate, save (the older checkpoint then deleted),
+#               ZeRO-3 export, a sample; then `python -m model_utils.generate --chat` on the export
+#               (JOURNEY_ONLY="seeds-large seeds-large-resume" runs the pair)
 #   fp16        benchmarks/fp16_check.py on the first GPU: the tiny preset in fp16, its loss scale logged, overflows
 #               skipped and counted, a kill -9 and resume continuing the scale and the losses exactly
 #
@@ -38,6 +44,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_DIR:=/tmp/journey}"
 : "${JOURNEY_LARGE_MODEL:=qwen3-4b}" # saves-large: configs/zero2-offload.json, micro-batch 1, activation checkpointing
 : "${JOURNEY_RESUME_ROOT:=$JOURNEY_DIR}" # holds the *-large-resume journeys' checkpoint directories (room for one more)
+: "${JOURNEY_SEEDS_MODEL:=llama-7b}" # seeds-large: a preset written as a Hugging Face model, or a model directory
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
 
@@ -246,6 +253,21 @@ if wanted finetune; then
     [[ -d $JOURNEY_DIR/default/hf ]] || echo "journey finetune: needs the default journey's export ($JOURNEY_DIR/default/hf)"
     run finetune "$JOURNEY_DIR/finetune" MAX_STEPS=10 JOURNEY_MODEL="$JOURNEY_DIR/default/hf" \
         MODEL="$JOURNEY_DIR/default/hf" -- --micro_batch_size 8 --log_interval 5 --eval_iters 2 --checkpoint_freq 0
+fi
+if wanted seeds-large; then
+    python=$(command -v python3)
+    [[ -x .venv/bin/python ]] && python=$PWD/.venv/bin/python
+    seeds_model=$("$python" -c 'import sys; sys.path.insert(0, "benchmarks"); from pathlib import Path
+from sft_bench import model_directory; print(model_directory(sys.argv[1], 0, Path(sys.argv[2])))' \
+        "$JOURNEY_SEEDS_MODEL" "$JOURNEY_DIR/models" | tail -1)
+    seeds=(MODEL="$seeds_model" DATASET=embedded-chat DS_CONFIG=configs/zero3.json OUTPUT_DIR="$JOURNEY_DIR/seeds-hf")
+    seeds_flags=(--log_interval 1 --eval_iters 2 --checkpoint_freq 0 --keep_last_checkpoints 1)
+    run seeds-large "$JOURNEY_DIR/seeds" "${seeds[@]}" MAX_STEPS=2 -- "${seeds_flags[@]}" --eval_interval 0 --no-export
+    run seeds-large-resume "$JOURNEY_DIR/seeds" "${seeds[@]}" MAX_STEPS=3 -- "${seeds_flags[@]}" \
+        --generate_prompt "What does json.dumps do?"
+    command=("$python" -m model_utils.generate --model "$JOURNEY_DIR/seeds-hf" --chat "What does os.path.join do?")
+    echo "${command[*]}"
+    (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
 fi
 if wanted fp16; then
     fp16_python=python3 # the launchers' choice (resolve_python): the repository's .venv where one exists

@@ -30,6 +30,13 @@ PRESETS: dict[str, dict] = {
                      max_position_embeddings=131072, rope_theta=500_000.0, rms_norm_eps=1e-5, attention_bias=False,
                      mlp_bias=False, attention_dropout=0.0, initializer_range=0.02, tie_word_embeddings=True,
                      bos_token_id=128000, eos_token_id=128001),
+    # Llama 2 7B's dimensions (config.json of meta-llama/Llama-2-7b-hf: multi-head attention, untied embeddings, its
+    # vocabulary size), the seeds' ZeRO-3 model, in transformers' Llama architecture with the run's tokenizer.
+    "llama-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=32, head_dim=128, hidden_act="silu",
+                     max_position_embeddings=4096, rope_theta=10_000.0, rms_norm_eps=1e-5, attention_bias=False,
+                     mlp_bias=False, attention_dropout=0.0, initializer_range=0.02, tie_word_embeddings=False,
+                     bos_token_id=1, eos_token_id=2),
     # CPU-sized Qwen3 (same code path, ~3M parameters): the embedded default. Vocabulary follows the tokenizer.
     "tiny": dict(vocab_size=None, hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=48, hidden_act="silu", max_position_embeddings=2048,
@@ -37,7 +44,7 @@ PRESETS: dict[str, dict] = {
                  tie_word_embeddings=True),
 }
 # The transformers architecture of each preset not in Qwen3's.
-PRESET_ARCHITECTURES = {"llama-1b": "llama"}
+PRESET_ARCHITECTURES = {"llama-1b": "llama", "llama-7b": "llama"}
 DEFAULT_SEQ_LEN = {"tiny": 256}
 DEFAULT_SEQ_LEN_QWEN3 = 4096
 DEFAULT_SEQ_LEN_PRETRAINED = 2048
