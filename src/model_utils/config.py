@@ -46,7 +46,8 @@ class SpeedConfig:
                                    "with a 152k vocabulary into 128 chunks that each re-read the LM-head gradient; 8 "
                                    "makes 16 chunks of 2,048 tokens).", choices=(1, 2, 4, 8, 16), numerics=True)
     compile: str = _f("auto", "torch.compile each decoder layer in place (one graph shared by all layers): layers, off; "
-                              "auto = layers with CUDA outside ZeRO-3 (whose parameter hooks live inside the layers).",
+                              "auto = layers with CUDA, except where ZeRO-3 keeps them eager (with offload, or with "
+                              "LoRA); under ZeRO-3 each compiled layer is gathered whole by hooks outside its graph.",
                       choices=("auto", "layers", "off"), numerics=True)
     activation_budget: float = _f(0.9, "torch.compile's activation memory budget for the compiled layers: the share of "
                                        "what they would save for the backward pass that they keep (the cheapest rest "
@@ -91,7 +92,7 @@ class SpeedConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model trains and how its layers run."""
-    model: str = _f("tiny", "Preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama-1b; random "
+    model: str = _f("tiny", "Preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama-1b, llama-7b; random "
                             "init), or a Hugging Face model directory / hub id (pretrained weights, continued training).")
     tokenizer: str | None = _f(None, "Tokenizer name or path for AutoTokenizer. Default: the project's shipped "
                                      "tokenizer for presets, the model's own tokenizer for a pretrained model.")

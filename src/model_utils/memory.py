@@ -14,7 +14,7 @@ AUTO_MEMORY_SHARE = 0.90
 # ...and holds at most this many tokens per micro-batch: larger ones gain no speed (docs/PERFORMANCE.md) and lengthen
 # evaluation and compilation.
 AUTO_MAX_MICRO_TOKENS = 65_536
-# Eager decoder layers (ZeRO-3 with the parameters offloaded, where they are not compiled, or --compile off) keep every intermediate of their forward
+# Eager decoder layers (ZeRO-3 with offload, where they are not compiled, or --compile off) keep every intermediate of their forward
 # for the backward: `eager_layer_activation_bytes_per_token` counts their 16-bit tensors, with this margin for the rest
 # (the layers' fp32 statistics; beyond the layers, the fused loss's LM-head gradient and final hidden states and the
 # backward's transients), fitted to the eager peaks measured (docs/PERFORMANCE.md): each lies within 5% of its estimate.
@@ -227,7 +227,8 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
                 + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16,
                                largest_parameter_bytes(mconf, bf16))
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
-                                   compiled and not plan.offload_param))
+                                   compiled and not (plan.zero_stage == 3 and
+                                                     (plan.offload_param or plan.offload_optimizer))))
         if need > 0.92 * memory_gib * GIB:
             continue
         host = offload_host_bytes(params, world, ranks_per_node, plan.zero_stage, plan.offload_optimizer,

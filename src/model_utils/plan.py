@@ -85,7 +85,7 @@ class MemoryModel:
         from . import ds_config as dsc
         from .speed import use_compile, zero3_keeps_eager_layers
 
-        eager = zero3_keeps_eager_layers(dsc.zero_stage(ds), dsc.offloads(ds)[1], self.model.lora is not None)
+        eager = zero3_keeps_eager_layers(dsc.zero_stage(ds), any(dsc.offloads(ds)), self.model.lora is not None)
         return use_compile(self.hardware.gpus, eager, self.speed)
 
     def prefetch_applies(self, ds: dict) -> bool:
@@ -583,13 +583,30 @@ def checkpointed_micro_that_fits(plan: Plan) -> tuple[int, float] | None:
     return micro, checkpointed.memory_model.peak(plan.ds_config, micro)
 
 
-def _zero2_offload_buckets() -> dict:
-    """configs/zero2-offload.json's gradient bucket settings (none where the repository's configs are not at hand)."""
-    path = REPO_ROOT / "configs" / "zero2-offload.json"
+def _zero2_buckets(config: str = "configs/zero2-offload.json") -> dict:
+    """A ZeRO-2 config's gradient bucket settings (none where the repository's configs are not at hand)."""
+    path = REPO_ROOT / config
     if not path.is_file():
         return {}
     zero = json.loads(path.read_text()).get("zero_optimization", {})
     return {key: zero[key] for key in ("reduce_bucket_size", "overlap_comm", "contiguous_gradients") if key in zero}
+
+
+def zero2_that_fits(plan: Plan) -> float | None:
+    """For ZeRO-3 without offload: the same config as ZeRO-2 (ds_config.json's gradient buckets), which keeps whole
+    parameters on every GPU. Returns its GPU bytes where it fits the GPU at this run's micro-batch, else None."""
+    from . import ds_config as dsc
+
+    memory_model = plan.memory_model
+    if (memory_model is None or memory_model.budget is None or plan.ds_config is None or plan.batch is None
+            or dsc.zero_stage(plan.ds_config) != 3 or any(dsc.offloads(plan.ds_config))):
+        return None
+    ds = copy.deepcopy(plan.ds_config)
+    zero = {key: value for key, value in ds.get("zero_optimization", {}).items() if not key.startswith("stage3_")}
+    zero.update(_zero2_buckets("ds_config.json"), stage=2)
+    ds["zero_optimization"] = zero
+    gpu = memory_model.peak(ds, plan.batch.micro)
+    return gpu if gpu <= memory_model.budget else None
 
 
 def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
@@ -604,7 +621,7 @@ def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = 2
     zero.pop("offload_param", None)
-    zero.update(_zero2_offload_buckets())  # ZeRO-3's "auto" buckets are sized for its modules, not ZeRO-2's reduction
+    zero.update(_zero2_buckets())  # ZeRO-3's "auto" buckets are sized for its modules, not ZeRO-2's reduction
     zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     ds["data_types"] = {"grad_accum_dtype": "fp32"}
     per_rank = plan.batch.micro * plan.batch.accumulation

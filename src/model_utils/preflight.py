@@ -221,6 +221,7 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         _note_offload_accumulation(plan, report)
         _note_parameter_fetches(plan, report)
         _note_parameters_fit_on_the_gpu(plan, report)
+        _note_zero2_fits(plan, report)
         _estimate_offload_update(plan, report)
         _check_host_memory(plan, report)
         if check_disk:
@@ -340,6 +341,21 @@ def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
         f"configs/zero2-offload.json (ZeRO-2, the optimizer offloaded, gradients accumulated in fp32 on the "
         f"GPU) fits at micro-batch {micro} by the estimate (~{gpu / GIB:.1f} GiB) and fetches nothing, the faster of "
         "the two where both fit (docs/PERFORMANCE.md)")
+
+
+def _note_zero2_fits(plan: Plan, report: Report) -> None:
+    """ZeRO-3 where ZeRO-2 fits the GPUs at the same micro-batch: ZeRO-3 gathers every layer's parameters for its
+    forward and again for its backward, which ZeRO-2 does not need. Advice only: the config stays the user's."""
+    from .plan import zero2_that_fits
+
+    gpu = zero2_that_fits(plan)
+    if gpu is None:
+        return
+    report.notes.append(
+        f"ZeRO-2 fits these GPUs at micro-batch {plan.batch.micro} by the estimate (~{gpu / GIB:.1f} GiB): it keeps "
+        "whole parameters on every GPU and runs the same micro-batches without gathering each layer's parameters for "
+        "its forward and backward, as ZeRO-3 does: \"stage\": 2 in the DeepSpeed config (ds_config.json has it) "
+        "where the run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on several GPUs)")
 
 
 # Host seconds of each part of an offload update per 10^9 parameters of a rank's offloaded partition on a 16-core host

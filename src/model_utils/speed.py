@@ -5,7 +5,7 @@ code path; what reaches below a library's public API lives in `patches/`, gated 
 Under ZeRO-3 the LM head weight is partitioned and Liger's fused loss reads it outside `lm_head.forward`; it is
 registered as an external parameter of the top-level module so ZeRO gathers it for the whole forward/backward.
 
-Under ZeRO-3 with the parameters on the GPUs, each decoder layer is a ZeRO-3 leaf module (DeepSpeed's public
+Under ZeRO-3 without offload, each decoder layer is a ZeRO-3 leaf module (DeepSpeed's public
 `set_z3_leaf_modules`): its parameters are gathered and released together by hooks on the layer alone, which run
 eagerly around the layer's compiled `forward`, so the graph sees whole weights and no hook inside it.
 """
@@ -54,11 +54,12 @@ def use_compile(cuda: bool, zero3_eager: bool, speed: SpeedConfig) -> bool:
     return speed.compile in ("layers", "auto") and cuda and not zero3_eager
 
 
-def zero3_keeps_eager_layers(zero_stage: int, offload_param: bool, lora: bool) -> bool:
-    """ZeRO-3 runs eager layers, hooks on every submodule, where the parameters are offloaded (a whole layer's
-    gather would come from host memory, which the per-submodule hooks spread over the layer's compute) or LoRA wraps
-    the layers (peft's frozen weights are found released in the compiled layers' backward)."""
-    return zero_stage == 3 and (offload_param or lora)
+def zero3_keeps_eager_layers(zero_stage: int, offloaded: bool, lora: bool) -> bool:
+    """ZeRO-3 runs eager layers, hooks on every submodule, where it offloads the parameters or the optimizer (a whole
+    layer's gather from host memory would not overlap the layer's compute as the per-submodule ones do; the offload
+    paths, the delayed update among them, are measured with eager layers) or where LoRA wraps the layers (peft's
+    frozen weights are found released in the compiled layers' backward)."""
+    return zero_stage == 3 and (offloaded or lora)
 
 
 def use_fa4(cuda: bool, model, speed: SpeedConfig) -> bool:

@@ -267,7 +267,7 @@ def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_pa
     # h100-2026-11-26.jsonl: two micro-batches a step hold the first one's gradients at the second's peak
     ("qwen3-0.6b", "ds_config.json --global_batch_tokens=65536", 8, H100, 1, {}, 40.7),
     ("qwen3-0.6b", "configs/zero1.json", 8, H100, 1, {}, 39.2),
-    ("qwen3-0.6b", "configs/zero3.json", 8, H100, 1, {}, 48.7),  # layers not compiled under ZeRO-3
+    ("qwen3-0.6b", "configs/zero3.json --compile=off", 8, H100, 1, {}, 48.7),  # measured with eager ZeRO-3 layers
     ("qwen3-0.6b", "configs/zero3-offload.json", 8, H100, 1, {}, 40.9),
     ("qwen3-0.6b", "configs/zero2-offload.json", 8, H100, 1, {}, 33.2),  # the preset's journey: +6%, the safe side
     ("qwen3-4b", "configs/zero2-offload.json", 2, H100, 1, {}, 47.4),  # the fp32 accumulation buffer on the GPU
@@ -300,7 +300,10 @@ def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_pa
     ("qwen3-8b", "configs/zero2-offload.json", 4, H200, 2, {}, 91.7),
     ("qwen3-8b", "configs/zero2-offload.json --delayed_update_from_step=1 --delayed_update_prefetch=on", 4, H200, 2,
      {}, 99.3),
-    ("qwen3-8b", "configs/zero3.json", 2, H200, 4, {}, 72.2),  # h200x4-2026-11-21.jsonl (SDPA)
+    ("qwen3-8b", "configs/zero3.json --compile=off", 2, H200, 4, {}, 72.2),  # h200x4-2026-11-21.jsonl (SDPA, eager)
+    # h200x4-2026-11-27.jsonl: 262,144 tokens per step, the layers compiled (leaf modules) and eager
+    ("qwen3-8b", "configs/zero3.json --global_batch_tokens=262144", 4, H200, 4, {}, 91.1),
+    ("qwen3-8b", "configs/zero3.json --global_batch_tokens=262144 --compile=off", 4, H200, 4, {}, 110.7),
     # h200x2-2026-11-26.jsonl: parameters and optimizer offloaded, auto's choice with checkpointing, and 9 layers kept
     ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing", 16, H200, 2, {}, 30.0),
     ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing --checkpointed_layers=27", 16, H200, 2, {}, 98.3),
@@ -309,9 +312,9 @@ def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_pa
 def test_memory_estimate_is_within_10_percent_of_the_measured_peaks(model, setup, micro, gpu_gib, world, zero_changes,
                                                                    measured, monkeypatch, session_cache, tmp_path):
     """The automatic micro-batch trusts the estimate: each measured peak is within 10% of it, those of eager layers
-    (ZeRO-3), whose activations are counted tensor by tensor, within 5%."""
+    (ZeRO-3 with the parameters offloaded, --compile off), whose activations are counted tensor by tensor, within 5%."""
     estimate = _estimate_gib(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_path)
-    tolerance = 0.05 if "zero3" in setup else 0.10
+    tolerance = 0.05 if "zero3-offload" in setup or "compile=off" in setup else 0.10
     assert abs(estimate - measured) <= tolerance * measured, (estimate, measured)
 
 

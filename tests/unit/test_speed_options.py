@@ -144,16 +144,17 @@ def test_compile_only_with_cuda_and_not_where_zero3_keeps_eager_layers():
     assert not speed.use_compile(cuda=False, zero3_eager=False, speed=auto)
     assert not speed.use_compile(cuda=True, zero3_eager=True, speed=auto)
     assert not speed.use_compile(cuda=True, zero3_eager=False, speed=SpeedConfig(compile="off"))
-    assert not speed.zero3_keeps_eager_layers(3, offload_param=False, lora=False)
-    assert speed.zero3_keeps_eager_layers(3, offload_param=True, lora=False)
-    assert speed.zero3_keeps_eager_layers(3, offload_param=False, lora=True)
-    assert not speed.zero3_keeps_eager_layers(2, offload_param=True, lora=True)
+    assert not speed.zero3_keeps_eager_layers(3, offloaded=False, lora=False)
+    assert speed.zero3_keeps_eager_layers(3, offloaded=True, lora=False)
+    assert speed.zero3_keeps_eager_layers(3, offloaded=False, lora=True)
+    assert not speed.zero3_keeps_eager_layers(2, offloaded=True, lora=True)
 
 
-def _zero3_plan(monkeypatch, config: str, *flags: str, raw_edit=None, tmp_path=None):
+def _zero3_plan(monkeypatch, config: str, *flags: str, raw_edit=None, tmp_path=None, gpu_gib="139.8",
+                model="qwen3-8b"):
     from model_utils import plan as plan_module
 
-    monkeypatch.setenv("GPU_MEMORY_GIB", "139.8")
+    monkeypatch.setenv("GPU_MEMORY_GIB", gpu_gib)
     monkeypatch.setattr(speed, "liger_available", lambda: True)
     path = REPO / "configs" / config
     if raw_edit:
@@ -161,7 +162,7 @@ def _zero3_plan(monkeypatch, config: str, *flags: str, raw_edit=None, tmp_path=N
         raw_edit(raw)
         path = tmp_path / config
         path.write_text(json.dumps(raw))
-    cfg = parse_args(["--model", "qwen3-8b", "--ds_config", str(path), "--global_batch_tokens", "262144",
+    cfg = parse_args(["--model", model, "--ds_config", str(path), "--global_batch_tokens", "262144",
                       "--dummy_data", "64", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export", *flags])
     return plan_module.make_plan(cfg, 4, decides=False)
 
@@ -228,3 +229,19 @@ def test_all_levers_are_no_ops_on_cpu():
     assert [layer._compiled_call_impl for layer in model.model.layers] == layer_calls
     ids = torch.randint(0, 100, (1, 16))
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_the_preflight_names_zero2_where_it_fits_at_the_same_micro_batch(monkeypatch):
+    """ZeRO-3 without offload, 4 GPUs: Qwen3-8B at micro-batch 4 fits ZeRO-2's whole parameters on a 139.8 GiB GPU
+    but not on a 79.2 GiB one; the note never changes the config."""
+    from model_utils.preflight import check_plan
+
+    def notes(plan):
+        return [n for n in check_plan(plan, check_data=False, check_disk=False).notes if n.startswith("ZeRO-2 fits")]
+
+    large = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4")
+    said = notes(large)
+    assert len(said) == 1 and "micro-batch 4" in said[0] and '"stage": 2' in said[0]
+    assert large.ds_config["zero_optimization"]["stage"] == 3
+    assert not notes(_zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", gpu_gib="79.2"))
+    assert not notes(_zero3_plan(monkeypatch, "zero3-offload.json", "--micro_batch_size", "4"))
