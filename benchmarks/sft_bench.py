@@ -191,7 +191,8 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
         agree_after_step(run, result)
         cuda_sync()
         dt = time.perf_counter() - t
-        losses.append(result.loss_sum.item() / run.batch.accumulation)  # this rank's mean over its micro-batches
+        # this rank's mean over its micro-batches (fine-tuning data: its share of the step's per-token mean, x ranks)
+        losses.append(result.loss_sum.item() / run.batch.accumulation)
         if i >= warmup:
             times.append(dt)
             timed_blocks += result.blocks

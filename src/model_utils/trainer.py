@@ -470,13 +470,18 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
     loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
     nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
     blocks_read, area = [], 0
-    for _ in range(run.batch.accumulation):
+    # Packed examples: each micro-batch's blocks read up front, to weight its mean loss by its loss tokens
+    micro_batches = step_blocks(run) if run.examples else None
+    weights = loss_token_weights(run, micro_batches) if micro_batches else None
+    for micro in range(run.batch.accumulation):
         with phase("forward"):
             indices = run.order.rank_indices(run.position, dist.rank)
             blocks_read += indices.tolist()
-            blocks = run.data.train.batch(indices)
+            blocks = micro_batches[micro] if micro_batches else run.data.train.batch(indices)
             area += attention_area(run, blocks)
             loss = compute_loss(engine, model_inputs(run, blocks))
+            if weights is not None:
+                loss = loss * weights[micro]
         with phase("backward"):
             engine.backward(loss)
         with phase("step"):
@@ -487,6 +492,28 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
     run.step += 1
     run.tokens_seen += run.batch.tokens_per_step
     return StepResult(loss_sum, nonfinite, area, blocks_read)
+
+
+def step_blocks(run: Run) -> list:
+    """This rank's micro-batches of the coming step, in order (the data position is not advanced)."""
+    position, blocks = run.position, []
+    for _ in range(run.batch.accumulation):
+        blocks.append(run.data.train.batch(run.order.rank_indices(position, run.dist.rank)))
+        position = run.order.advance(position)
+    return blocks
+
+
+def loss_token_weights(run: Run, micro_batches: list):
+    """Per micro-batch, the factor on its mean loss that makes the step's gradient the mean over the loss tokens of
+    the whole step, every rank's (Hugging Face's num_items_in_batch): its loss tokens over the step's, times the
+    micro-batches per step and the ranks, whose averages DeepSpeed and the loss log take. Without it a micro-batch
+    with few answer tokens would weigh as much as one with many. One all-reduce of the step's count."""
+    import torch
+
+    counts = torch.tensor([float(blocks.loss_tokens) for blocks in micro_batches], dtype=torch.float64)
+    counts = counts.to(run.dist.device)
+    total = run.dist.all_reduce(counts.sum())
+    return (counts * (len(micro_batches) * run.dist.world_size) / total).float()
 
 
 def agree_after_step(run: Run, result: StepResult, stop_received: bool = False, save_due: bool = False) -> StepFlags:

@@ -86,6 +86,24 @@ def test_masked_loss_on_the_embedded_chats_and_on_prompts_too(base_model, sessio
     assert "fine-tuning defaults: learning rate 2e-05" in answers.output
 
 
+def test_a_step_is_the_mean_over_its_loss_tokens_however_its_blocks_are_split(base_model, chat_file, session_cache,
+                                                                              tmp_path):
+    """Each micro-batch's mean loss weighs by its share of the step's answer tokens over all ranks, so a step's loss
+    and update are the mean over those tokens: its 8 blocks as 2 ranks x 2 blocks x 2 micro-batches and as 2 ranks x
+    4 blocks x 1 give the same losses, step after step (the blocks carry different numbers of answer tokens, so a
+    mean of the micro-batches' means would differ)."""
+    args = [*SFT_ARGS, "--model", str(base_model), "--dataset", str(chat_file), "--max_steps", "3", "--no-export",
+            "--learning_rate", "1e-3"]
+    split = run_trainer(tmp_path / "split", [*args, "--micro_batch_size", "2", "--gradient_accumulation_steps", "2"])
+    whole = run_trainer(tmp_path / "whole", [*args, "--micro_batch_size", "4", "--gradient_accumulation_steps", "1"])
+    assert_ok(split)
+    assert_ok(whole)
+    split_losses = [r["loss"] for r in split.train_records()]
+    whole_losses = [r["loss"] for r in whole.train_records()]
+    assert len(split_losses) == 3 and split_losses[0] != split_losses[2]
+    assert split_losses == pytest.approx(whole_losses, rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def lora_runs(base_model, chat_file, session_cache, tmp_path_factory):
     """The same LoRA run for 2 epochs uninterrupted and killed after its step-2 checkpoint, then resumed."""
