@@ -59,7 +59,7 @@ TIERS = ("unit", "distributed", "slurm")
 # the shared-memory collectives) build once per session; the dataset cache is the one session_cache fills.
 CACHE_SETTINGS = {"DEEPSPEED_LM_CACHE": "deepspeed-lm", "TORCH_EXTENSIONS_DIR": "torch-extensions",
                   "HF_HOME": "huggingface", "HF_DATASETS_CACHE": "huggingface/datasets",
-                  "TRITON_CACHE_DIR": "triton"}
+                  "TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "torchinductor"}
 
 
 _CACHES: list[Path] = []

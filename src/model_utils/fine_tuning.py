@@ -86,6 +86,7 @@ def steps_to_finish(num_epochs: float, training_blocks: int, world: int, micro: 
 FULL_FINE_TUNING_LR = 2e-5  # TRL SFTConfig.learning_rate (it replaces TrainingArguments' 5e-5); Stanford Alpaca's too
 LORA_LR = 2e-4  # QLoRA (Dettmers et al. 2023, appendix): 2e-4 up to 13B (1e-4 above); TRL's PEFT example: 2e-4
 WARMUP_RATIO = 0.03  # Stanford Alpaca's recipe (--warmup_ratio 0.03) and QLoRA's
+MIN_WARMUP_STEPS = 2  # DeepSpeed's WarmupLR family warms up for at least 2 steps (lr_schedules: max(2, warmup_num_steps))
 FINE_TUNING_WEIGHT_DECAY = 0.0  # transformers TrainingArguments.weight_decay and Stanford Alpaca's recipe
 
 
@@ -101,13 +102,13 @@ class FineTuningDefaults:
 
     def describe(self) -> str:
         return (f"fine-tuning defaults: learning rate {self.learning_rate:g}, {self.warmup_steps} warmup steps "
-                f"({WARMUP_RATIO:.0%} of the run), weight decay {self.weight_decay:g} ({self.source}); set "
+                f"({WARMUP_RATIO:.0%} of the run, at least DeepSpeed's {MIN_WARMUP_STEPS}), weight decay {self.weight_decay:g} ({self.source}); set "
                 "--learning_rate/--warmup_steps/ds_config's weight_decay to choose others")
 
 
 def fine_tuning_defaults(total_steps: int, lora: bool) -> FineTuningDefaults:
     """The defaults for a fine-tuning run of `total_steps` steps, with LoRA adapters or all weights trained."""
-    warmup = math.ceil(WARMUP_RATIO * total_steps)
+    warmup = max(MIN_WARMUP_STEPS, math.ceil(WARMUP_RATIO * total_steps))
     if lora:
         return FineTuningDefaults(LORA_LR, warmup, FINE_TUNING_WEIGHT_DECAY,
                                   "LoRA: QLoRA's rate for models up to 13B, Alpaca/QLoRA warmup")
