@@ -29,6 +29,12 @@
 #   seeds-large-resume  the same directory resumed to step 3: evaluate, save (the older checkpoint then deleted),
 #               ZeRO-3 export, a sample; then `python -m model_utils.generate --chat` on the export
 #               (JOURNEY_ONLY="seeds-large seeds-large-resume" runs the pair)
+#   sft-lora    JOURNEY_SFT_MODEL (llama-1b: Llama 3.2 1B's dimensions, random weights written once as a Hugging Face
+#               model) fine-tuned with LoRA (rank 16) on the embedded chats at 2048 tokens, the automatic micro-batch:
+#               6 steps with a checkpoint at 4, evaluation, the adapter and the merged model exported
+#   sft-lora-resume  the same run resumed to step 8, then the merged export prompted through
+#               `python -m model_utils.generate --chat`, and the adapter loaded by peft on the base model beside the
+#               merged model (their logits' largest difference printed)
 #   fp16        benchmarks/fp16_check.py on the first GPU: the tiny preset in fp16, its loss scale logged, overflows
 #               skipped and counted, a kill -9 and resume continuing the scale and the losses exactly
 #
@@ -45,6 +51,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_LARGE_MODEL:=qwen3-4b}" # saves-large: configs/zero2-offload.json, micro-batch 1, activation checkpointing
 : "${JOURNEY_RESUME_ROOT:=$JOURNEY_DIR}" # holds the *-large-resume journeys' checkpoint directories (room for one more)
 : "${JOURNEY_SEEDS_MODEL:=llama-7b}" # seeds-large: a preset written as a Hugging Face model, or a model directory
+: "${JOURNEY_SFT_MODEL:=llama-1b}" # sft-lora: a preset written as a Hugging Face model, or a model directory
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
 
@@ -118,7 +125,8 @@ EOF
     ((status == 0)) || failed=1
     # Checkpoints take disk (8 GiB each for Qwen3-0.6B, 55 GiB for Qwen3-4B): only those a later journey resumes from
     # stay.
-    [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed ]] \
+    [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed ||
+        $name == sft-lora ]] \
         || { [[ $name == *-large ]] && wanted "$name-resume"; } || rm -rf "$dir"
 }
 
@@ -254,12 +262,41 @@ if wanted finetune; then
     run finetune "$JOURNEY_DIR/finetune" MAX_STEPS=10 JOURNEY_MODEL="$JOURNEY_DIR/default/hf" \
         MODEL="$JOURNEY_DIR/default/hf" -- --micro_batch_size 8 --log_interval 5 --eval_iters 2 --checkpoint_freq 0
 fi
-if wanted seeds-large; then
-    python=$(command -v python3)
-    [[ -x .venv/bin/python ]] && python=$PWD/.venv/bin/python
-    seeds_model=$("$python" -c 'import sys; sys.path.insert(0, "benchmarks"); from pathlib import Path
+python=$(command -v python3) # the launchers' choice (resolve_python): the repository's .venv where one exists
+[[ -x .venv/bin/python ]] && python=$PWD/.venv/bin/python
+# hf_model PRESET_OR_DIRECTORY: a preset written once under JOURNEY_DIR/models as a random-init Hugging Face model (the
+# stand-in for a hub checkpoint), or the directory given; its path on stdout
+hf_model() {
+    "$python" -c 'import sys; sys.path.insert(0, "benchmarks"); from pathlib import Path
 from sft_bench import model_directory; print(model_directory(sys.argv[1], 0, Path(sys.argv[2])))' \
-        "$JOURNEY_SEEDS_MODEL" "$JOURNEY_DIR/models" | tail -1)
+        "$1" "$JOURNEY_DIR/models" | tail -1
+}
+
+if wanted sft-lora; then
+    sft_model=$(hf_model "$JOURNEY_SFT_MODEL")
+    sft=(MODEL="$sft_model" DATASET=embedded-chat OUTPUT_DIR="$JOURNEY_DIR/sft-lora-hf")
+    sft_flags=(--seq_len 2048 --lora_rank 16 --export_merged --log_interval 1 --eval_iters 2 --checkpoint_freq 4)
+    run sft-lora "$JOURNEY_DIR/sft-lora" "${sft[@]}" MAX_STEPS=6 -- "${sft_flags[@]}"
+    run sft-lora-resume "$JOURNEY_DIR/sft-lora" "${sft[@]}" MAX_STEPS=8 -- "${sft_flags[@]}"
+    command=("$python" -m model_utils.generate --model "$JOURNEY_DIR/sft-lora-hf/merged" --chat "What does json.dumps do?")
+    echo "${command[*]}"
+    (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+    "$python" - "$sft_model" "$JOURNEY_DIR/sft-lora-hf" <<'EOF' 2>&1 | tail -1 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+import sys
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base, export = sys.argv[1], sys.argv[2]
+adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), f"{export}/adapter")
+merged = AutoModelForCausalLM.from_pretrained(f"{export}/merged", dtype=torch.float32)
+ids = torch.arange(1, 33).reshape(1, 32)
+with torch.no_grad():
+    diff = (adapted(ids).logits - merged(ids).logits).abs().max().item()
+print(f"journey sft-lora exports: the adapter on the base model and the merged model, logits differ by at most {diff:.2e}")
+EOF
+fi
+if wanted seeds-large; then
+    seeds_model=$(hf_model "$JOURNEY_SEEDS_MODEL")
     seeds=(MODEL="$seeds_model" DATASET=embedded-chat DS_CONFIG=configs/zero3.json OUTPUT_DIR="$JOURNEY_DIR/seeds-hf")
     seeds_flags=(--log_interval 1 --eval_iters 2 --checkpoint_freq 0 --keep_last_checkpoints 1)
     run seeds-large "$JOURNEY_DIR/seeds" "${seeds[@]}" MAX_STEPS=2 -- "${seeds_flags[@]}" --eval_interval 0 --no-export
@@ -270,8 +307,6 @@ from sft_bench import model_directory; print(model_directory(sys.argv[1], 0, Pat
     (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
 fi
 if wanted fp16; then
-    fp16_python=python3 # the launchers' choice (resolve_python): the repository's .venv where one exists
-    [[ -x .venv/bin/python ]] && fp16_python=.venv/bin/python
-    "$fp16_python" benchmarks/fp16_check.py --out "$JOURNEY_DIR/fp16" | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+    "$python" benchmarks/fp16_check.py --out "$JOURNEY_DIR/fp16" | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
 fi
 exit "$failed"

@@ -278,6 +278,28 @@ EOF
       --micro_batch_size 4 --steps 3 --warmup 2 --timeout 200 --variants default eager_layers --compare-hf \
       --hf-skip noliger --title "Qwen3-8B, ZeRO-3, 4 GPUs, 262,144 tokens per step: compiled and eager layers, HF + Liger"
     ;;
+  zero3-levers)  # Qwen3-8B, configs/zero3.json, 262,144 tokens per step at 4 x 4 on 4 GPUs: the default path with one
+    # DeepSpeed lever changed each (the prefetch bucket at Hugging Face's 0.9 h^2 instead of one layer; ZeRO++'s
+    # quantized weights, qwZ; its quantized gradients, qgZ: both change the numerics), then 50 steps of Qwen3-0.6B under
+    # ZeRO-3 on 4 GPUs against the unoptimised path (~9 min: BUDGET=580)
+    Z3_8B=(--nproc 4 --model qwen3-8b --ds_config configs/zero3.json --global_batch_tokens 262144 --micro_batch_size 4
+           --steps 3 --warmup 2 --timeout 170 --variants default)
+    bench q8b_zero3_prefetch_h2 175 "${Z3_8B[@]}" --ds-set zero_optimization.stage3_prefetch_bucket_size=15099494 \
+      --title "Qwen3-8B, ZeRO-3, 4 GPUs: the prefetch bucket at 0.9 h^2"
+    bench q8b_zero3_qwz 175 "${Z3_8B[@]}" --ds-set zero_optimization.zero_quantized_weights=true \
+      --title "Qwen3-8B, ZeRO-3, 4 GPUs: ZeRO++ quantized weights"
+    bench q8b_zero3_qgz 175 "${Z3_8B[@]}" --ds-set zero_optimization.zero_quantized_gradients=true \
+      --title "Qwen3-8B, ZeRO-3, 4 GPUs: ZeRO++ quantized gradients"
+    bench q06_zero3_losses 60 --nproc 4 --model qwen3-0.6b --ds_config configs/zero3.json --steps 1 --warmup 1 \
+      --variants --loss-check 50 --loss-check-mb 2 --loss-check-variants default --timeout 170 \
+      --title "ZeRO-3, 4 GPUs: 50 steps of the default path against the unoptimised one"
+    ;;
+  zero3-2gpu)  # Qwen3-8B, configs/zero3.json, 262,144 tokens per step at 4 x 8 on 2 GPUs: ours, then HF Trainer +
+    # DeepSpeed + Liger at 4 x 8, one invocation (~6 min): the 2-GPU row beside zero3-4gpu's
+    bench q8b_zero3_2gpu 400 --nproc 2 --model qwen3-8b --ds_config configs/zero3.json --global_batch_tokens 262144 \
+      --micro_batch_size 4 --steps 2 --warmup 2 --timeout 200 --variants default --compare-hf --hf-skip noliger \
+      --title "Qwen3-8B, ZeRO-3, 2 GPUs, 262,144 tokens per step: ours and HF + Liger at 4 x 8"
+    ;;
   scale)  # per-GPU scaling on 1/2/4 H200 (default path), Qwen3-8B ZeRO-3, the loss check, then the peers if time
     C=(--steps 6 --warmup 3 --timeout 150 --variants default)
     bench h200_1gpu 60 --nproc 1 --micro_batch_size 8 "${C[@]}" --title "Qwen3-0.6B, 1 H200, default path"
