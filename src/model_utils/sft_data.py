@@ -319,6 +319,58 @@ def encode_rows(rows: Iterable[dict], encoder: ExampleEncoder, checked: bool = F
         yield encoder.encode(row, number)
 
 
+# Below this many rows one process encodes faster than worker processes start (each spawned with its tokenizer); a
+# worker's task holds at least CHUNK_MIN_ROWS rows.
+PARALLEL_MIN_ROWS = 20_000
+CHUNK_MIN_ROWS = 500
+_WORKER: dict = {}
+
+
+def encode_all(rows, encoder: ExampleEncoder, workers: int = 1) -> Iterator[Example]:
+    """Every checked row's Example, in row order: in this process, or, with `workers` > 1 and at least
+    PARALLEL_MIN_ROWS rows, by that many spawned processes (the tokenizer's threads do not survive a fork) encoding
+    chunks of rows, at most two chunks per worker in flight. The same Examples either way."""
+    count = len(rows)
+    if workers <= 1 or count < PARALLEL_MIN_ROWS:
+        yield from encode_rows(rows, encoder, checked=True)
+        return
+    import multiprocessing
+    import pickle
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    size = max(CHUNK_MIN_ROWS, -(-count // (workers * 16)))
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_encoder,
+                             initargs=(pickle.dumps(encoder),)) as pool:
+        pending: deque = deque()
+        starts = iter(range(0, count, size))
+        for start in starts:
+            pending.append(pool.submit(_encode_chunk, start, _row_slice(rows, start, start + size)))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+
+
+def _row_slice(rows, start: int, end: int) -> list[dict]:
+    if hasattr(rows, "select"):  # a datasets.Dataset
+        return rows.select(range(start, min(end, len(rows)))).to_list()
+    return list(rows[start:end])
+
+
+def _start_encoder(encoder: bytes) -> None:
+    import pickle
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    _WORKER["encoder"] = pickle.loads(encoder)
+
+
+def _encode_chunk(start: int, rows: list[dict]) -> list[Example]:
+    encoder = _WORKER["encoder"]
+    return [encoder.encode(row, start + offset) for offset, row in enumerate(rows, start=1)]
+
+
 def attach_chat_template(tokenizer) -> bool:
     """Give a tokenizer without a chat template DEFAULT_CHAT_TEMPLATE, the one its chats were rendered with, so that an
     exported model is prompted as it was trained (call before the tokenizer is written). True where it was attached."""
@@ -504,10 +556,11 @@ SPLIT_FILES = ("inputs", "targets", "positions")
 
 
 def build_sft_files(splits: dict, tokenizer, settings: SFTSettings, out_dir: Path, source: str,
-                    log=print) -> dict:
-    """Check every row of each split, then encode and pack each (`{"train": rows, "validation": rows or None}`;
-    rows: a datasets.Dataset, or a list of dicts whose first row names the columns) and write
-    <split>.{inputs,targets,positions}.bin and meta.json (written last: it marks a complete entry). Returns the meta."""
+                    log=print, workers: int = 1) -> dict:
+    """Check every row of each split, then encode (with `workers` processes: encode_all) and pack each
+    (`{"train": rows, "validation": rows or None}`; rows: a datasets.Dataset, or a list of dicts whose first row names
+    the columns) and write <split>.{inputs,targets,positions}.bin and meta.json (written last: it marks a complete
+    entry). Returns the meta."""
     splits = {split: rows for split, rows in splits.items() if rows is not None}
     formats: dict[str, str] = {}
     for split, rows in splits.items():  # every row of every split checked before any is tokenized
@@ -520,7 +573,7 @@ def build_sft_files(splits: dict, tokenizer, settings: SFTSettings, out_dir: Pat
     for split, rows in splits.items():
         encoder = ExampleEncoder(tokenizer, formats[split], settings.train_on_prompts, f"{source} ({split} split)")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        packed = pack_examples(encode_rows(rows, encoder, checked=True), settings.seq_len, pad_id, len(tokenizer))
+        packed = pack_examples(encode_all(rows, encoder, workers), settings.seq_len, pad_id, len(tokenizer))
         if packed.stats.blocks == 0:
             raise DataError(Problem("--dataset", source, f"the {split} split holds no example with a token "
                                     "carrying loss", "check the data (answers present) or pass --train_on_prompts"))
@@ -680,7 +733,7 @@ def open_sft_source(cfg, source, tokenizer, seq_len: int, data_format: str, dist
         if progress is not None:
             progress.set_total(len(train) + (len(validation) if validation is not None else 0))
         meta = build_sft_files({"train": train, "validation": validation}, tokenizer, settings, out_dir,
-                               source.location, log)
+                               source.location, log, encoding_workers(cfg))
         if progress is not None:
             examples = sum(split["stats"]["examples"] for split in meta["splits"].values())
             tokens = sum(split["stats"]["tokens"] for split in meta["splits"].values())
@@ -688,6 +741,11 @@ def open_sft_source(cfg, source, tokenizer, seq_len: int, data_format: str, dist
 
     ensure_token_cache(cfg, source, tokenizer, out_dir, dist, log, build=build)
     return open_sft(out_dir, cfg.validation_fraction)
+
+
+def encoding_workers(cfg) -> int:
+    """--num_proc, else the CPUs available to this process, at most 16 (its default for tokenization)."""
+    return cfg.num_proc or min(16, len(os.sched_getaffinity(0)))
 
 
 def source_key(source, cfg) -> str:
@@ -711,5 +769,5 @@ def ensure_sft_cache(cfg, tokenizer, settings: SFTSettings, source=None, log=pri
     if not (out_dir / "meta.json").exists():
         train, validation = load_sft_splits(source, cfg)
         build_sft_files({"train": train, "validation": validation}, tokenizer, settings, out_dir, source.location,
-                        log)
+                        log, encoding_workers(cfg))
     return out_dir

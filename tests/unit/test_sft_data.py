@@ -310,3 +310,22 @@ def test_an_export_carries_the_default_template_its_chats_were_rendered_with(tmp
     assert reloaded.chat_template == DEFAULT_CHAT_TEMPLATE
     assert ExampleEncoder(reloaded, "chat").encode({"messages": CHAT}, 1).ids == \
         ExampleEncoder(load_tokenizer(None), "chat").encode({"messages": CHAT}, 1).ids
+
+
+def test_rows_encode_alike_in_worker_processes(tokenizer, monkeypatch):
+    """encode_all with 2 spawned workers (the threshold lowered so a few rows use them) gives the Examples one process
+    gives, in row order, from a list and from a datasets.Dataset."""
+    import datasets
+
+    from model_utils import sft_data
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} times {b}?"},
+                          {"role": "assistant", "content": f"{a} times {b} is {a * b}." * (1 + a % 3)}]}
+            for a in range(40) for b in range(3)]
+    encoder = ExampleEncoder(tokenizer, "chat")
+    alone = list(sft_data.encode_all(rows, encoder, workers=2))  # below the threshold: this process
+    monkeypatch.setattr(sft_data, "PARALLEL_MIN_ROWS", 0)
+    monkeypatch.setattr(sft_data, "CHUNK_MIN_ROWS", 7)  # many chunks from few rows, the last one short
+    assert list(sft_data.encode_all(rows, encoder, workers=2)) == alone
+    assert list(sft_data.encode_all(datasets.Dataset.from_list(rows), encoder, workers=2)) == alone
+    assert len({tuple(e.ids) for e in alone}) == len(rows)  # distinct rows: the order is checked
