@@ -32,11 +32,13 @@ def run(work: Path, mode: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("zero3-layers")
-    return {mode: run(work, mode) for mode in ("eager", "compiled")}
+    return {mode: run(work, mode) for mode in ("eager", "compiled", "compiled-checkpointed")}
 
 
-def test_compiled_layers_train_as_the_eager_ones(runs):
-    eager, compiled = runs["eager"], runs["compiled"]
+@pytest.mark.parametrize("mode", ["compiled", "compiled-checkpointed"])
+def test_compiled_layers_train_as_the_eager_ones(runs, mode):
+    """Also with each layer recomputed in the backward pass (--gradient_checkpointing: its hooks gather it again)."""
+    eager, compiled = runs["eager"], runs[mode]
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
     assert compiled["weights"].keys() == eager["weights"].keys()
     for name, total in eager["weights"].items():
@@ -44,8 +46,9 @@ def test_compiled_layers_train_as_the_eager_ones(runs):
     assert eager["losses"][-1] != eager["losses"][0]  # the steps trained
 
 
-def test_each_layer_is_gathered_whole_by_its_own_hooks(runs):
-    eager, compiled = runs["eager"], runs["compiled"]
+@pytest.mark.parametrize("mode", ["compiled", "compiled-checkpointed"])
+def test_each_layer_is_gathered_whole_by_its_own_hooks(runs, mode):
+    eager, compiled = runs["eager"], runs[mode]
     assert not eager["layer_is_leaf"] and eager["hooked_projection"] and eager["graphs"] == 0
     assert compiled["layer_is_leaf"] and not compiled["hooked_projection"]
     assert compiled["graphs"] == 1  # one graph for every layer, no break at a hook

@@ -1,11 +1,12 @@
 """One rank of a ZeRO-3 run on CPU (gloo) whose decoder layers are eager or compiled, started by
 test_zero3_compiled_layers.py.
 
-    python zero3_layers_run.py WORK_DIR eager|compiled
+    python zero3_layers_run.py WORK_DIR eager|compiled|compiled-checkpointed
 
 The model is a tiny Qwen3 built under zero.Init; `compiled` applies speed._compile_layers as the trainer does under
 ZeRO-3 (each layer a ZeRO-3 leaf module, its forward compiled, the hooks outside the graph; the trainer does so on
-GPUs only: here Inductor's CPU backend compiles the same graph). Rank 0 writes the losses, the final weights
+GPUs only: here Inductor's CPU backend compiles the same graph); `compiled-checkpointed` also recomputes each layer
+in the backward pass (--gradient_checkpointing). Rank 0 writes the losses, the final weights
 (gathered) and what the hooks cover to WORK_DIR/<mode>.json.
 """
 
@@ -43,13 +44,16 @@ def main(work_dir: str, mode: str) -> None:
     dist = setup_distributed()
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, use_cache=False)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         use_cache=False)
     config._attn_implementation = "sdpa"
     ds = dict(DS_CONFIG, train_batch_size=MICRO * 2 * dist.world_size)
     context = HfDeepSpeedConfig(ds)  # noqa: F841  (zero.Init while the model is built, as the trainer does)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if mode == "compiled":
+    if mode.startswith("compiled"):
         assert speed._compile_layers(model, 1.0, print, zero3=True)
+    if mode.endswith("checkpointed"):  # as models.build_model enables it
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 
     generator = torch.Generator().manual_seed(1)
