@@ -102,7 +102,8 @@ class FineTuningDefaults:
 
     def describe(self) -> str:
         return (f"fine-tuning defaults: learning rate {self.learning_rate:g}, {self.warmup_steps} warmup steps "
-                f"({WARMUP_RATIO:.0%} of the run, at least DeepSpeed's {MIN_WARMUP_STEPS}), weight decay {self.weight_decay:g} ({self.source}); set "
+                f"({WARMUP_RATIO:.0%} of the run, at least DeepSpeed's {MIN_WARMUP_STEPS}), weight decay "
+                f"{self.weight_decay:g} ({self.source}); set "
                 "--learning_rate/--warmup_steps/ds_config's weight_decay to choose others")
 
 

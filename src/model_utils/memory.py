@@ -14,8 +14,8 @@ AUTO_MEMORY_SHARE = 0.90
 # ...and holds at most this many tokens per micro-batch: larger ones gain no speed (docs/PERFORMANCE.md) and lengthen
 # evaluation and compilation.
 AUTO_MAX_MICRO_TOKENS = 65_536
-# Eager decoder layers (ZeRO-3 with offload, where they are not compiled, or --compile off) keep every intermediate of their forward
-# for the backward: `eager_layer_activation_bytes_per_token` counts their 16-bit tensors, with this margin for the rest
+# Eager decoder layers (ZeRO-3 with offload or LoRA, where they are not compiled, or --compile off) keep every
+# intermediate of their forward for the backward: `eager_layer_activation_bytes_per_token` counts their 16-bit tensors, with this margin for the rest
 # (the layers' fp32 statistics; beyond the layers, the fused loss's LM-head gradient and final hidden states and the
 # backward's transients), fitted to the eager peaks measured (docs/PERFORMANCE.md): each lies within 5% of its estimate.
 EAGER_ACTIVATION_MARGIN = 1.06
@@ -202,10 +202,14 @@ def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool,
 
 
 def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict,
-                 compiled: bool = True, host_available: float | None = None, ranks_per_node: int = 1) -> str:
+                 compiled: bool = True, host_available: float | None = None, ranks_per_node: int = 1,
+                 lora: bool = False) -> str:
     """The first configuration, in order of speed, whose estimate fits in 92% of the GPU and, for those that offload,
     whose host part fits `host_available` (this node's free memory; None where unknown, as on a login node: the
-    offloading ones then name their host need)."""
+    offloading ones then name their host need). `compiled`: the layers compile where ZeRO-3 does not keep them eager
+    (speed.zero3_keeps_eager_layers; `lora`: the run has adapters)."""
+    from .speed import zero3_keeps_eager_layers
+
     candidates = []
     m = micro
     while m > 1:
@@ -227,8 +231,8 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
                 + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16,
                                largest_parameter_bytes(mconf, bf16))
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
-                                   compiled and not (plan.zero_stage == 3 and
-                                                     (plan.offload_param or plan.offload_optimizer))))
+                                   compiled and not zero3_keeps_eager_layers(
+                                       plan.zero_stage, plan.offload_optimizer or plan.offload_param, lora)))
         if need > 0.92 * memory_gib * GIB:
             continue
         host = offload_host_bytes(params, world, ranks_per_node, plan.zero_stage, plan.offload_optimizer,

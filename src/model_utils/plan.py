@@ -583,13 +583,20 @@ def checkpointed_micro_that_fits(plan: Plan) -> tuple[int, float] | None:
     return micro, checkpointed.memory_model.peak(plan.ds_config, micro)
 
 
-def _zero2_buckets(config: str = "configs/zero2-offload.json") -> dict:
-    """A ZeRO-2 config's gradient bucket settings (none where the repository's configs are not at hand)."""
+def _as_zero2(ds: dict, config: str) -> dict:
+    """`ds` as ZeRO-2 (a copy): ZeRO-3's settings and parameter offload dropped, the gradient buckets of the
+    repository's ZeRO-2 `config` (ZeRO-3's "auto" buckets are sized for its modules, not ZeRO-2's reduction; none
+    where the repository's configs are not at hand)."""
+    ds = copy.deepcopy(ds)
+    zero = {key: value for key, value in ds.get("zero_optimization", {}).items()
+            if not key.startswith("stage3_") and key != "offload_param"}
     path = REPO_ROOT / config
-    if not path.is_file():
-        return {}
-    zero = json.loads(path.read_text()).get("zero_optimization", {})
-    return {key: zero[key] for key in ("reduce_bucket_size", "overlap_comm", "contiguous_gradients") if key in zero}
+    if path.is_file():
+        written = json.loads(path.read_text()).get("zero_optimization", {})
+        zero.update({key: written[key] for key in ("reduce_bucket_size", "overlap_comm", "contiguous_gradients")
+                     if key in written})
+    ds["zero_optimization"] = dict(zero, stage=2)
+    return ds
 
 
 def zero2_that_fits(plan: Plan) -> float | None:
@@ -601,10 +608,7 @@ def zero2_that_fits(plan: Plan) -> float | None:
     if (memory_model is None or memory_model.budget is None or plan.ds_config is None or plan.batch is None
             or dsc.zero_stage(plan.ds_config) != 3 or any(dsc.offloads(plan.ds_config))):
         return None
-    ds = copy.deepcopy(plan.ds_config)
-    zero = {key: value for key, value in ds.get("zero_optimization", {}).items() if not key.startswith("stage3_")}
-    zero.update(_zero2_buckets("ds_config.json"), stage=2)
-    ds["zero_optimization"] = zero
+    ds = _as_zero2(plan.ds_config, "ds_config.json")
     gpu = memory_model.peak(ds, plan.batch.micro)
     return gpu if gpu <= memory_model.budget else None
 
@@ -617,12 +621,8 @@ def zero2_offload_that_fits(plan: Plan) -> tuple[int, float] | None:
     memory_model = plan.memory_model
     if memory_model is None or memory_model.budget is None or plan.ds_config is None or plan.memory is None:
         return None
-    ds = copy.deepcopy(plan.ds_config)
-    zero = ds.setdefault("zero_optimization", {})
-    zero["stage"] = 2
-    zero.pop("offload_param", None)
-    zero.update(_zero2_buckets())  # ZeRO-3's "auto" buckets are sized for its modules, not ZeRO-2's reduction
-    zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    ds = _as_zero2(plan.ds_config, "configs/zero2-offload.json")
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     ds["data_types"] = {"grad_accum_dtype": "fp32"}
     per_rank = plan.batch.micro * plan.batch.accumulation
     micro = memory_model.largest_fitting_micro(ds, lambda m: per_rank % m == 0)[0]

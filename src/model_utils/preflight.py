@@ -406,7 +406,7 @@ def _estimate_offload_update(plan: Plan, report: Report) -> None:
 def _check_memory(plan: Plan, report: Report) -> None:
     """The model, its size and FLOPs; each phase's memory against the GPU's, with the cheapest fix when it does not fit."""
     from . import ds_config as dsc
-    from .speed import liger_available
+    from .speed import liger_available, use_compile
 
     cfg, ds, mconf, micro = plan.cfg, plan.ds_config, plan.model.config, plan.batch.micro
     stage, (off_opt, off_par) = dsc.zero_stage(ds), dsc.offloads(ds)
@@ -440,8 +440,9 @@ def _check_memory(plan: Plan, report: Report) -> None:
             "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
             f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
             cheapest_fit(plan.model.num_params, mconf, plan.world, plan.seq_len, micro, bf16, plan.fused_loss, chunk,
-                         memory, ds.get("zero_optimization", {}), plan.compiled_layers, plan.hardware.host_available,
-                         plan.hardware.ranks_per_node)))
+                         memory, ds.get("zero_optimization", {}),
+                         use_compile(plan.hardware.gpus, False, plan.cfg.speed), plan.hardware.host_available,
+                         plan.hardware.ranks_per_node, lora=plan.model.lora is not None)))
 
 
 def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> Report:

@@ -39,7 +39,7 @@ import numpy as np
 
 from .config import Problem
 from .concat_dataset import (HELD_OUT_SEED, DataError, PackedData, held_out_count, token_dtype,
-                             tokenizer_identity)
+                             tokenizer_identity, tokenizing_processes)
 
 IGNORE_INDEX = -100  # the label transformers' and Liger's cross-entropy skip
 FORMATS = ("text", "chat", "prompt_completion", "alpaca", "tokens")
@@ -344,8 +344,7 @@ def encode_all(rows, encoder: ExampleEncoder, workers: int = 1) -> Iterator[Exam
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_encoder,
                              initargs=(pickle.dumps(encoder),)) as pool:
         pending: deque = deque()
-        starts = iter(range(0, count, size))
-        for start in starts:
+        for start in range(0, count, size):
             pending.append(pool.submit(_encode_chunk, start, _row_slice(rows, start, start + size)))
             if len(pending) >= 2 * workers:
                 yield from pending.popleft().result()
@@ -733,7 +732,7 @@ def open_sft_source(cfg, source, tokenizer, seq_len: int, data_format: str, dist
         if progress is not None:
             progress.set_total(len(train) + (len(validation) if validation is not None else 0))
         meta = build_sft_files({"train": train, "validation": validation}, tokenizer, settings, out_dir,
-                               source.location, log, encoding_workers(cfg))
+                               source.location, log, tokenizing_processes(cfg.num_proc))
         if progress is not None:
             examples = sum(split["stats"]["examples"] for split in meta["splits"].values())
             tokens = sum(split["stats"]["tokens"] for split in meta["splits"].values())
@@ -741,11 +740,6 @@ def open_sft_source(cfg, source, tokenizer, seq_len: int, data_format: str, dist
 
     ensure_token_cache(cfg, source, tokenizer, out_dir, dist, log, build=build)
     return open_sft(out_dir, cfg.validation_fraction)
-
-
-def encoding_workers(cfg) -> int:
-    """--num_proc, else the CPUs available to this process, at most 16 (its default for tokenization)."""
-    return cfg.num_proc or min(16, len(os.sched_getaffinity(0)))
 
 
 def source_key(source, cfg) -> str:
@@ -769,5 +763,5 @@ def ensure_sft_cache(cfg, tokenizer, settings: SFTSettings, source=None, log=pri
     if not (out_dir / "meta.json").exists():
         train, validation = load_sft_splits(source, cfg)
         build_sft_files({"train": train, "validation": validation}, tokenizer, settings, out_dir, source.location,
-                        log, encoding_workers(cfg))
+                        log, tokenizing_processes(cfg.num_proc))
     return out_dir

@@ -470,14 +470,13 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
     loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
     nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
     blocks_read, area = [], 0
-    # Packed examples: each micro-batch's blocks read up front, to weight its mean loss by its loss tokens
-    micro_batches = step_blocks(run) if run.examples else None
-    weights = loss_token_weights(run, micro_batches) if micro_batches else None
+    # Packed examples: the step's micro-batches read up front, to weight each one's mean loss by its loss tokens
+    ahead = step_micro_batches(run) if run.examples else None
+    weights = loss_token_weights(run, [blocks for _, blocks in ahead]) if ahead else None
     for micro in range(run.batch.accumulation):
         with phase("forward"):
-            indices = run.order.rank_indices(run.position, dist.rank)
+            indices, blocks = ahead[micro] if ahead else read_micro_batch(run, run.position)
             blocks_read += indices.tolist()
-            blocks = micro_batches[micro] if micro_batches else run.data.train.batch(indices)
             area += attention_area(run, blocks)
             loss = compute_loss(engine, model_inputs(run, blocks))
             if weights is not None:
@@ -494,13 +493,19 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
     return StepResult(loss_sum, nonfinite, area, blocks_read)
 
 
-def step_blocks(run: Run) -> list:
+def read_micro_batch(run: Run, position) -> tuple:
+    """(block indices, blocks) of this rank's micro-batch at data `position`."""
+    indices = run.order.rank_indices(position, run.dist.rank)
+    return indices, run.data.train.batch(indices)
+
+
+def step_micro_batches(run: Run) -> list[tuple]:
     """This rank's micro-batches of the coming step, in order (the data position is not advanced)."""
-    position, blocks = run.position, []
+    position, micro_batches = run.position, []
     for _ in range(run.batch.accumulation):
-        blocks.append(run.data.train.batch(run.order.rank_indices(position, run.dist.rank)))
+        micro_batches.append(read_micro_batch(run, position))
         position = run.order.advance(position)
-    return blocks
+    return micro_batches
 
 
 def loss_token_weights(run: Run, micro_batches: list):
@@ -517,7 +522,7 @@ def loss_token_weights(run: Run, micro_batches: list):
 
 
 def agree_after_step(run: Run, result: StepResult, stop_received: bool = False, save_due: bool = False) -> StepFlags:
-    """The one collective of every step: a stop signal on any rank, a non-finite loss, an update the GPU skipped
+    """The one collective after every step: a stop signal on any rank, a non-finite loss, an update the GPU skipped
     (--overflow_check device: booked here as DeepSpeed books one it skips), a save due by rank 0's clock, and the
     state of a checkpoint written in the background (committed once every rank has written it)."""
     import torch
