@@ -179,6 +179,19 @@ case "$1" in
     bench z3_buckets_3e8 160 "${Z[@]}" --ds-set zero_optimization.stage3_prefetch_bucket_size=300000000 \
       zero_optimization.reduce_bucket_size=300000000 --title "ZeRO-3 buckets: prefetch and reduce 3e8"
     ;;
+  lora-activations)  # one decoder layer's kept activations at 2048 tokens (benchmarks/layer_activations.py): LoRA rank
+    # 16 on Llama 3.2 1B's and Qwen3-1.7B's dimensions, compiled with dropout 0.05 and 0, eager, and Llama's layer
+    # without LoRA compiled and eager; ~2 min each, those that fit BUDGET (two calls for all six)
+    LA=(python3 benchmarks/layer_activations.py --seq_len 2048 --json "$OUT/lora_layers.jsonl")
+    for args in "--models llama-1b --lora_rank 16" "--models qwen3-1.7b --lora_rank 16" \
+        "--models llama-1b --lora_rank 16 --lora_dropout 0" "--models llama-1b --lora_rank 16 --compile off" \
+        "--models llama-1b" "--models llama-1b --compile off"; do
+      if (($(date +%s) - START + 150 > BUDGET)); then echo "SKIP layer_activations $args"; continue; fi
+      echo "=== layer_activations $args ($(($(date +%s) - START))s)"
+      # shellcheck disable=SC2086  # each entry holds several arguments
+      timeout 240 "${LA[@]}" $args 2>&1 | grep -E "bytes per token|Error" | cut -c1-300
+    done
+    ;;
   journeys)  # the journeys named by JOURNEYS (benchmarks/journey.sh), by default the ZeRO-3 + offload pairs (Qwen3-0.6B,
     # 4 micro-batches a step) with the update synchronous and delayed: train to 6, resume to 12
     echo "=== journeys ${JOURNEYS:=zero3-offload zero3-delayed} ($(($(date +%s) - START))s)"

@@ -15,6 +15,7 @@ epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -99,6 +100,7 @@ class FineTuningDefaults:
     warmup_steps: int
     weight_decay: float
     source: str
+    filled: tuple[str, ...] = ()  # the flags these values were given to (those the user left unset)
 
     def describe(self) -> str:
         return (f"fine-tuning defaults: learning rate {self.learning_rate:g}, {self.warmup_steps} warmup steps "
@@ -137,13 +139,13 @@ def with_fine_tuning_defaults(cfg, total_steps: int):
         return cfg, None
     defaults = fine_tuning_defaults(total_steps, cfg.model.lora_rank > 0)
     warmup = min(max(1, defaults.warmup_steps), max(1, total_steps - 1))  # WarmupDecayLR: at least 1, below the end
-    defaults = FineTuningDefaults(defaults.learning_rate, warmup, defaults.weight_decay, defaults.source)
+    defaults = dataclasses.replace(defaults, warmup_steps=warmup)
     changes = {}
     if cfg.optim.learning_rate is None:
         changes["learning_rate"] = defaults.learning_rate
     if cfg.optim.warmup_steps is None:
         changes["warmup_steps"] = warmup
-    return cfg.with_flags(**changes), defaults
+    return cfg.with_flags(**changes), dataclasses.replace(defaults, filled=tuple(changes))
 
 
 def apply_weight_decay(ds: dict, defaults: FineTuningDefaults | None) -> dict:

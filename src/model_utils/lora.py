@@ -204,6 +204,19 @@ def meta_model(model_config, settings: LoraSettings | None):
     return model
 
 
+def adapter_activations(model, settings: LoraSettings, layers: int):
+    """memory.AdapterActivations of a wrapped model with `layers` decoder layers: its adapters' input widths and ranks
+    summed over the model and shared out over the layers."""
+    from peft.tuners.lora import LoraLayer
+
+    from .memory import AdapterActivations
+
+    adapted = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    inputs = sum(m.in_features for m in adapted)
+    ranks = sum(sum(m.r.values()) for m in adapted)
+    return AdapterActivations(inputs // max(layers, 1), ranks // max(layers, 1), settings.dropout > 0)
+
+
 def lora_parameter_counts(model_config, settings: LoraSettings | None) -> ParameterCounts:
     """The counts a model of `model_config` has with these adapters (None: no LoRA, everything trainable)."""
     return parameter_counts(meta_model(model_config, settings))

@@ -80,49 +80,88 @@ def _widths(config) -> tuple[int, int, int, int, int, int]:
     return config.hidden_size, heads * dim, kv_heads * dim, inter, heads, kv_heads
 
 
+# Families whose attention normalises each head's query and key (RMSNorm over the head) before the rotary embedding:
+# their layers keep the normed forms too.
+QUERY_KEY_NORM_FAMILIES = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2", "olmo3"})
+
+
+def _query_key_norms(config) -> bool:
+    return getattr(config, "model_type", "") in QUERY_KEY_NORM_FAMILIES
+
+
 def _norm_and_attention_statistics(config) -> float:
     """fp32 bytes per token a layer keeps beside its 16-bit tensors, compiled or eager (measured in both): the
-    attention's log-sum-exp and the query norm's statistic per query head, the key norm's per key head, and one for each
-    of the layer's norms. The compiled count adds them; the eager count's margin holds them."""
+    attention's log-sum-exp per query head, one for each of the layer's norms and, in families with query and key
+    norms, their statistic per query head and per key head. The compiled count adds them; the eager count's margin
+    holds them."""
     _, _, _, _, heads, kv_heads = _widths(config)
-    return 4 * (2 * heads + kv_heads + 2)
+    return 4 * (heads + 2 + (heads + kv_heads if _query_key_norms(config) else 0))
+
+
+def _attention_tensors(config) -> int:
+    """How many tensors of the query's width, and as many of the key's, a layer keeps: the projection, the rotated form
+    and the attention's output (the value for the key's width), and the normed form where the family norms them."""
+    return 3 if _query_key_norms(config) else 2
 
 
 def layer_activation_bytes_per_token(config) -> float:
     """Bytes one compiled decoder layer keeps per token for its backward pass (flash attention; torch.compile's
     partitioner at the default --activation_budget 0.9 recomputes the rest), tensor by tensor: 16-bit, two of width h,
-    three of the query's width q, three of the key's and value's kv, two of the MLP's I, and the fp32 statistics.
-    benchmarks/layer_activations.py measures one layer on the GPU: Qwen3-0.6B 34,984 bytes per token, Qwen3-4B 80,168,
-    Qwen3-8B 96,552, each equal to this count (torch 2.11; docs/PERFORMANCE.md)."""
+    two or three each of the query's width q and of the key's and value's kv (_attention_tensors), two of the MLP's I,
+    and the fp32 statistics. benchmarks/layer_activations.py measures one layer on the GPU: Qwen3-0.6B 34,984 bytes per
+    token, Qwen3-4B 80,168, Qwen3-8B 96,552, Llama 3.2 1B's dimensions 51,336, each equal to this count (torch 2.11;
+    docs/PERFORMANCE.md)."""
     h, q, kv, inter, _, _ = _widths(config)
-    return 2 * (2 * h + 3 * q + 3 * kv + 2 * inter) + _norm_and_attention_statistics(config)
+    n = _attention_tensors(config)
+    return 2 * (2 * h + n * (q + kv) + 2 * inter) + _norm_and_attention_statistics(config)
 
 
 def eager_layer_activation_bytes_per_token(config) -> float:
     """Bytes one eager decoder layer keeps per token for its backward pass, its 16-bit tensors counted one by one, with
     EAGER_ACTIVATION_MARGIN for the rest: four of width h (the layer input and its norm, the residual after attention
-    and its norm), three of q (the query's projection, its normed and rotated form, the attention's output), three of
-    kv (the key's projection, its normed and rotated form, the value), three of I (gate, up and their product).
-    benchmarks/layer_activations.py measures one layer: Qwen3-4B 109,864 bytes per token and Qwen3-8B 137,512, the
-    count and the same fp32 statistics as a compiled layer's (docs/PERFORMANCE.md)."""
+    and its norm), those of q and kv a compiled layer keeps (_attention_tensors), three of I (gate, up and their
+    product). benchmarks/layer_activations.py measures one layer: Qwen3-4B 109,864 bytes per token, Qwen3-8B 137,512
+    and Llama 3.2 1B's dimensions 75,912, the count and the same fp32 statistics as a compiled layer's
+    (docs/PERFORMANCE.md)."""
     h, q, kv, inter, _, _ = _widths(config)
-    return EAGER_ACTIVATION_MARGIN * 2 * (4 * h + 3 * q + 3 * kv + 3 * inter)
+    n = _attention_tensors(config)
+    return EAGER_ACTIVATION_MARGIN * 2 * (4 * h + n * (q + kv) + 3 * inter)
+
+
+@dataclass(frozen=True)
+class AdapterActivations:
+    """One decoder layer's LoRA adapters as their activations scale (lora.adapter_activations reads them from the
+    wrapped model): the sum of the adapted layers' input widths, the sum of their ranks, and whether dropout is on."""
+
+    inputs: int
+    ranks: int
+    dropout: bool
+
+    def bytes_per_token(self, compiled: bool) -> float:
+        """What the adapters add to one layer's kept activations per token: 4 bytes per rank element (A x, which B's
+        gradient reads) and, with dropout, per input element 1 byte compiled (the mask: the layer's input is kept
+        anyway and the dropped copy is recomputed from it) or 4 eager (the mask, the dropped 16-bit copy A's gradient
+        reads, and what the eager layer keeps beside them). benchmarks/layer_activations.py --lora_rank measures them
+        (docs/PERFORMANCE.md)."""
+        per_input = (1 if compiled else 4) if self.dropout else 0
+        return per_input * self.inputs + 4 * self.ranks
 
 
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
-                     chunk_budget: int, compiled: bool = True, checkpointed_layers: int | None = None) -> float:
+                     chunk_budget: int, compiled: bool = True, checkpointed_layers: int | None = None,
+                     adapters: AdapterActivations | None = None) -> float:
     """Activations kept for the backward pass (per layer and token: `layer_activation_bytes_per_token` compiled,
-    `eager_layer_activation_bytes_per_token` eager); a recomputed layer keeps only its input (2·s·b·h), and
-    recomputing needs one layer's working set at a time. With `checkpointing`, the first `checkpointed_layers` layers
-    recompute (None: all) and the rest keep their working sets; the backward pass frees those before it reaches a
-    recomputed layer, so the peak holds the kept working sets or the one being recomputed, not both (docs/PERFORMANCE.md sets this
-    beside measured peaks). Logits:
-    16-bit logits, their fp32 upcast and its gradient, unless the fused linear cross-entropy avoids them."""
+    `eager_layer_activation_bytes_per_token` eager, with LoRA's `adapters` added); a recomputed layer keeps only its
+    input (2·s·b·h), and recomputing needs one layer's working set at a time. With `checkpointing`, the first
+    `checkpointed_layers` layers recompute (None: all) and the rest keep their working sets; the backward pass frees
+    those before it reaches a recomputed layer, so the peak holds the kept working sets or the one being recomputed,
+    not both (docs/PERFORMANCE.md sets this beside measured peaks). Logits: 16-bit logits, their fp32 upcast and its
+    gradient, unless the fused linear cross-entropy avoids them."""
     h, layers = config.hidden_size, config.num_hidden_layers
-    per_layer = micro * seq_len * layer_activation_bytes_per_token(config)
     scale = 1 if bf16 else 2
     # Eager layers keep more of their working set than compiled ones; a checkpointed layer's kept input is the same.
-    working_set = per_layer if compiled else micro * seq_len * eager_layer_activation_bytes_per_token(config)
+    per_token = layer_activation_bytes_per_token(config) if compiled else eager_layer_activation_bytes_per_token(config)
+    working_set = micro * seq_len * (per_token + (adapters.bytes_per_token(compiled) if adapters else 0.0))
     recomputed = min(layers, layers if checkpointed_layers is None else checkpointed_layers) if checkpointing else 0
     kept = layers - recomputed
     acts = recomputed * 2 * micro * seq_len * h + max(kept, 1 if recomputed else 0) * working_set
@@ -172,16 +211,17 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
                  generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True,
                  gpu_optimizer_share: float = 0.0, checkpointed_layers: int | None = None,
                  delayed_prefetch: bool = False, accumulation: int | None = None,
-                 frozen_params: int = 0) -> PhaseMemory:
+                 frozen_params: int = 0, adapters: AdapterActivations | None = None) -> PhaseMemory:
     """`num_params`: the parameters that train (weight, gradient, optimizer state each); `frozen_params`: those that
-    do not (LoRA's frozen model: their 16-bit weight only, partitioned under ZeRO-3)."""
+    do not (LoRA's frozen model: their 16-bit weight only, partitioned under ZeRO-3); `adapters`: LoRA's, per layer."""
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
                                gpu_optimizer_share, delayed_prefetch, accumulation)
     if not (off_par and stage == 3):
         states += (2 if bf16 else 4) * frozen_params / (world if stage >= 3 else 1)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
-        + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers),
+        + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers,
+                           adapters),
         evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
         export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
         # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states
@@ -203,11 +243,11 @@ def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool,
 
 def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict,
                  compiled: bool = True, host_available: float | None = None, ranks_per_node: int = 1,
-                 lora: bool = False) -> str:
+                 adapters: AdapterActivations | None = None) -> str:
     """The first configuration, in order of speed, whose estimate fits in 92% of the GPU and, for those that offload,
     whose host part fits `host_available` (this node's free memory; None where unknown, as on a login node: the
     offloading ones then name their host need). `compiled`: the layers compile where ZeRO-3 does not keep them eager
-    (speed.zero3_keeps_eager_layers; `lora`: the run has adapters)."""
+    (speed.zero3_keeps_eager_layers); `adapters`: LoRA's, per layer (None: no LoRA)."""
     from .speed import zero3_keeps_eager_layers
 
     candidates = []
@@ -232,7 +272,8 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
                                largest_parameter_bytes(mconf, bf16))
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
                                    compiled and not zero3_keeps_eager_layers(
-                                       plan.zero_stage, plan.offload_optimizer or plan.offload_param, lora)))
+                                       plan.zero_stage, plan.offload_optimizer or plan.offload_param,
+                                       adapters is not None), adapters=adapters))
         if need > 0.92 * memory_gib * GIB:
             continue
         host = offload_host_bytes(params, world, ranks_per_node, plan.zero_stage, plan.offload_optimizer,

@@ -52,6 +52,7 @@ class ModelPlan:
     flops: object  # models.FlopsModel
     frozen_params: int = 0  # parameters that do not train (the model's own weights under LoRA), in num_params
     lora: object = None  # lora.LoraSettings; None: every weight trains
+    adapters: object = None  # memory.AdapterActivations: LoRA's adapters per layer, as their activations scale
 
     @property
     def trainable_params(self) -> int:
@@ -113,7 +114,8 @@ class MemoryModel:
                             fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), compiled=self.compiles(ds),
                             gpu_optimizer_share=self.gpu_optimizer_share(ds),
                             checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
-                            accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params)
+                            accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params,
+                            adapters=self.model.adapters)
 
     def peak(self, ds: dict, micro: int, checkpointed_layers: int | None = None, prefetch: bool | None = None) -> float:
         return self.phases(ds, micro, checkpointed_layers, prefetch).peak[1]
@@ -300,7 +302,7 @@ def fused_loss(speed: SpeedConfig, hardware: Hardware) -> bool:
 
 def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None, list[Problem]]:
     """(tokenizer, the model sized on the meta device, problems)."""
-    from .lora import LoraError, meta_model, parameter_counts
+    from .lora import LoraError, adapter_activations, meta_model, parameter_counts
     from .models import FlopsModel, checkpointable_layers, decay_groups, model_config, preset_names, tokenizer_source
     from .tokenizer import load_tokenizer
 
@@ -331,7 +333,8 @@ def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None
                       param_groups=tuple(tuple(p.numel() for p in group)
                                          for group in decay_groups(sized.parameters())),
                       checkpointable_layers=layers, flops=FlopsModel.from_config(config, base_params, seq_len),
-                      frozen_params=frozen, lora=settings)
+                      frozen_params=frozen, lora=settings,
+                      adapters=adapter_activations(sized, settings, layers) if settings is not None else None)
     return tokenizer, model, []
 
 
@@ -343,6 +346,8 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     cfg, model = plan.cfg, plan.model
     ds, notes, problems = dsc.resolve_settings(raw, cfg, plan.hardware.precision,
                                                model.config.hidden_size if model else None)
+    if plan.fine_tuning is not None:  # its own line states the values it gave the unset flags: they override nothing
+        notes = [note for note in notes if not note.startswith(tuple(f"--{flag} " for flag in plan.fine_tuning.filled))]
     request, said, found = dsc.BatchRequest.of(raw, cfg.batch, plan.world, plan.seq_len)
     notes += said
     problems += found

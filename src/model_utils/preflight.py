@@ -442,7 +442,7 @@ def _check_memory(plan: Plan, report: Report) -> None:
             cheapest_fit(plan.model.num_params, mconf, plan.world, plan.seq_len, micro, bf16, plan.fused_loss, chunk,
                          memory, ds.get("zero_optimization", {}),
                          use_compile(plan.hardware.gpus, False, plan.cfg.speed), plan.hardware.host_available,
-                         plan.hardware.ranks_per_node, lora=plan.model.lora is not None)))
+                         plan.hardware.ranks_per_node, adapters=plan.model.adapters)))
 
 
 def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> Report:

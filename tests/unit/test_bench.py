@@ -271,8 +271,8 @@ def test_layer_activations_takes_one_layers_bytes_per_token_from_the_layer_diffe
     def row(layers, micro):  # 1,000 bytes of loss state, 100 per token of the embedding, 40 per token and layer
         tokens = micro * 8
         return {"model": "m", "layers": layers, "micro_batch_size": micro, "seq_len": 8, "hidden_size": 4,
-                "kept_bytes": 1000 + 100 * tokens + 40 * layers * tokens, "levers": {},
-                "estimate_compiled_bytes_per_token": 38, "estimate_eager_bytes_per_token": 50}
+                "kept_bytes": 1000 + 100 * tokens + 40 * layers * tokens, "levers": {}, "lora_rank": 0,
+                "lora_dropout": None, "estimate_compiled_bytes_per_token": 38, "estimate_eager_bytes_per_token": 50}
 
     lines = layer_activations.per_layer([row(layers, micro) for layers in (1, 3) for micro in (1, 2)])
     assert [(line["micro_batch_size"], line["bytes_per_token"], line["per_hidden"]) for line in lines] == [

@@ -109,3 +109,27 @@ def test_lora_gets_a_larger_automatic_micro_batch_than_full_fine_tuning(tmp_path
     assert lora.model.frozen_params > 0 and lora.model.trainable_params < full.model.num_params / 10
     assert lora.memory.phases.train < full.memory.phases.train
     assert lora.batch.micro > full.batch.micro
+
+
+def test_the_fine_tuning_defaults_are_not_reported_as_the_users_overrides(tmp_path):
+    """The defaults fill the unset --learning_rate and --warmup_steps, which then differ from ds_config.json's values:
+    the log's fine-tuning line states them, and no note calls them the user's flags overriding the config; a rate the
+    user gives still gets that note."""
+    from transformers import Qwen3Config
+
+    from model_utils.plan import make_plan
+    from model_utils.tokenizer import load_tokenizer
+
+    Qwen3Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16).save_pretrained(tmp_path)
+    load_tokenizer(None).save_pretrained(tmp_path)
+    flags = dict(model=str(tmp_path), dataset="embedded-chat", lora_rank=8, max_steps=100,
+                 checkpoint_dir=str(tmp_path / "ckpt"))
+    defaults = make_plan(TrainConfig.from_flags(**flags), 1, decides=False)
+    assert defaults.fine_tuning.filled == ("learning_rate", "warmup_steps")
+    assert defaults.ds_config["optimizer"]["params"]["lr"] == 2e-4
+    assert not [note for note in defaults.notes if "overrides" in note], defaults.notes
+    mine = make_plan(TrainConfig.from_flags(learning_rate=1e-3, **flags), 1, decides=False)
+    assert mine.fine_tuning.filled == ("warmup_steps",)
+    assert [note for note in mine.notes if "overrides" in note] == [
+        "--learning_rate 0.001 overrides optimizer.params.lr=0.0003 from the DeepSpeed config"]

@@ -304,6 +304,11 @@ def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_pa
     # h200x4-2026-11-27.jsonl: 262,144 tokens per step, the layers compiled (leaf modules) and eager
     ("qwen3-8b", "configs/zero3.json --global_batch_tokens=262144", 4, H200, 4, {}, 91.1),
     ("qwen3-8b", "configs/zero3.json --global_batch_tokens=262144 --compile=off", 4, H200, 4, {}, 110.7),
+    # h100x4-2026-11-27.jsonl: the Llama-2-7B-shaped preset at 4096 tokens, the layers compiled (leaf modules)
+    ("llama-7b", "configs/zero3.json --global_batch_tokens=262144", 2, H100, 4, {}, 51.4),
+    # docs/JOURNEY.md's sft-lora: Llama 3.2 1B's dimensions, LoRA rank 16 with dropout, at 2048 tokens; 29 is auto's
+    ("llama-1b", "ds_config.json --lora_rank=16 --seq_len=2048", 27, H100, 1, {}, 68.2),
+    ("llama-1b", "ds_config.json --lora_rank=16 --seq_len=2048", 29, H100, 1, {}, 73.1),
     # h200x2-2026-11-26.jsonl: parameters and optimizer offloaded, auto's choice with checkpointing, and 9 layers kept
     ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing", 16, H200, 2, {}, 30.0),
     ("qwen3-8b", "configs/zero3-offload.json --gradient_checkpointing --checkpointed_layers=27", 16, H200, 2, {}, 98.3),
@@ -339,6 +344,42 @@ def test_the_layer_counts_equal_the_layers_measured_on_the_gpu():
         else:
             counted = eager_layer_activation_bytes_per_token(config)
             assert 0.99 * counted / EAGER_ACTIVATION_MARGIN <= line["bytes_per_token"] <= counted, line
+
+
+def test_the_layer_counts_with_and_without_lora_equal_the_layers_measured_on_the_gpu():
+    """One decoder layer of Llama 3.2 1B's dimensions (no query and key norms) and of Qwen3-1.7B at 2048 tokens, measured
+    on one H100 by benchmarks/layer_activations.py, with LoRA rank 16 on the family's default layers, dropout 0.05 and
+    0, and without: compiled, the count with the adapters' bytes exactly (a mask byte per adapter input element with
+    dropout, 4 bytes per rank element); eager, at most 6% above the measurement, never below."""
+    from model_utils.lora import LoraSettings, adapter_activations, meta_model
+    from model_utils.memory import eager_layer_activation_bytes_per_token, layer_activation_bytes_per_token
+    from model_utils.models import model_config
+
+    records = REPO / "benchmarks/results/h100-2026-11-27-layer-activations.jsonl"
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    measured = [line for line in lines if line.get("kind") == "per_layer"]
+    assert {(line["model"], line["compile"], line["lora_dropout"]) for line in measured} == {
+        ("llama-1b", "layers", 0.05), ("llama-1b", "layers", 0.0), ("llama-1b", "off", 0.05), ("llama-1b", "layers", None),
+        ("llama-1b", "off", None), ("qwen3-1.7b", "layers", 0.05)}
+    for line in measured:
+        config = model_config(line["model"])
+        adapters = None
+        if line["lora_rank"]:
+            settings = LoraSettings(rank=line["lora_rank"], dropout=line["lora_dropout"])
+            adapters = adapter_activations(meta_model(config, settings), settings, config.num_hidden_layers)
+        compiled = line["compile"] == "layers"
+        added = adapters.bytes_per_token(compiled) if adapters else 0
+        if compiled:
+            assert line["bytes_per_token"] == pytest.approx(layer_activation_bytes_per_token(config) + added, abs=1), line
+        else:
+            counted = eager_layer_activation_bytes_per_token(config) + added
+            assert line["bytes_per_token"] <= counted <= 1.06 * line["bytes_per_token"], line
+    # the adapters of one Llama layer: q, k, v, gate, up read the hidden state, o the attention's output, down the MLP's
+    config = model_config("llama-1b")
+    settings = LoraSettings(rank=16)
+    adapters = adapter_activations(meta_model(config, settings), settings, config.num_hidden_layers)
+    assert (adapters.inputs, adapters.ranks, adapters.dropout) == (
+        6 * config.hidden_size + config.intermediate_size, 7 * 16, True)
 
 
 def test_gradients_count_in_the_peak_only_where_a_step_has_several_micro_batches(monkeypatch, session_cache,
