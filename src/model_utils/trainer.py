@@ -342,6 +342,16 @@ def load_checkpoint(run: Run, info, tag: str):
     if changed:
         run.log.warn(f"resume: the optimisation differs from the checkpoint's run ({'; '.join(changed)}): the run "
                      "continues with this run's values; the same settings continue it exactly")
+        apply_schedule_at_resume(run.engine)
+
+
+def apply_schedule_at_resume(engine) -> None:
+    """The loaded optimizer's groups hold the learning rate the checkpoint's schedule set after its last step; this
+    run's schedule (another length or rate) gives the same iteration its own, which the first resumed step takes.
+    DeepSpeed's schedulers recompute it for a given iteration with step(iteration)."""
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):
+        scheduler.step(scheduler.last_batch_iteration)
 
 
 def checkpoint_options(run: Run) -> tuple[dict, dict]:

@@ -40,3 +40,10 @@ def test_options_are_recorded_and_a_changed_option_is_named_on_resume(session_ca
     assert ("speed options that change the numerics differ from the checkpoint's (flce_chunk_budget: 8 -> 4)"
             in changed.output)  # the overflow check skips the same steps in every mode: not named
     assert json.loads((ckpt / "step-00000004" / "manifest.json").read_text())["perf"]["flce_chunk_budget"] == 4
+    # Its first step trains at the 4-step schedule's rate, as a 4-step run from the start does, not at the rate the
+    # 3-step schedule ended with (the checkpoint's optimizer holds that one).
+    whole = run_trainer(tmp_path / "whole", [*args, "--max_steps", "4"])
+    assert_ok(whole)
+    rates = [{line["step"]: line["lr"] for line in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+              if "lr" in line} for d in (ckpt, tmp_path / "whole")]
+    assert rates[0][4] == rates[1][4] > rates[0][3], rates
