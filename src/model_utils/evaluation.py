@@ -51,34 +51,46 @@ def chunked_cross_entropy(head, hidden, targets, chunk_tokens: int = CHUNK_TOKEN
 
 
 def evaluation_loss(engine, model, batch: dict):
-    """The mean loss of `batch` (the trainer's model inputs, with `labels`), under torch.no_grad."""
+    """(the loss of `batch`, the trainer's model inputs with `labels`, summed over the targets that carry loss; their
+    count), float64 tensors, under torch.no_grad: a validation set's loss is the sum over its micro-batches divided by
+    their count, each token weighing the same as in training (fine-tuning's micro-batches hold different numbers of
+    answer tokens)."""
     import torch
 
+    targets = batch["labels"]
+    count = (targets != -100).sum().double()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
-        return engine(**batch, use_cache=False).loss
-    targets = batch["labels"]
+        return _summed(engine(**batch, use_cache=False).loss, count), count
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
     with first_position_logits(head) as captured:
         logits = engine(**inputs, use_cache=False).logits
     hidden = captured.get("hidden")
     if hidden is None or hidden.shape[:-1] != targets.shape:
-        return _per_sequence_loss(engine, batch)
+        return _per_sequence_loss(engine, batch), count
     if not torch.allclose(logits.float(), head(hidden[..., :1, :]).float(), rtol=1e-3, atol=1e-3):
-        return _per_sequence_loss(engine, batch)  # the model post-processes its logits: use its own loss
-    return chunked_cross_entropy(head, hidden, targets)
+        return _per_sequence_loss(engine, batch), count  # the model post-processes its logits: use its own loss
+    return _summed(chunked_cross_entropy(head, hidden, targets), count), count
+
+
+def _summed(mean, count):
+    """A mean loss over `count` targets as their sum (0 where none carries loss, whose mean is not a number)."""
+    return mean.double() * count if count > 0 else count * 0
 
 
 def _per_sequence_loss(engine, batch: dict):
-    """The model's own loss, one sequence of the batch at a time (logits of one sequence in memory). Documents given
-    as boundaries over the whole batch (FlashAttention-4 with --document_mask) cannot be split by row: the whole
-    batch then goes through the model's loss."""
-    rows = batch["input_ids"].shape[0]
+    """The model's own loss summed over the targets that carry loss, one sequence of the batch at a time (logits of
+    one sequence in memory). Documents given as boundaries over the whole batch (FlashAttention-4 with
+    --document_mask) cannot be split by row: the whole batch then goes through the model's loss."""
+    targets = batch["labels"]
     if "cu_seq_lens_q" in batch:
-        return engine(**batch, use_cache=False).loss
-    losses = [engine(**{k: v[i:i + 1] if _per_row(v, rows) else v for k, v in batch.items()}, use_cache=False).loss
-              for i in range(rows)]
-    return sum(loss.double() for loss in losses) / rows
+        return _summed(engine(**batch, use_cache=False).loss, (targets != -100).sum().double())
+    rows = batch["input_ids"].shape[0]
+    total = 0
+    for i in range(rows):
+        row = {k: v[i:i + 1] if _per_row(v, rows) else v for k, v in batch.items()}
+        total = total + _summed(engine(**row, use_cache=False).loss, (targets[i] != -100).sum().double())
+    return total
 
 
 def _per_row(value, rows: int) -> bool:

@@ -574,15 +574,16 @@ def evaluate(run: Run) -> dict:
         return {}
     engine, dist, m = run.engine, run.dist, run.batch.micro
     engine.eval()
-    total = torch.zeros((), device=dist.device, dtype=torch.float64)
+    sums = torch.zeros(2, device=dist.device, dtype=torch.float64)  # the loss summed over its targets, their count
     with torch.no_grad():
         for i in range(run.cfg.logging.eval_iters):
             start = (i * dist.world_size + dist.rank) * m
             picks = [ids[(start + j) % len(ids)] for j in range(m)]
-            total += evaluation_loss(engine, run.model, model_inputs(run, run.data.val.batch(picks))).double()
+            summed, targets = evaluation_loss(engine, run.model, model_inputs(run, run.data.val.batch(picks)))
+            sums += torch.stack([summed, targets])
     engine.train()
-    dist.all_reduce(total)
-    loss = (total / (run.cfg.logging.eval_iters * dist.world_size)).item()
+    loss_sum, targets = dist.all_reduce(sums).tolist()
+    loss = loss_sum / max(targets, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 

@@ -31,9 +31,13 @@ def tiny(model_type: str):
 
 
 def batch(rows=3, length=40, vocab=512):
+    """Rows with different numbers of targets that carry loss (-100 masks a prompt of 10, of 30, and none): a mean of
+    the rows' means would differ from the mean over the batch's targets."""
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (rows, length + 1), generator=g)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as the trainer makes them
+    for row, prompt in zip(targets, (10, 30, 0)):
+        row[:prompt] = -100
     return {"input_ids": inputs, "labels": targets, "shift_labels": targets}
 
 
@@ -54,23 +58,34 @@ def test_chunked_loss_equals_the_models_own_loss_without_its_logits(model_type, 
         monkeypatch.setattr(evaluation, "chunked_cross_entropy", spy)
         logits_shapes = []
         handle = model.get_output_embeddings().register_forward_hook(lambda m, a, out: logits_shapes.append(out.shape))
-        ours = evaluation_loss(Engine(model), model, b)
+        summed, count = evaluation_loss(Engine(model), model, b)
         handle.remove()
     assert seen == [torch.Size([3, 40, 64])]  # the chunked path ran on the final hidden states
     assert logits_shapes[0] == torch.Size([3, 1, 512])  # the model's own pass made logits for one position only
     assert max(s[0] for s in logits_shapes[1:]) <= 16  # and each chunk's logits cover at most 16 tokens
-    torch.testing.assert_close(ours, own, rtol=1e-6, atol=1e-6)
+    assert count == 10 + 30 + 40
+    torch.testing.assert_close(summed / count, own, rtol=1e-6, atol=1e-6)
 
 
 def test_a_model_that_post_processes_its_logits_gets_its_own_loss():
     """Gemma 2 softcaps its logits after the LM head: the one-position check sees it and the batch goes through the
-    model's own loss, one sequence at a time."""
+    model's own loss, one sequence at a time, each row's mean weighed by its targets that carry loss."""
     model = tiny("gemma2")
     b = batch()
     with torch.no_grad():
         own = model(**b).loss.double()
-        ours = evaluation_loss(Engine(model), model, b)
+        summed, count = evaluation_loss(Engine(model), model, b)
         plain = evaluation.chunked_cross_entropy(model.get_output_embeddings(),
                                                  model.model(input_ids=b["input_ids"]).last_hidden_state, b["labels"])
     assert not torch.allclose(plain, own, atol=1e-3)  # the check has something to catch
-    torch.testing.assert_close(ours, own, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(summed / count, own, rtol=1e-5, atol=1e-5)  # the rows weighed by their targets
+
+
+def test_a_micro_batch_without_targets_that_carry_loss_adds_nothing():
+    """A micro-batch of prompts only (every target -100) has no mean loss; it adds 0 to the sum and 0 to the count."""
+    model = tiny("llama")
+    b = batch()
+    b["labels"][:] = -100
+    with torch.no_grad():
+        summed, count = evaluation_loss(Engine(model), model, b)
+    assert (summed.item(), count.item()) == (0.0, 0.0)
