@@ -346,16 +346,36 @@ def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
 def _note_zero2_fits(plan: Plan, report: Report) -> None:
     """ZeRO-3 where ZeRO-2 fits the GPUs at the same micro-batch: ZeRO-3 gathers every layer's parameters for its
     forward and again for its backward, which ZeRO-2 does not need. Advice only: the config stays the user's."""
+    from . import ds_config as dsc
     from .plan import zero2_that_fits
 
     gpu = zero2_that_fits(plan)
     if gpu is None:
         return
+    traffic = ""
+    if plan.world > 1:
+        value_bytes = 4 if dsc.precision(plan.ds_config) == "fp32" else 2
+        sizes = (plan.model.num_params, plan.model.trainable_params, plan.world, plan.batch.accumulation, value_bytes)
+        traffic = (f"; each GPU would receive ~{zero_traffic_per_step(*sizes, stage=2) / GIB:.1f} GiB of weights and "
+                   f"gradients per step instead of ~{zero_traffic_per_step(*sizes, stage=3) / GIB:.1f}")
     report.notes.append(
         f"ZeRO-2 fits these GPUs at micro-batch {plan.batch.micro} by the estimate (~{gpu / GIB:.1f} GiB): it keeps "
         "whole parameters on every GPU and runs the same micro-batches without gathering each layer's parameters for "
-        "its forward and backward, as ZeRO-3 does: \"stage\": 2 in the DeepSpeed config (ds_config.json has it) "
-        "where the run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on several GPUs)")
+        f"its forward and backward, as ZeRO-3 does{traffic}: \"stage\": 2 in the DeepSpeed config (ds_config.json "
+        "has it) where the run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on several GPUs)")
+
+
+def zero_traffic_per_step(params: int, trainable: int, world: int, accumulation: int, value_bytes: int,
+                          stage: int) -> float:
+    """Bytes one GPU receives per optimizer step through ZeRO's collectives (ring all-gather and reduce-scatter bring
+    (world - 1) / world of the whole tensor): ZeRO-3 gathers every parameter for each micro-batch's forward and again
+    for its backward and reduce-scatters the trainable ones' gradients; ZeRO-1/2 reduce-scatter each micro-batch's
+    gradients and gather the updated parameters once per step (Rajbhandari et al. 2020: 3 against 2 model sizes per
+    step at one micro-batch). `value_bytes`: 2 for 16-bit weights and gradients, 4 for fp32."""
+    share = (world - 1) / world
+    if stage == 3:
+        return accumulation * (2 * params + trainable) * value_bytes * share
+    return (accumulation + 1) * trainable * value_bytes * share
 
 
 # Host seconds of each part of an offload update per 10^9 parameters of a rank's offloaded partition on a 16-core host

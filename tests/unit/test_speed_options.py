@@ -242,6 +242,12 @@ def test_the_preflight_names_zero2_where_it_fits_at_the_same_micro_batch(monkeyp
     large = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4")
     said = notes(large)
     assert len(said) == 1 and "micro-batch 4" in said[0] and '"stage": 2' in said[0]
+    # what crosses the GPUs per step: ZeRO-3 gathers the 16-bit model twice per micro-batch and reduce-scatters its
+    # gradients once; ZeRO-2 reduce-scatters each micro-batch's and gathers once per step (3/4 of each on 4 GPUs)
+    model = large.model.num_params * 2 * 3 / 4 / 2**30
+    accumulation = large.batch.accumulation
+    assert (f"~{(accumulation + 1) * model:.1f} GiB of weights and gradients per step instead of "
+            f"~{3 * accumulation * model:.1f}") in said[0]
     assert large.ds_config["zero_optimization"]["stage"] == 3
     assert not notes(_zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", gpu_gib="79.2"))
     assert not notes(_zero3_plan(monkeypatch, "zero3-offload.json", "--micro_batch_size", "4"))
