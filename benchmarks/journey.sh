@@ -297,8 +297,8 @@ with torch.no_grad():
     reference = adapted(ids).logits
     diff = (reference - merged(ids).logits).abs().max().item()
 # the merge adds B A into the trained 16-bit weights, so bf16 training rounds the merged weights once more
-print(f"journey sft-lora exports: the adapter on the base model and the merged model, logits differ by at most {diff:.2e}"
-      f" (largest logit {reference.abs().max().item():.2f}; merged weights saved as {saved_dtype})")
+print("journey sft-lora exports: the adapter on the base model and the merged model, logits differ by at most "
+      f"{diff:.2e} (largest logit {reference.abs().max().item():.2f}; merged weights saved as {saved_dtype})")
 EOF
 fi
 if wanted seeds-large; then
