@@ -243,11 +243,12 @@ def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool,
 
 def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict,
                  compiled: bool = True, host_available: float | None = None, ranks_per_node: int = 1,
-                 adapters: AdapterActivations | None = None) -> str:
+                 adapters: AdapterActivations | None = None, frozen_params: int = 0) -> str:
     """The first configuration, in order of speed, whose estimate fits in 92% of the GPU and, for those that offload,
     whose host part fits `host_available` (this node's free memory; None where unknown, as on a login node: the
-    offloading ones then name their host need). `compiled`: the layers compile where ZeRO-3 does not keep them eager
-    (speed.zero3_keeps_eager_layers); `adapters`: LoRA's, per layer (None: no LoRA)."""
+    offloading ones then name their host need). `params` train, `frozen_params` do not (LoRA's frozen model: their
+    16-bit weight only, on the host where ZeRO-3 offloads the parameters). `compiled`: the layers compile where ZeRO-3
+    does not keep them eager (speed.zero3_keeps_eager_layers); `adapters`: LoRA's, per layer (None: no LoRA)."""
     from .speed import zero3_keeps_eager_layers
 
     candidates = []
@@ -266,8 +267,11 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
     for plan in candidates:
         # configs/zero2-offload.json accumulates gradients in fp32 on the GPU
         fp32_accumulation = plan.offload_optimizer and plan.zero_stage == 2
+        frozen = (2 if bf16 else 4) * frozen_params / (world if plan.zero_stage == 3 else 1)
+        offloads_frozen = plan.offload_param and plan.zero_stage == 3
         need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16,
                                   fp32_accumulation)
+                + (0.0 if offloads_frozen else frozen)
                 + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16,
                                largest_parameter_bytes(mconf, bf16))
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
@@ -276,8 +280,9 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
                                        adapters is not None), adapters=adapters))
         if need > 0.92 * memory_gib * GIB:
             continue
-        host = offload_host_bytes(params, world, ranks_per_node, plan.zero_stage, plan.offload_optimizer,
-                                  plan.offload_param, fp32_accumulation)
+        host = (offload_host_bytes(params, world, ranks_per_node, plan.zero_stage, plan.offload_optimizer,
+                                   plan.offload_param, fp32_accumulation)
+                + (frozen * ranks_per_node if offloads_frozen else 0.0))
         if host_available is not None and host > host_available:
             skipped_for_host = True
             continue

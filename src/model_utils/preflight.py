@@ -459,10 +459,11 @@ def _check_memory(plan: Plan, report: Report) -> None:
         report.problems.append(Problem(
             "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
             f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
-            cheapest_fit(plan.model.num_params, mconf, plan.world, plan.seq_len, micro, bf16, plan.fused_loss, chunk,
-                         memory, ds.get("zero_optimization", {}),
+            cheapest_fit(plan.model.trainable_params, mconf, plan.world, plan.seq_len, micro, bf16, plan.fused_loss,
+                         chunk, memory, ds.get("zero_optimization", {}),
                          use_compile(plan.hardware.gpus, False, plan.cfg.speed), plan.hardware.host_available,
-                         plan.hardware.ranks_per_node, adapters=plan.model.adapters)))
+                         plan.hardware.ranks_per_node, adapters=plan.model.adapters,
+                         frozen_params=plan.model.frozen_params)))
 
 
 def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> Report:

@@ -586,6 +586,23 @@ def test_the_cheapest_fit_leaves_out_offloads_whose_host_part_does_not_fit_the_n
     assert large_node == unknown
 
 
+def test_the_cheapest_fit_of_a_lora_run_counts_its_frozen_weights_as_16_bit_only():
+    """Qwen3-8B with LoRA (40M adapter parameters, the 8.19B others frozen) on one H100 at micro-batch 8 x 4096: its
+    frozen weights take 2 bytes each, not full training's 16, so a smaller micro-batch fits without offload; counted as
+    if every parameter trained, the fix would be to offload."""
+    from transformers import Qwen3Config
+
+    from model_utils.memory import AdapterActivations, cheapest_fit
+
+    q8b = Qwen3Config(vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_hidden_layers=36,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    adapters = AdapterActivations(inputs=6 * 4096 + 12_288, ranks=7 * 16, dropout=True)
+    args = (q8b, 1, 4096, 8, True, True, 8, 79.2, {"stage": 2, "reduce_bucket_size": 2e8}, True)
+    lora = cheapest_fit(40_370_176, *args, adapters=adapters, frozen_params=8_190_735_360)
+    assert lora.endswith("train_micro_batch_size_per_gpu 2 (--global_batch_tokens keeps the batch; or \"auto\")"), lora
+    assert "configs/" in cheapest_fit(40_370_176 + 8_190_735_360, *args, adapters=adapters)
+
+
 def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypatch, session_cache):
     """Qwen3-8B with its optimizer offloaded on one H200 (139.8 GiB) whose node has 120 GiB free: the whole optimizer
     (~142 GiB) does not fit the host; the fix names the largest offload ratio whose host part fits 90% of it, with the
