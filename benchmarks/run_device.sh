@@ -291,6 +291,22 @@ EOF
       --micro_batch_size 4 --steps 3 --warmup 2 --timeout 200 --variants default eager_layers --compare-hf \
       --hf-skip noliger --title "Qwen3-8B, ZeRO-3, 4 GPUs, 262,144 tokens per step: compiled and eager layers, HF + Liger"
     ;;
+  zero3-4gpu-profile)  # Qwen3-8B, configs/zero3.json, 4 GPUs, 262,144 tokens per step at 4 x 4, the default path: where
+    # rank 0's step goes (each phase synchronised, then kernels, host operators and the GPU's idle gaps by phase) (~5 min)
+    bench q8b_zero3_profile 300 --nproc 4 --model qwen3-8b --ds_config configs/zero3.json --global_batch_tokens 262144 \
+      --micro_batch_size 4 --steps 2 --warmup 1 --profile --timeout 280 --variants default \
+      --title "Qwen3-8B, ZeRO-3, 4 GPUs: where a step goes"
+    ;;
+  zero3-scaling)  # Qwen3-1.7B, configs/zero3.json, 4 x 4096 tokens per GPU and step: tokens/s per GPU on 1, 2 and 4
+    # GPUs, as many as the machine has (~2 min each)
+    gpus=$(nvidia-smi -L | wc -l)
+    for n in 1 2 4; do
+      ((n <= gpus)) || continue
+      bench "q17b_zero3_${n}gpu" 150 --nproc "$n" --model qwen3-1.7b --ds_config configs/zero3.json \
+        --global_batch_tokens $((n * 4 * 4096)) --micro_batch_size 4 --steps 6 --warmup 2 --timeout 140 \
+        --variants default --title "Qwen3-1.7B, ZeRO-3, $n GPU(s), 4 x 4096 tokens per GPU and step"
+    done
+    ;;
   zero3-levers)  # Qwen3-8B, configs/zero3.json, 262,144 tokens per step at 4 x 4 on 4 GPUs: the default path with one
     # DeepSpeed lever changed each (the prefetch bucket at Hugging Face's 0.9 h^2 instead of one layer; ZeRO++'s
     # quantized weights, qwZ; its quantized gradients, qgZ: both change the numerics), then 50 steps of Qwen3-0.6B under
