@@ -371,7 +371,8 @@ def tokenize_split(ds, tokenizer, text_column: str, num_proc: int | None, split:
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         return {"input_ids": [x + [eos] if x else [] for x in ids]}  # one row per document, even an empty one
 
-    nproc = max(1, min(tokenizing_processes(num_proc), len(ds) // 1000 or 1))  # process pools only pay off on large datasets
+    # process pools only pay off on large datasets
+    nproc = max(1, min(tokenizing_processes(num_proc), len(ds) // 1000 or 1))
     return ds.map(encode, batched=True, batch_size=1000, num_proc=nproc if nproc > 1 else None,
                   remove_columns=ds.column_names, desc=f"tokenizing {split}")
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from .sft_data import IGNORE_INDEX
+
 CHUNK_TOKENS = 2048  # fp32 logits of one chunk: 2048 x 151,936 x 4 bytes = 1.2 GiB for Qwen3
 
 
@@ -47,7 +49,7 @@ def chunked_cross_entropy(head, hidden, targets, chunk_tokens: int = CHUNK_TOKEN
     for start in range(0, flat.shape[0], chunk_tokens):
         logits = head(flat[start:start + chunk_tokens]).float()
         total += F.cross_entropy(logits, labels[start:start + chunk_tokens], reduction="sum").double()
-    return total / max(int((labels != -100).sum()), 1)
+    return total / max(int(loss_targets(labels)), 1)
 
 
 def evaluation_loss(engine, model, batch: dict):
@@ -58,7 +60,7 @@ def evaluation_loss(engine, model, batch: dict):
     import torch
 
     targets = batch["labels"]
-    count = (targets != -100).sum().double()
+    count = loss_targets(targets)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         return _summed(engine(**batch, use_cache=False).loss, count), count
@@ -73,6 +75,11 @@ def evaluation_loss(engine, model, batch: dict):
     return _summed(chunked_cross_entropy(head, hidden, targets), count), count
 
 
+def loss_targets(labels):
+    """How many of `labels` carry loss (not IGNORE_INDEX: prompts and padding of fine-tuning data), float64."""
+    return (labels != IGNORE_INDEX).sum().double()
+
+
 def _summed(mean, count):
     """A mean loss over `count` targets as their sum (0 where none carries loss, whose mean is not a number)."""
     return mean.double() * count if count > 0 else count * 0
@@ -84,12 +91,12 @@ def _per_sequence_loss(engine, batch: dict):
     --document_mask) cannot be split by row: the whole batch then goes through the model's loss."""
     targets = batch["labels"]
     if "cu_seq_lens_q" in batch:
-        return _summed(engine(**batch, use_cache=False).loss, (targets != -100).sum().double())
+        return _summed(engine(**batch, use_cache=False).loss, loss_targets(targets))
     rows = batch["input_ids"].shape[0]
     total = 0
     for i in range(rows):
         row = {k: v[i:i + 1] if _per_row(v, rows) else v for k, v in batch.items()}
-        total = total + _summed(engine(**row, use_cache=False).loss, (targets[i] != -100).sum().double())
+        total = total + _summed(engine(**row, use_cache=False).loss, loss_targets(targets[i]))
     return total
 
 

@@ -15,9 +15,10 @@ AUTO_MEMORY_SHARE = 0.90
 # evaluation and compilation.
 AUTO_MAX_MICRO_TOKENS = 65_536
 # Eager decoder layers (ZeRO-3 with offload or LoRA, where they are not compiled, or --compile off) keep every
-# intermediate of their forward for the backward: `eager_layer_activation_bytes_per_token` counts their 16-bit tensors, with this margin for the rest
-# (the layers' fp32 statistics; beyond the layers, the fused loss's LM-head gradient and final hidden states and the
-# backward's transients), fitted to the eager peaks measured (docs/PERFORMANCE.md): each lies within 5% of its estimate.
+# intermediate of their forward for the backward: `eager_layer_activation_bytes_per_token` counts their 16-bit tensors,
+# with this margin for the rest (the layers' fp32 statistics; beyond the layers, the fused loss's LM-head gradient and
+# final hidden states and the backward's transients), fitted to the eager peaks measured (docs/PERFORMANCE.md): each
+# lies within 5% of its estimate.
 EAGER_ACTIVATION_MARGIN = 1.06
 # Where no GPU memory is known (CPU runs; a login node without GPU_MEMORY_GIB): the micro-batch ds_config.json held.
 AUTO_MICRO_WITHOUT_GPU = 8
@@ -35,8 +36,10 @@ class MemoryPlan:
 
 def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool,
                       fp32_grad_accumulation: bool = False, gpu_optimizer_share: float = 0.0,
-                      delayed_prefetch: bool = False, accumulation: int | None = None) -> float:
-    """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param).
+                      delayed_prefetch: bool = False, accumulation: int | None = None, frozen_params: int = 0) -> float:
+    """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param)
+    of the `params` that train; `frozen_params` (LoRA's frozen model) keep their 16-bit weight only, partitioned under
+    ZeRO-3 and on the host where it offloads the parameters.
     `fp32_grad_accumulation` (ZeRO-1/2 with "data_types": {"grad_accum_dtype": "fp32"}): DeepSpeed accumulates each
     rank's gradient partition in an fp32 buffer on the GPU, also when the optimizer is offloaded (which then copies
     gradients to the CPU once per step instead of once per micro-batch). `gpu_optimizer_share`: the part of an
@@ -49,7 +52,7 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     not counted; with more, the earlier micro-batches' are held (docs/PERFORMANCE.md gives the measured peaks; the LM
     head's own is in activation_bytes's fused-loss term)."""
     p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
-    params_b = p_bytes * params / (world if stage >= 3 else 1)
+    params_b = p_bytes * (params + frozen_params) / (world if stage >= 3 else 1)
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
     if fp32_grad_accumulation and bf16 and stage in (1, 2):
         grads_b = 4 * params / world
@@ -215,9 +218,7 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
     """`num_params`: the parameters that train (weight, gradient, optimizer state each); `frozen_params`: those that
     do not (LoRA's frozen model: their 16-bit weight only, partitioned under ZeRO-3); `adapters`: LoRA's, per layer."""
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
-                               gpu_optimizer_share, delayed_prefetch, accumulation)
-    if not (off_par and stage == 3):
-        states += (2 if bf16 else 4) * frozen_params / (world if stage >= 3 else 1)
+                               gpu_optimizer_share, delayed_prefetch, accumulation, frozen_params)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers,
@@ -267,11 +268,8 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
     for plan in candidates:
         # configs/zero2-offload.json accumulates gradients in fp32 on the GPU
         fp32_accumulation = plan.offload_optimizer and plan.zero_stage == 2
-        frozen = (2 if bf16 else 4) * frozen_params / (world if plan.zero_stage == 3 else 1)
-        offloads_frozen = plan.offload_param and plan.zero_stage == 3
         need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16,
-                                  fp32_accumulation)
-                + (0.0 if offloads_frozen else frozen)
+                                  fp32_accumulation, frozen_params=frozen_params)
                 + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16,
                                largest_parameter_bytes(mconf, bf16))
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
@@ -280,9 +278,8 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
                                        adapters is not None), adapters=adapters))
         if need > 0.92 * memory_gib * GIB:
             continue
-        host = (offload_host_bytes(params, world, ranks_per_node, plan.zero_stage, plan.offload_optimizer,
-                                   plan.offload_param, fp32_accumulation)
-                + (frozen * ranks_per_node if offloads_frozen else 0.0))
+        host = offload_host_bytes(params, world, ranks_per_node, plan.zero_stage, plan.offload_optimizer,
+                                  plan.offload_param, fp32_accumulation, frozen_params=frozen_params)
         if host_available is not None and host > host_available:
             skipped_for_host = True
             continue
@@ -314,16 +311,17 @@ def resume_host_bytes(params: int, world: int, ranks_per_node: int, offload_opt:
 
 def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int, offload_opt: bool,
                        offload_param: bool, fp32_grad_accumulation: bool, gpu: bool = True,
-                       gpu_optimizer_share: float = 0.0, pinned_optimizer: bool = True) -> float:
+                       gpu_optimizer_share: float = 0.0, pinned_optimizer: bool = True,
+                       frozen_params: int = 0) -> float:
     """Host memory one node needs for its ranks' offloaded states (0 without offload). ZeRO-1/2 without the GPU's fp32
     accumulation buffer also keeps each rank's 16-bit gradient accumulation in host memory; ZeRO-3 with the optimizer
     offloaded keeps its gradient accumulation buffer there (pinned, in grad_accum_dtype, for every parameter of the
     rank's partition, also under a partial offload: DeepSpeed's stage3 allocates it on the optimizer's device); ZeRO-3's
-    offloaded parameters add their 16-bit share; a partial offload leaves `gpu_optimizer_share` of the optimizer on
-    the GPU, but DeepSpeed creates that part's fp32 gradient buffers in pinned host memory before moving them to the
-    GPU (`pinned_optimizer`: offload_optimizer.pin_memory), and PyTorch's pinned-memory cache keeps what they took (4
-    bytes per parameter of the GPU part; docs/PERFORMANCE.md has the measurements). `gpu` False: CPU ranks, whose
-    processes hold no CUDA context (1 GiB each)."""
+    offloaded parameters add their 16-bit share, `frozen_params` (LoRA's frozen model) theirs too; a partial offload
+    leaves `gpu_optimizer_share` of the optimizer on the GPU, but DeepSpeed creates that part's fp32 gradient buffers
+    in pinned host memory before moving them to the GPU (`pinned_optimizer`: offload_optimizer.pin_memory), and
+    PyTorch's pinned-memory cache keeps what they took (4 bytes per parameter of the GPU part; docs/PERFORMANCE.md has
+    the measurements). `gpu` False: CPU ranks, whose processes hold no CUDA context (1 GiB each)."""
     if not (offload_opt or offload_param):
         return 0.0
     per_param = 16.0 * (1 - gpu_optimizer_share) if offload_opt else 0.0
@@ -331,11 +329,13 @@ def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int,
         per_param += 2
     if offload_opt and stage == 3:
         per_param += 4 if fp32_grad_accumulation else 2
-    if offload_param and stage == 3:
+    offloaded_weights = offload_param and stage == 3  # 16-bit, of the parameters that train and of the frozen ones
+    if offloaded_weights:
         per_param += 2
     if offload_opt and stage == 3 and pinned_optimizer:
         per_param += 4 * gpu_optimizer_share
-    per_rank = per_param * params / world * HOST_STATE_OVERHEAD + (HOST_BASELINE_GIB if gpu else 1.0) * GIB
+    frozen = 2 * frozen_params if offloaded_weights else 0
+    per_rank = (per_param * params + frozen) / world * HOST_STATE_OVERHEAD + (HOST_BASELINE_GIB if gpu else 1.0) * GIB
     return per_rank * ranks_per_node
 
 

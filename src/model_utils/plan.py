@@ -130,10 +130,11 @@ class MemoryModel:
         from . import ds_config as dsc
         from .memory import offload_host_bytes
 
-        return offload_host_bytes(self.model.trainable_params, self.world, self.hardware.ranks_per_node, dsc.zero_stage(ds),
-                                  *dsc.offloads(ds), dsc.fp32_grad_accumulation(ds), gpu=self.hardware.gpus,
-                                  gpu_optimizer_share=self.gpu_optimizer_share(ds),
-                                  pinned_optimizer=bool(dsc.offload_setting(ds, "offload_optimizer", "pin_memory")))
+        return offload_host_bytes(self.model.trainable_params, self.world, self.hardware.ranks_per_node,
+                                  dsc.zero_stage(ds), *dsc.offloads(ds), dsc.fp32_grad_accumulation(ds),
+                                  gpu=self.hardware.gpus, gpu_optimizer_share=self.gpu_optimizer_share(ds),
+                                  pinned_optimizer=bool(dsc.offload_setting(ds, "offload_optimizer", "pin_memory")),
+                                  frozen_params=self.model.frozen_params)
 
     def largest_fitting_micro(self, ds: dict, allowed) -> tuple[int, str]:
         """The automatic micro-batch (memory.choose_micro_batch) with `ds`; the default where no GPU size is known."""

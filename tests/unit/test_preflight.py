@@ -603,6 +603,20 @@ def test_the_cheapest_fit_of_a_lora_run_counts_its_frozen_weights_as_16_bit_only
     assert "configs/" in cheapest_fit(40_370_176 + 8_190_735_360, *args, adapters=adapters)
 
 
+def test_frozen_weights_count_at_16_bits_where_zero_puts_them():
+    """LoRA's frozen weights: 2 bytes each on every GPU under ZeRO-1/2, a rank's share under ZeRO-3, on the host (with
+    the offload's overhead) where ZeRO-3 offloads the parameters; no gradient or optimizer state either way."""
+    from model_utils.memory import GIB, HOST_STATE_OVERHEAD, model_state_bytes, offload_host_bytes
+
+    frozen, world = 8 * 10**9, 4
+    assert model_state_bytes(0, world, 2, False, False, True, frozen_params=frozen) == 2 * frozen
+    assert model_state_bytes(0, world, 3, False, False, True, frozen_params=frozen) == 2 * frozen / world
+    assert model_state_bytes(0, world, 3, True, True, True, frozen_params=frozen) == 0
+    host = offload_host_bytes(0, world, 1, 3, True, True, False, frozen_params=frozen)
+    assert host - 8 * GIB == pytest.approx(2 * frozen / world * HOST_STATE_OVERHEAD)
+    assert offload_host_bytes(0, world, 1, 2, True, False, True, frozen_params=frozen) == 8 * GIB
+
+
 def test_offloaded_states_over_the_node_get_a_partial_offload_that_fits(monkeypatch, session_cache):
     """Qwen3-8B with its optimizer offloaded on one H200 (139.8 GiB) whose node has 120 GiB free: the whole optimizer
     (~142 GiB) does not fit the host; the fix names the largest offload ratio whose host part fits 90% of it, with the
