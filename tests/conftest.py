@@ -189,17 +189,18 @@ def run_trainer(checkpoint_dir: Path, args: list[str], nproc: int = 2, env: dict
     return Trainer(checkpoint_dir, args, nproc, env).wait(timeout)
 
 
-def kill_after_checkpoint_then_resume(checkpoint_dir: Path, args: list[str], step: int) -> TrainerRun:
+def kill_after_checkpoint_then_resume(checkpoint_dir: Path, args: list[str], step: int,
+                                      env: dict | None = None) -> TrainerRun:
     """Every rank killed (-9) once the checkpoint of `step` is complete, then the same command again: the resumed
     run, checked to have resumed from that checkpoint."""
     import signal
 
-    first = Trainer(checkpoint_dir, args)
+    first = Trainer(checkpoint_dir, args, env=env)
     assert first.wait_for(lambda: (checkpoint_dir / f"step-{step:08d}" / "manifest.json").exists())
     for p in first.procs:
         p.send_signal(signal.SIGKILL)
     first.wait()
-    resumed = run_trainer(checkpoint_dir, args)
+    resumed = run_trainer(checkpoint_dir, args, env=env)
     assert_ok(resumed)
     assert "resume: continuing from" in resumed.output and f"step-{step:08d}" in resumed.output
     return resumed

@@ -198,6 +198,33 @@ def with_layer_prefetch(ds: dict, raw: dict, layer_params: int) -> dict:
     return ds
 
 
+# DeepSpeed's stage3_param_persistence_threshold where a config leaves the key out.
+DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
+
+
+def keeps_whole_parameters(ds: dict, largest_param: int, num_params: int) -> bool:
+    """ZeRO-3 with every parameter persistent (`stage3_param_persistence_threshold` at least the largest parameter's
+    elements, and `stage3_model_persistence_threshold`, if set, at least the model's): DeepSpeed keeps each parameter whole on every GPU beside the rank's partition, so no layer is gathered
+    for its forward or backward; the gradients are still reduce-scattered, the optimizer state stays partitioned, and
+    the updated partitions are gathered once per step."""
+    zero = ds.get("zero_optimization", {})
+    threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
+    return (zero_stage(ds) == 3 and isinstance(threshold, (int, float)) and threshold >= largest_param
+            and zero.get("stage3_model_persistence_threshold", num_params) >= num_params)
+
+
+def with_whole_parameters(ds: dict, largest_param: int) -> dict:
+    """`ds` (a copy) keeping every parameter whole on each GPU (keeps_whole_parameters)."""
+    ds = copy.deepcopy(ds)
+    ds.setdefault("zero_optimization", {})["stage3_param_persistence_threshold"] = int(largest_param)
+    return ds
+
+
+def persistence_is_auto(raw: dict) -> bool:
+    """Whether the config as written leaves ZeRO-3's persistence threshold to the run ("auto")."""
+    return raw.get("zero_optimization", {}).get("stage3_param_persistence_threshold") == AUTO
+
+
 def zero12_optimizer_offload(ds: dict) -> bool:
     """ZeRO-1/2 with the optimizer offloaded: DeepSpeed's path whose gradient accumulation goes through host memory
     unless grad_accum_dtype is fp32."""

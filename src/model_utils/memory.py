@@ -36,10 +36,12 @@ class MemoryPlan:
 
 def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool,
                       fp32_grad_accumulation: bool = False, gpu_optimizer_share: float = 0.0,
-                      delayed_prefetch: bool = False, accumulation: int | None = None, frozen_params: int = 0) -> float:
+                      delayed_prefetch: bool = False, accumulation: int | None = None, frozen_params: int = 0,
+                      whole_params: bool = False) -> float:
     """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param)
     of the `params` that train; `frozen_params` (LoRA's frozen model) keep their 16-bit weight only, partitioned under
-    ZeRO-3 and on the host where it offloads the parameters.
+    ZeRO-3 and on the host where it offloads the parameters. `whole_params` (ZeRO-3 with every parameter persistent,
+    ds_config.keeps_whole_parameters): each GPU also keeps the whole 16-bit model beside its partition.
     `fp32_grad_accumulation` (ZeRO-1/2 with "data_types": {"grad_accum_dtype": "fp32"}): DeepSpeed accumulates each
     rank's gradient partition in an fp32 buffer on the GPU, also when the optimizer is offloaded (which then copies
     gradients to the CPU once per step instead of once per micro-batch). `gpu_optimizer_share`: the part of an
@@ -63,6 +65,8 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     opt_b = 0 if offload_opt else opt_bytes * params / (world if stage >= 1 else 1)
     if offload_param and stage == 3:
         params_b = 0
+    if whole_params and stage == 3:
+        params_b += p_bytes * (params + frozen_params)
     if offload_opt and gpu_optimizer_share:
         opt_b += 16 * gpu_optimizer_share * params / (world if stage >= 1 else 1)
     if delayed_prefetch:
@@ -214,11 +218,13 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
                  generate: bool, fp32_grad_accumulation: bool = False, compiled: bool = True,
                  gpu_optimizer_share: float = 0.0, checkpointed_layers: int | None = None,
                  delayed_prefetch: bool = False, accumulation: int | None = None,
-                 frozen_params: int = 0, adapters: AdapterActivations | None = None) -> PhaseMemory:
+                 frozen_params: int = 0, adapters: AdapterActivations | None = None,
+                 whole_params: bool = False) -> PhaseMemory:
     """`num_params`: the parameters that train (weight, gradient, optimizer state each); `frozen_params`: those that
-    do not (LoRA's frozen model: their 16-bit weight only, partitioned under ZeRO-3); `adapters`: LoRA's, per layer."""
+    do not (LoRA's frozen model: their 16-bit weight only, partitioned under ZeRO-3); `adapters`: LoRA's, per layer;
+    `whole_params`: ZeRO-3 keeps every parameter whole on each GPU (model_state_bytes)."""
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
-                               gpu_optimizer_share, delayed_prefetch, accumulation, frozen_params)
+                               gpu_optimizer_share, delayed_prefetch, accumulation, frozen_params, whole_params)
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers,

@@ -53,6 +53,7 @@ class ModelPlan:
     frozen_params: int = 0  # parameters that do not train (the model's own weights under LoRA), in num_params
     lora: object = None  # lora.LoraSettings; None: every weight trains
     adapters: object = None  # memory.AdapterActivations: LoRA's adapters per layer, as their activations scale
+    largest_param: int = 0  # the largest parameter's elements (the embedding or the LM head, frozen ones included)
 
     @property
     def trainable_params(self) -> int:
@@ -89,6 +90,12 @@ class MemoryModel:
         eager = zero3_keeps_eager_layers(dsc.zero_stage(ds), any(dsc.offloads(ds)), self.model.lora is not None)
         return use_compile(self.hardware.gpus, eager, self.speed)
 
+    def keeps_whole_parameters(self, ds: dict) -> bool:
+        """Whether ZeRO-3 keeps every parameter whole on each GPU with `ds` (ds_config.keeps_whole_parameters)."""
+        from . import ds_config as dsc
+
+        return dsc.keeps_whole_parameters(ds, self.model.largest_param, self.model.num_params)
+
     def prefetch_applies(self, ds: dict) -> bool:
         """Whether the delayed update can keep a second GPU copy of the 16-bit partition: ZeRO-1/2 with the optimizer
         offloaded to the CPU, --delayed_update_from_step, GPUs."""
@@ -115,7 +122,7 @@ class MemoryModel:
                             gpu_optimizer_share=self.gpu_optimizer_share(ds),
                             checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
                             accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params,
-                            adapters=self.model.adapters)
+                            adapters=self.model.adapters, whole_params=self.keeps_whole_parameters(ds))
 
     def peak(self, ds: dict, micro: int, checkpointed_layers: int | None = None, prefetch: bool | None = None) -> float:
         return self.phases(ds, micro, checkpointed_layers, prefetch).peak[1]
@@ -335,7 +342,8 @@ def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None
                                          for group in decay_groups(sized.parameters())),
                       checkpointable_layers=layers, flops=FlopsModel.from_config(config, base_params, seq_len),
                       frozen_params=frozen, lora=settings,
-                      adapters=adapter_activations(sized, settings, layers) if settings is not None else None)
+                      adapters=adapter_activations(sized, settings, layers) if settings is not None else None,
+                      largest_param=max(p.numel() for p in sized.parameters()))
     return tokenizer, model, []
 
 
@@ -359,6 +367,9 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
         bool(cfg.logging.generate_prompt and cfg.checkpoint.export), cfg.optim.delayed_update_from_step, request)
     choice = None
     micro = request.micro
+    if memory_model is not None:
+        ds, said = choose_whole_parameters(memory_model, ds, raw, micro, request.divides)
+        notes += said
     if micro is None:
         if memory_model is not None:
             micro, choice = memory_model.largest_fitting_micro(ds, request.divides)
@@ -398,6 +409,44 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
     writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,
                                     any(dsc.offloads(ds)), plan.hardware, plan.world)
     return dataclasses.replace(plan, memory=memory, checkpoints=writes), problems
+
+
+# The automatic choice keeps ZeRO-3's parameters whole where that costs at most half the micro-batch: on 4 GPUs of one
+# host whole parameters at half the micro-batch ran as fast as partitioned ones at the full one (docs/PERFORMANCE.md).
+WHOLE_PARAMETERS_MICRO_SHARE = 0.5
+
+
+def choose_whole_parameters(memory_model: MemoryModel, ds: dict, raw: dict, micro: int | None,
+                            allowed) -> tuple[dict, list[str]]:
+    """ZeRO-3's `"stage3_param_persistence_threshold": "auto"` resolved, before the micro-batch: every parameter
+    persistent (ds_config.keeps_whole_parameters: nothing gathered per micro-batch) where the estimate with whole
+    parameters fits AUTO_MEMORY_SHARE of the GPU at the given micro-batch, or, for an automatic one, at no less than
+    WHOLE_PARAMETERS_MICRO_SHARE of the micro-batch partitioned parameters would allow. Otherwise, and where
+    anything is offloaded (measured without offload only), no GPU size is known or the config sets a number, `ds` as
+    resolve_settings left it (Hugging Face's 10 x hidden). Returns (the config, the header's note)."""
+    from . import ds_config as dsc
+
+    budget = memory_model.budget
+    if (budget is None or dsc.zero_stage(ds) != 3 or any(dsc.offloads(ds)) or not dsc.persistence_is_auto(raw)
+            or not memory_model.model.largest_param):
+        return ds, []
+    whole = dsc.with_whole_parameters(ds, memory_model.model.largest_param)
+    if micro is None:
+        micro = memory_model.largest_fitting_micro(whole, allowed)[0]
+        partitioned = memory_model.largest_fitting_micro(ds, allowed)[0]
+        enough = micro >= WHOLE_PARAMETERS_MICRO_SHARE * partitioned
+        shortfall = f"micro-batch {micro} against {partitioned} with them partitioned"
+    else:
+        enough, shortfall = True, ""
+    need = memory_model.peak(whole, micro)
+    where = f"~{need / GIB:.1f} GiB at micro-batch {micro}, {AUTO_MEMORY_SHARE:.0%} of the GPU is {budget / GIB:.1f}"
+    if need <= budget and enough:
+        return whole, [f"ZeRO-3 keeps every parameter whole on each GPU (\"stage3_param_persistence_threshold\": "
+                       f"\"auto\" -> {memory_model.model.largest_param:,} elements, the largest parameter; {where}): no "
+                       "layer is gathered for its forward or backward"]
+    why = shortfall if need <= budget else where
+    return ds, [f"ZeRO-3 partitions the parameters (\"stage3_param_persistence_threshold\": \"auto\" -> "
+                f"{ds['zero_optimization']['stage3_param_persistence_threshold']:,}): whole ones would take {why}"]
 
 
 def choose_prefetch(speed: SpeedConfig, memory_model: MemoryModel, ds: dict, micro: int,
@@ -616,6 +665,21 @@ def zero2_that_fits(plan: Plan) -> float | None:
         return None
     ds = _as_zero2(plan.ds_config, "ds_config.json")
     gpu = memory_model.peak(ds, plan.batch.micro)
+    return gpu if gpu <= memory_model.budget else None
+
+
+def whole_parameters_that_fit(plan: Plan) -> float | None:
+    """For ZeRO-3 without offload whose parameters are partitioned: the same config with every parameter whole on each
+    GPU (what "auto" persistence chooses where it fits). Returns its GPU bytes where it fits the GPU at this run's
+    micro-batch, else None."""
+    from . import ds_config as dsc
+
+    memory_model = plan.memory_model
+    if (memory_model is None or memory_model.budget is None or plan.ds_config is None or plan.batch is None
+            or dsc.zero_stage(plan.ds_config) != 3 or any(dsc.offloads(plan.ds_config))
+            or memory_model.keeps_whole_parameters(plan.ds_config)):
+        return None
+    gpu = memory_model.peak(dsc.with_whole_parameters(plan.ds_config, plan.model.largest_param), plan.batch.micro)
     return gpu if gpu <= memory_model.budget else None
 
 

@@ -344,13 +344,13 @@ def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
 
 
 def _note_zero2_fits(plan: Plan, report: Report) -> None:
-    """ZeRO-3 where ZeRO-2 fits the GPUs at the same micro-batch: ZeRO-3 gathers every layer's parameters for its
-    forward and again for its backward, which ZeRO-2 does not need. Advice only: the config stays the user's."""
+    """ZeRO-3 with partitioned parameters where whole ones fit the GPUs at the same micro-batch: ZeRO-3 then gathers
+    every layer's parameters for its forward and again for its backward for nothing. Names "auto" persistence where
+    whole parameters fit under ZeRO-3, else ZeRO-2 where that fits. Advice only: the config stays the user's."""
     from . import ds_config as dsc
-    from .plan import zero2_that_fits
+    from .plan import whole_parameters_that_fit, zero2_that_fits
 
-    gpu = zero2_that_fits(plan)
-    if gpu is None:
+    if plan.memory_model is None or plan.ds_config is None or plan.memory_model.keeps_whole_parameters(plan.ds_config):
         return
     traffic = ""
     if plan.world > 1:
@@ -358,6 +358,19 @@ def _note_zero2_fits(plan: Plan, report: Report) -> None:
         sizes = (plan.model.num_params, plan.model.trainable_params, plan.world, plan.batch.accumulation, value_bytes)
         traffic = (f"; each GPU would receive ~{zero_traffic_per_step(*sizes, stage=2) / GIB:.1f} GiB of weights and "
                    f"gradients per step instead of ~{zero_traffic_per_step(*sizes, stage=3) / GIB:.1f}")
+    whole = whole_parameters_that_fit(plan)
+    if whole is not None:
+        threshold = plan.ds_config["zero_optimization"].get("stage3_param_persistence_threshold")
+        report.notes.append(
+            f"whole parameters fit these GPUs at micro-batch {plan.batch.micro} by the estimate (~{whole / GIB:.1f} "
+            f"GiB): ZeRO-3 would keep each on every GPU and run the same micro-batches without gathering each layer's "
+            f"parameters for its forward and backward{traffic}: \"stage3_param_persistence_threshold\": \"auto\" "
+            f"(now {threshold}) in zero_optimization where the run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on "
+            "several GPUs)")
+        return
+    gpu = zero2_that_fits(plan)
+    if gpu is None:
+        return
     report.notes.append(
         f"ZeRO-2 fits these GPUs at micro-batch {plan.batch.micro} by the estimate (~{gpu / GIB:.1f} GiB): it keeps "
         "whole parameters on every GPU and runs the same micro-batches without gathering each layer's parameters for "
@@ -369,8 +382,8 @@ def zero_traffic_per_step(params: int, trainable: int, world: int, accumulation:
                           stage: int) -> float:
     """Bytes one GPU receives per optimizer step through ZeRO's collectives (ring all-gather and reduce-scatter bring
     (world - 1) / world of the whole tensor): ZeRO-3 gathers every parameter for each micro-batch's forward and again
-    for its backward and reduce-scatters the trainable ones' gradients; ZeRO-1/2 reduce-scatter each micro-batch's
-    gradients and gather the updated parameters once per step (Rajbhandari et al. 2020: 3 against 2 model sizes per
+    for its backward and reduce-scatters the trainable ones' gradients; ZeRO-1/2, and ZeRO-3 with whole parameters,
+    reduce-scatter each micro-batch's gradients and gather the updated parameters once per step (Rajbhandari et al. 2020: 3 against 2 model sizes per
     step at one micro-batch). `value_bytes`: 2 for 16-bit weights and gradients, 4 for fp32."""
     share = (world - 1) / world
     if stage == 3:

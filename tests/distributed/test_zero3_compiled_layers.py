@@ -32,10 +32,10 @@ def run(work: Path, mode: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("zero3-layers")
-    return {mode: run(work, mode) for mode in ("eager", "compiled", "compiled-checkpointed")}
+    return {mode: run(work, mode) for mode in ("eager", "compiled", "compiled-checkpointed", "compiled-whole")}
 
 
-@pytest.mark.parametrize("mode", ["compiled", "compiled-checkpointed"])
+@pytest.mark.parametrize("mode", ["compiled", "compiled-checkpointed", "compiled-whole"])
 def test_compiled_layers_train_as_the_eager_ones(runs, mode):
     """Also with each layer recomputed in the backward pass (--gradient_checkpointing: its hooks gather it again)."""
     eager, compiled = runs["eager"], runs[mode]
@@ -46,9 +46,18 @@ def test_compiled_layers_train_as_the_eager_ones(runs, mode):
     assert eager["losses"][-1] != eager["losses"][0]  # the steps trained
 
 
-@pytest.mark.parametrize("mode", ["compiled", "compiled-checkpointed"])
+@pytest.mark.parametrize("mode", ["compiled", "compiled-checkpointed", "compiled-whole"])
 def test_each_layer_is_gathered_whole_by_its_own_hooks(runs, mode):
     eager, compiled = runs["eager"], runs[mode]
     assert not eager["layer_is_leaf"] and eager["hooked_projection"] and eager["graphs"] == 0
     assert compiled["layer_is_leaf"] and not compiled["hooked_projection"]
     assert compiled["graphs"] == 1  # one graph for every layer, no break at a hook
+
+
+def test_whole_parameters_are_never_released(runs):
+    """Every parameter persistent (what "auto" persistence chooses where whole parameters fit the GPU): nothing is
+    released after a backward once the first step has run, so nothing is gathered again for the next micro-batch;
+    partitioned, every parameter is (the threshold 0: the norms too)."""
+    whole, partitioned = runs["compiled-whole"], runs["compiled"]
+    assert whole["released"] == []
+    assert len(partitioned["released"]) == partitioned["parameters"]

@@ -1,13 +1,15 @@
 """One rank of a ZeRO-3 run on CPU (gloo) whose decoder layers are eager or compiled, started by
 test_zero3_compiled_layers.py.
 
-    python zero3_layers_run.py WORK_DIR eager|compiled|compiled-checkpointed
+    python zero3_layers_run.py WORK_DIR eager|compiled|compiled-checkpointed|compiled-whole
 
 The model is a tiny Qwen3 built under zero.Init; `compiled` applies speed._compile_layers as the trainer does under
 ZeRO-3 (each layer a ZeRO-3 leaf module, its forward compiled, the hooks outside the graph; the trainer does so on
 GPUs only: here Inductor's CPU backend compiles the same graph); `compiled-checkpointed` also recomputes each layer
-in the backward pass (--gradient_checkpointing). Rank 0 writes the losses, the final weights
-(gathered) and what the hooks cover to WORK_DIR/<mode>.json.
+in the backward pass (--gradient_checkpointing); `compiled-whole` keeps every parameter whole on each rank (the
+persistence threshold at the largest parameter, as plan.choose_whole_parameters writes it). Rank 0 writes the losses,
+the final weights (gathered), what the hooks cover and which parameters ZeRO-3 released after a micro-batch's backward
+(from the second step on) to WORK_DIR/<mode>.json.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def main(work_dir: str, mode: str) -> None:
                          use_cache=False)
     config._attn_implementation = "sdpa"
     ds = dict(DS_CONFIG, train_batch_size=MICRO * 2 * dist.world_size)
+    if mode.endswith("whole"):
+        largest = config.vocab_size * config.hidden_size  # the embedding and the LM head
+        ds["zero_optimization"] = dict(ds["zero_optimization"], stage3_param_persistence_threshold=largest)
     context = HfDeepSpeedConfig(ds)  # noqa: F841  (zero.Init while the model is built, as the trainer does)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if mode.startswith("compiled"):
@@ -57,13 +62,18 @@ def main(work_dir: str, mode: str) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 
     generator = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(STEPS):
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    losses, released = [], set()
+    for step in range(STEPS):
         for _ in range(2):  # accumulation
             ids = torch.randint(0, config.vocab_size, (dist.world_size, MICRO, SEQ_LEN), generator=generator)
             batch = ids[dist.rank]
             loss = engine(input_ids=batch, labels=batch).loss
             engine.backward(loss)
+            if step > 0:  # DeepSpeed's first step records the modules' order and releases every parameter after it
+                released |= {name for name, p in model.named_parameters()
+                             if p.ds_status == ZeroParamStatus.NOT_AVAILABLE}
             engine.step()
             losses.append(loss.item())
 
@@ -80,6 +90,7 @@ def main(work_dir: str, mode: str) -> None:
             "layer_is_leaf": z3_leaf_module(layer),
             "hooked_projection": hasattr(layer.self_attn.q_proj, "ds_id"),
             "graphs": counters["stats"]["unique_graphs"],
+            "released": sorted(released), "parameters": len(weights),
         }))
     dist.barrier()
 

@@ -231,23 +231,85 @@ def test_all_levers_are_no_ops_on_cpu():
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
 
 
-def test_the_preflight_names_zero2_where_it_fits_at_the_same_micro_batch(monkeypatch):
-    """ZeRO-3 without offload, 4 GPUs: Qwen3-8B at micro-batch 4 fits ZeRO-2's whole parameters on a 139.8 GiB GPU
-    but not on a 79.2 GiB one; the note never changes the config."""
+def test_auto_persistence_keeps_zero3_parameters_whole_where_they_fit(monkeypatch, tmp_path):
+    """configs/zero3.json ("stage3_param_persistence_threshold": "auto"), Qwen3-8B on 4 GPUs at micro-batch 4: on a
+    139.8 GiB GPU every parameter persists (the threshold is the largest parameter, the estimate holds the whole 16-bit
+    model beside the partition); on a 79.2 GiB one they stay partitioned at Hugging Face's 10 x hidden. Neither
+    offloaded parameters nor a number the config writes are changed."""
+    from model_utils import ds_config as dsc
+    from model_utils.memory import GIB
+
+    whole = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4")
+    largest = whole.model.largest_param
+    assert largest == 151_936 * 4096  # the embedding (and the LM head)
+    assert whole.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == largest
+    assert whole.memory_model.keeps_whole_parameters(whole.ds_config)
+    assert any(f'"auto" -> {largest:,} elements' in note and "no layer is gathered" in note for note in whole.notes)
+    partitioned_ds = dsc.with_whole_parameters(whole.ds_config, 40_960)
+    assert not whole.memory_model.keeps_whole_parameters(partitioned_ds)
+    added = whole.memory_model.peak(whole.ds_config, 4) - whole.memory_model.peak(partitioned_ds, 4)
+    assert added == pytest.approx(2 * whole.model.num_params)  # the whole 16-bit model on each GPU
+
+    small = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", gpu_gib="79.2")
+    assert small.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 40_960
+    assert any(note.startswith("ZeRO-3 partitions the parameters") and "90% of the GPU is 71.3" in note
+               for note in small.notes)
+
+    offloaded = _zero3_plan(monkeypatch, "zero3-offload.json", "--micro_batch_size", "4")
+    assert offloaded.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 40_960
+
+    def written(raw):
+        raw["zero_optimization"]["stage3_param_persistence_threshold"] = 100_000
+    mine = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", raw_edit=written, tmp_path=tmp_path)
+    assert mine.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 100_000
+    assert not any("ZeRO-3" in note and "persistence" in note for note in mine.notes)
+    assert whole.memory.phases.peak[1] / GIB < 0.9 * 139.8
+
+
+def test_auto_persistence_with_the_automatic_micro_batch(monkeypatch):
+    """Whole parameters are kept where their largest fitting micro-batch is at least half the partitioned one's (on 4
+    GPUs 2 with whole parameters ran as fast as 4 partitioned): Llama-7B-shaped on 4 H100s at 2 (2 partitioned too);
+    Qwen3-8B at 512 tokens on 4 GPUs of 56 GiB: whole at 2, partitioned at 8, so partitioned."""
+    h100 = _zero3_plan(monkeypatch, "zero3.json", model="llama-7b", gpu_gib="79.2")
+    assert h100.batch.micro == 2 and h100.memory_model.keeps_whole_parameters(h100.ds_config)
+    short = _zero3_plan(monkeypatch, "zero3.json", "--seq_len", "512", gpu_gib="56")
+    assert short.batch.micro == 8 and not short.memory_model.keeps_whole_parameters(short.ds_config)
+    assert any(note.startswith("ZeRO-3 partitions the parameters") and "micro-batch 2 against 8" in note
+               for note in short.notes)
+
+
+def test_the_preflight_names_whole_parameters_or_zero2_where_they_fit_at_the_same_micro_batch(monkeypatch, tmp_path):
+    """ZeRO-3 without offload, 4 GPUs, Qwen3-8B at micro-batch 4 with its parameters partitioned by the config's own
+    threshold: where whole parameters fit the GPU (139.8 GiB) the preflight names "auto" persistence, with what crosses
+    the GPUs per step; where only ZeRO-2 (without ZeRO-3's second copy of the partition) fits, ZeRO-2; where the run
+    keeps them whole already, nothing. The notes never change the config."""
     from model_utils.preflight import check_plan
 
-    def notes(plan):
-        return [n for n in check_plan(plan, check_data=False, check_disk=False).notes if n.startswith("ZeRO-2 fits")]
+    def notes(plan, start):
+        return [n for n in check_plan(plan, check_data=False, check_disk=False).notes if n.startswith(start)]
 
-    large = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4")
-    said = notes(large)
-    assert len(said) == 1 and "micro-batch 4" in said[0] and '"stage": 2' in said[0]
+    def written(raw):
+        raw["zero_optimization"]["stage3_param_persistence_threshold"] = 100_000
+    large = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", raw_edit=written, tmp_path=tmp_path)
+    said = notes(large, "whole parameters fit")
+    assert len(said) == 1 and "micro-batch 4" in said[0] and '"stage3_param_persistence_threshold": "auto"' in said[0]
     # what crosses the GPUs per step: ZeRO-3 gathers the 16-bit model twice per micro-batch and reduce-scatters its
-    # gradients once; ZeRO-2 reduce-scatters each micro-batch's and gathers once per step (3/4 of each on 4 GPUs)
+    # gradients once; with whole parameters (as ZeRO-2) it reduce-scatters each micro-batch's gradients and gathers
+    # the updated model once per step (3/4 of each on 4 GPUs)
     model = large.model.num_params * 2 * 3 / 4 / 2**30
     accumulation = large.batch.accumulation
     assert (f"~{(accumulation + 1) * model:.1f} GiB of weights and gradients per step instead of "
             f"~{3 * accumulation * model:.1f}") in said[0]
-    assert large.ds_config["zero_optimization"]["stage"] == 3
-    assert not notes(_zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", gpu_gib="79.2"))
-    assert not notes(_zero3_plan(monkeypatch, "zero3-offload.json", "--micro_batch_size", "4"))
+    assert large.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 100_000
+    assert not notes(large, "ZeRO-2 fits")
+
+    between = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", raw_edit=written, tmp_path=tmp_path,
+                          gpu_gib="110")
+    assert not notes(between, "whole parameters fit")
+    said = notes(between, "ZeRO-2 fits")
+    assert len(said) == 1 and '"stage": 2' in said[0] and between.ds_config["zero_optimization"]["stage"] == 3
+
+    auto = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4")
+    assert not notes(auto, "whole parameters fit") and not notes(auto, "ZeRO-2 fits")
+    assert not notes(_zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", gpu_gib="79.2"), "ZeRO-2 fits")
+    assert not notes(_zero3_plan(monkeypatch, "zero3-offload.json", "--micro_batch_size", "4"), "ZeRO-2 fits")
