@@ -204,9 +204,10 @@ DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
 
 def keeps_whole_parameters(ds: dict, largest_param: int, num_params: int) -> bool:
     """ZeRO-3 with every parameter persistent (`stage3_param_persistence_threshold` at least the largest parameter's
-    elements, and `stage3_model_persistence_threshold`, if set, at least the model's): DeepSpeed keeps each parameter whole on every GPU beside the rank's partition, so no layer is gathered
-    for its forward or backward; the gradients are still reduce-scattered, the optimizer state stays partitioned, and
-    the updated partitions are gathered once per step."""
+    elements, and `stage3_model_persistence_threshold`, if set, at least the model's): DeepSpeed keeps each parameter
+    whole on every GPU beside the rank's partition, so no layer is gathered for its forward or backward; the
+    gradients are still reduce-scattered, the optimizer state stays partitioned, and the updated partitions are
+    gathered once per step."""
     zero = ds.get("zero_optimization", {})
     threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
     return (zero_stage(ds) == 3 and isinstance(threshold, (int, float)) and threshold >= largest_param

@@ -441,9 +441,10 @@ def choose_whole_parameters(memory_model: MemoryModel, ds: dict, raw: dict, micr
     need = memory_model.peak(whole, micro)
     where = f"~{need / GIB:.1f} GiB at micro-batch {micro}, {AUTO_MEMORY_SHARE:.0%} of the GPU is {budget / GIB:.1f}"
     if need <= budget and enough:
+        largest = memory_model.model.largest_param
         return whole, [f"ZeRO-3 keeps every parameter whole on each GPU (\"stage3_param_persistence_threshold\": "
-                       f"\"auto\" -> {memory_model.model.largest_param:,} elements, the largest parameter; {where}): no "
-                       "layer is gathered for its forward or backward"]
+                       f"\"auto\" -> {largest:,} elements, the largest parameter; {where}): no layer is gathered "
+                       "for its forward or backward"]
     why = shortfall if need <= budget else where
     return ds, [f"ZeRO-3 partitions the parameters (\"stage3_param_persistence_threshold\": \"auto\" -> "
                 f"{ds['zero_optimization']['stage3_param_persistence_threshold']:,}): whole ones would take {why}"]
