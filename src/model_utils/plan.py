@@ -422,13 +422,14 @@ def choose_whole_parameters(memory_model: MemoryModel, ds: dict, raw: dict, micr
     persistent (ds_config.keeps_whole_parameters: nothing gathered per micro-batch) where the estimate with whole
     parameters fits AUTO_MEMORY_SHARE of the GPU at the given micro-batch, or, for an automatic one, at no less than
     WHOLE_PARAMETERS_MICRO_SHARE of the micro-batch partitioned parameters would allow. Otherwise, and where
-    anything is offloaded (measured without offload only), no GPU size is known or the config sets a number, `ds` as
-    resolve_settings left it (Hugging Face's 10 x hidden). Returns (the config, the header's note)."""
+    anything is offloaded or LoRA trains (measured and tested without either), no GPU size is known or the config sets
+    a number, `ds` as resolve_settings left it (Hugging Face's 10 x hidden). Returns (the config, the header's
+    note)."""
     from . import ds_config as dsc
 
     budget = memory_model.budget
     if (budget is None or dsc.zero_stage(ds) != 3 or any(dsc.offloads(ds)) or not dsc.persistence_is_auto(raw)
-            or not memory_model.model.largest_param):
+            or memory_model.model.lora is not None or not memory_model.model.largest_param):
         return ds, []
     whole = dsc.with_whole_parameters(ds, memory_model.model.largest_param)
     if micro is None:

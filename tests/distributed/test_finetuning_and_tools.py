@@ -47,13 +47,18 @@ def _first_step_loss_of(model_dir, seq_len, micro, world, seed):
     return float(np.mean(losses))
 
 
-@pytest.mark.parametrize("config", ["ds_config.json", "configs/zero3.json"])
-def test_finetuning_starts_at_the_pretrained_models_loss(pretrained, config, tmp_path):
-    """Under ZeRO-3 the model is built partitioned (HfDeepSpeedConfig -> zero.Init) and from_pretrained fills it."""
+@pytest.mark.parametrize("config, gpu_gib", [("ds_config.json", None), ("configs/zero3.json", None),
+                                             ("configs/zero3.json", "80")])
+def test_finetuning_starts_at_the_pretrained_models_loss(pretrained, config, gpu_gib, tmp_path):
+    """Under ZeRO-3 the model is built partitioned (HfDeepSpeedConfig -> zero.Init) and from_pretrained fills it; also
+    with every parameter kept whole, as "auto" persistence chooses where a GPU size is known (GPU_MEMORY_GIB: the one
+    stand-in, no GPU here) and the whole model fits."""
     run = run_trainer(tmp_path / "ckpt", [*FAST_ARGS, "--model", str(pretrained), "--dataset", "embedded", "--seq_len", "128",
                                           "--max_steps", "3", "--ds_config", config, "--seed", "5",
-                                          "--export_dir", str(tmp_path / "finetuned")])
+                                          "--export_dir", str(tmp_path / "finetuned")],
+                      env={"GPU_MEMORY_GIB": gpu_gib} if gpu_gib else None)
     assert_ok(run)
+    assert ("ZeRO-3 keeps every parameter whole" in run.output) == bool(gpu_gib)
     first = run.train_records()[0]
     assert first["step"] == 1
     expected = _first_step_loss_of(pretrained, 128, 2, 2, 5)

@@ -234,8 +234,8 @@ def test_all_levers_are_no_ops_on_cpu():
 def test_auto_persistence_keeps_zero3_parameters_whole_where_they_fit(monkeypatch, tmp_path):
     """configs/zero3.json ("stage3_param_persistence_threshold": "auto"), Qwen3-8B on 4 GPUs at micro-batch 4: on a
     139.8 GiB GPU every parameter persists (the threshold is the largest parameter, the estimate holds the whole 16-bit
-    model beside the partition); on a 79.2 GiB one they stay partitioned at Hugging Face's 10 x hidden. Neither
-    offloaded parameters nor a number the config writes are changed."""
+    model beside the partition); on a 79.2 GiB one they stay partitioned at Hugging Face's 10 x hidden. Offload, LoRA
+    and a number the config writes keep them partitioned."""
     from model_utils import ds_config as dsc
     from model_utils.memory import GIB
 
@@ -257,6 +257,8 @@ def test_auto_persistence_keeps_zero3_parameters_whole_where_they_fit(monkeypatc
 
     offloaded = _zero3_plan(monkeypatch, "zero3-offload.json", "--micro_batch_size", "4")
     assert offloaded.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 40_960
+    lora = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", "--lora_rank", "16")
+    assert lora.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 40_960
 
     def written(raw):
         raw["zero_optimization"]["stage3_param_persistence_threshold"] = 100_000
