@@ -4,8 +4,9 @@
       hardware      where the plan is made and what it plans for (GPU memory, host memory, precision, fused loss)
       model         the tokenizer, the model's config, its size on the meta device, its FLOPs
       settings      the DeepSpeed config resolved but for the batch (flags applied, "auto" filled, precision)
-      batch         stated by the flags and config (ds_config.BatchRequest), the micro-batch given or chosen by the
-                    memory model, the accumulation derived once; the DeepSpeed config with it written
+      batch         stated by the flags and config (ds_config.BatchRequest), ZeRO-3's parameters whole or partitioned,
+                    the micro-batch given or chosen by the memory model, the accumulation derived once; the DeepSpeed
+                    config with it written
       memory        recomputed layers, the delayed update's prefetch, each phase's GPU memory, the host's share
       checkpoints   their size on disk and how they are written
       resume        the checkpoint to resume from (the deciding rank), incomplete ones moved aside
@@ -671,15 +672,15 @@ def zero2_that_fits(plan: Plan) -> float | None:
 
 
 def whole_parameters_that_fit(plan: Plan) -> float | None:
-    """For ZeRO-3 without offload whose parameters are partitioned: the same config with every parameter whole on each
-    GPU (what "auto" persistence chooses where it fits). Returns its GPU bytes where it fits the GPU at this run's
+    """For ZeRO-3 without offload or LoRA whose parameters are partitioned: the same config with every parameter whole
+    on each GPU (what "auto" persistence chooses where it fits). Returns its GPU bytes where it fits the GPU at this run's
     micro-batch, else None."""
     from . import ds_config as dsc
 
     memory_model = plan.memory_model
     if (memory_model is None or memory_model.budget is None or plan.ds_config is None or plan.batch is None
             or dsc.zero_stage(plan.ds_config) != 3 or any(dsc.offloads(plan.ds_config))
-            or memory_model.keeps_whole_parameters(plan.ds_config)):
+            or plan.model.lora is not None or memory_model.keeps_whole_parameters(plan.ds_config)):
         return None
     gpu = memory_model.peak(dsc.with_whole_parameters(plan.ds_config, plan.model.largest_param), plan.batch.micro)
     return gpu if gpu <= memory_model.budget else None
