@@ -198,10 +198,6 @@ def with_layer_prefetch(ds: dict, raw: dict, layer_params: int) -> dict:
     return ds
 
 
-# DeepSpeed's stage3_param_persistence_threshold where a config leaves the key out.
-DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
-
-
 def keeps_whole_parameters(ds: dict, largest_param: int, num_params: int) -> bool:
     """ZeRO-3 with every parameter persistent (`stage3_param_persistence_threshold` at least the largest parameter's
     elements, and `stage3_model_persistence_threshold`, if set, at least the model's): DeepSpeed keeps each parameter
@@ -209,8 +205,14 @@ def keeps_whole_parameters(ds: dict, largest_param: int, num_params: int) -> boo
     gradients are still reduce-scattered, the optimizer state stays partitioned, and the updated partitions are
     gathered once per step."""
     zero = ds.get("zero_optimization", {})
-    threshold = zero.get("stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
-    return (zero_stage(ds) == 3 and isinstance(threshold, (int, float)) and threshold >= largest_param
+    if zero_stage(ds) != 3:
+        return False
+    threshold = zero.get("stage3_param_persistence_threshold")
+    if threshold is None:  # DeepSpeed's own default
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        threshold = DeepSpeedZeroConfig.model_fields["param_persistence_threshold"].default
+    return (isinstance(threshold, (int, float)) and threshold >= largest_param
             and zero.get("stage3_model_persistence_threshold", num_params) >= num_params)
 
 

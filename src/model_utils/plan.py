@@ -97,6 +97,14 @@ class MemoryModel:
 
         return dsc.keeps_whole_parameters(ds, self.model.largest_param, self.model.num_params)
 
+    def may_keep_whole_parameters(self, ds: dict) -> bool:
+        """Where "auto" persistence may keep ZeRO-3's parameters whole: a GPU size to fit them in, ZeRO-3, nothing
+        offloaded and no LoRA (whole parameters are measured and tested without either)."""
+        from . import ds_config as dsc
+
+        return (self.budget is not None and dsc.zero_stage(ds) == 3 and not any(dsc.offloads(ds))
+                and self.model.lora is None and self.model.largest_param > 0)
+
     def prefetch_applies(self, ds: dict) -> bool:
         """Whether the delayed update can keep a second GPU copy of the 16-bit partition: ZeRO-1/2 with the optimizer
         offloaded to the CPU, --delayed_update_from_step, GPUs."""
@@ -422,16 +430,14 @@ def choose_whole_parameters(memory_model: MemoryModel, ds: dict, raw: dict, micr
     """ZeRO-3's `"stage3_param_persistence_threshold": "auto"` resolved, before the micro-batch: every parameter
     persistent (ds_config.keeps_whole_parameters: nothing gathered per micro-batch) where the estimate with whole
     parameters fits AUTO_MEMORY_SHARE of the GPU at the given micro-batch, or, for an automatic one, at no less than
-    WHOLE_PARAMETERS_MICRO_SHARE of the micro-batch partitioned parameters would allow. Otherwise, and where
-    anything is offloaded or LoRA trains (measured and tested without either), no GPU size is known or the config sets
-    a number, `ds` as resolve_settings left it (Hugging Face's 10 x hidden). Returns (the config, the header's
-    note)."""
+    WHOLE_PARAMETERS_MICRO_SHARE of the micro-batch partitioned parameters would allow. Otherwise, where
+    MemoryModel.may_keep_whole_parameters rules them out or the config sets a number, `ds` as resolve_settings left it
+    (Hugging Face's 10 x hidden). Returns (the config, the header's note)."""
     from . import ds_config as dsc
 
-    budget = memory_model.budget
-    if (budget is None or dsc.zero_stage(ds) != 3 or any(dsc.offloads(ds)) or not dsc.persistence_is_auto(raw)
-            or memory_model.model.lora is not None or not memory_model.model.largest_param):
+    if not (memory_model.may_keep_whole_parameters(ds) and dsc.persistence_is_auto(raw)):
         return ds, []
+    budget = memory_model.budget
     whole = dsc.with_whole_parameters(ds, memory_model.model.largest_param)
     if micro is None:
         micro = memory_model.largest_fitting_micro(whole, allowed)[0]
@@ -672,15 +678,15 @@ def zero2_that_fits(plan: Plan) -> float | None:
 
 
 def whole_parameters_that_fit(plan: Plan) -> float | None:
-    """For ZeRO-3 without offload or LoRA whose parameters are partitioned: the same config with every parameter whole
-    on each GPU (what "auto" persistence chooses where it fits). Returns its GPU bytes where it fits the GPU at this run's
-    micro-batch, else None."""
+    """For a run whose ZeRO-3 parameters are partitioned where "auto" persistence could keep them whole
+    (MemoryModel.may_keep_whole_parameters): the same config with every parameter whole on each GPU. Returns its GPU
+    bytes where it fits the GPU at this run's micro-batch, else None."""
     from . import ds_config as dsc
 
     memory_model = plan.memory_model
-    if (memory_model is None or memory_model.budget is None or plan.ds_config is None or plan.batch is None
-            or dsc.zero_stage(plan.ds_config) != 3 or any(dsc.offloads(plan.ds_config))
-            or plan.model.lora is not None or memory_model.keeps_whole_parameters(plan.ds_config)):
+    if (memory_model is None or plan.ds_config is None or plan.batch is None
+            or not memory_model.may_keep_whole_parameters(plan.ds_config)
+            or memory_model.keeps_whole_parameters(plan.ds_config)):
         return None
     gpu = memory_model.peak(dsc.with_whole_parameters(plan.ds_config, plan.model.largest_param), plan.batch.micro)
     return gpu if gpu <= memory_model.budget else None

@@ -221,7 +221,7 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         _note_offload_accumulation(plan, report)
         _note_parameter_fetches(plan, report)
         _note_parameters_fit_on_the_gpu(plan, report)
-        _note_zero2_fits(plan, report)
+        _note_whole_parameters_fit(plan, report)
         _estimate_offload_update(plan, report)
         _check_host_memory(plan, report)
         if check_disk:
@@ -343,7 +343,7 @@ def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
         "the two where both fit (docs/PERFORMANCE.md)")
 
 
-def _note_zero2_fits(plan: Plan, report: Report) -> None:
+def _note_whole_parameters_fit(plan: Plan, report: Report) -> None:
     """ZeRO-3 with partitioned parameters where whole ones fit the GPUs at the same micro-batch: ZeRO-3 then gathers
     every layer's parameters for its forward and again for its backward for nothing. Names "auto" persistence where
     whole parameters fit under ZeRO-3, else ZeRO-2 where that fits. Advice only: the config stays the user's."""
@@ -383,8 +383,9 @@ def zero_traffic_per_step(params: int, trainable: int, world: int, accumulation:
     """Bytes one GPU receives per optimizer step through ZeRO's collectives (ring all-gather and reduce-scatter bring
     (world - 1) / world of the whole tensor): ZeRO-3 gathers every parameter for each micro-batch's forward and again
     for its backward and reduce-scatters the trainable ones' gradients; ZeRO-1/2, and ZeRO-3 with whole parameters,
-    reduce-scatter each micro-batch's gradients and gather the updated parameters once per step (Rajbhandari et al. 2020: 3 against 2 model sizes per
-    step at one micro-batch). `value_bytes`: 2 for 16-bit weights and gradients, 4 for fp32."""
+    reduce-scatter each micro-batch's gradients and gather the updated parameters once per step (Rajbhandari et al.
+    2020: 3 against 2 model sizes per step at one micro-batch). `value_bytes`: 2 for 16-bit weights and gradients, 4
+    for fp32."""
     share = (world - 1) / world
     if stage == 3:
         return accumulation * (2 * params + trainable) * value_bytes * share
