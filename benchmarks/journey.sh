@@ -28,7 +28,8 @@
 #               configs/zero3.json on every GPU of the node at the automatic micro-batch: 2 steps, save (~88 GiB)
 #   seeds-large-resume  the same directory resumed to step 3: evaluate, save (the older checkpoint then deleted),
 #               ZeRO-3 export, a sample; then `python -m model_utils.generate --chat` on the export
-#               (JOURNEY_ONLY="seeds-large seeds-large-resume" runs the pair)
+#               (JOURNEY_ONLY="seeds-large seeds-large-resume" runs the pair; where one call's time does not hold
+#               both, JOURNEY_ONLY=seeds-large JOURNEY_KEEP_LARGE=1, then JOURNEY_ONLY=seeds-large-resume)
 #   sft-lora    JOURNEY_SFT_MODEL (llama-1b: Llama 3.2 1B's dimensions, random weights written once as a Hugging Face
 #               model) fine-tuned with LoRA (rank 16) on the embedded chats at 2048 tokens, the automatic micro-batch:
 #               6 steps with a checkpoint at 4, evaluation, the adapter and the merged model exported
@@ -54,6 +55,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_SFT_MODEL:=llama-1b}" # sft-lora: a preset written as a Hugging Face model, or a model directory
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
+: "${JOURNEY_KEEP_LARGE:=0}" # 1: a *-large journey's checkpoint stays for its -resume in a later invocation
 
 mkdir -p "$JOURNEY_DIR"
 failed=0
@@ -127,7 +129,7 @@ EOF
     # stay.
     [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed ||
         $name == sft-lora ]] \
-        || { [[ $name == *-large ]] && wanted "$name-resume"; } || rm -rf "$dir"
+        || { [[ $name == *-large ]] && { wanted "$name-resume" || ((JOURNEY_KEEP_LARGE)); }; } || rm -rf "$dir"
 }
 
 # crash NAME CHECKPOINT_DIR PATTERN ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: `run`'s launch, killed with SIGKILL (all its
@@ -301,16 +303,21 @@ print("journey sft-lora exports: the adapter on the base model and the merged mo
       f"{diff:.2e} (largest logit {reference.abs().max().item():.2f}; merged weights saved as {saved_dtype})")
 EOF
 fi
-if wanted seeds-large; then
+if wanted seeds-large || wanted seeds-large-resume; then
     seeds_model=$(hf_model "$JOURNEY_SEEDS_MODEL")
     seeds=(MODEL="$seeds_model" DATASET=embedded-chat DS_CONFIG=configs/zero3.json OUTPUT_DIR="$JOURNEY_DIR/seeds-hf")
     seeds_flags=(--log_interval 1 --eval_iters 2 --checkpoint_freq 0 --keep_last_checkpoints 1)
-    run seeds-large "$JOURNEY_DIR/seeds" "${seeds[@]}" MAX_STEPS=2 -- "${seeds_flags[@]}" --eval_interval 0 --no-export
-    run seeds-large-resume "$JOURNEY_DIR/seeds" "${seeds[@]}" MAX_STEPS=3 -- "${seeds_flags[@]}" \
-        --generate_prompt "What does json.dumps do?"
-    command=("$python" -m model_utils.generate --model "$JOURNEY_DIR/seeds-hf" --chat "What does os.path.join do?")
-    echo "${command[*]}"
-    (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+    if wanted seeds-large; then
+        run seeds-large "$JOURNEY_DIR/seeds" "${seeds[@]}" MAX_STEPS=2 -- "${seeds_flags[@]}" --eval_interval 0 \
+            --no-export
+    fi
+    if wanted seeds-large-resume; then
+        run seeds-large-resume "$JOURNEY_DIR/seeds" "${seeds[@]}" MAX_STEPS=3 -- "${seeds_flags[@]}" \
+            --generate_prompt "What does json.dumps do?"
+        command=("$python" -m model_utils.generate --model "$JOURNEY_DIR/seeds-hf" --chat "What does os.path.join do?")
+        echo "${command[*]}"
+        (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+    fi
 fi
 if wanted fp16; then
     "$python" benchmarks/fp16_check.py --out "$JOURNEY_DIR/fp16" | tee -a "$JOURNEY_DIR/journey.txt" || failed=1

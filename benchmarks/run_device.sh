@@ -311,14 +311,30 @@ EOF
       --micro_batch_size 4 --steps 2 --warmup 1 --profile --timeout 280 --variants default \
       --title "Qwen3-8B, ZeRO-3, 4 GPUs: where a step goes"
     ;;
-  zero3-scaling)  # Qwen3-1.7B, configs/zero3.json, 4 x 4096 tokens per GPU and step: tokens/s per GPU on 1, 2 and 4
-    # GPUs, as many as the machine has (~2.5 min each: 70 s did not reach the first step's end)
+  zero3-scaling)  # Qwen3-0.6B (the ZeRO-2 scaling's model), configs/zero3.json, 8 x 4096 tokens per GPU and step:
+    # tokens/s per GPU on 1, 2 and 4 GPUs, as many as the machine has (~1.5 min each)
     gpus=$(nvidia-smi -L | wc -l)
     for n in 1 2 4; do
       ((n <= gpus)) || continue
-      bench "q17b_zero3_${n}gpu" 170 --nproc "$n" --model qwen3-1.7b --ds_config configs/zero3.json \
-        --global_batch_tokens $((n * 4 * 4096)) --micro_batch_size 4 --steps 6 --warmup 2 --timeout 160 \
-        --variants default --title "Qwen3-1.7B, ZeRO-3, $n GPU(s), 4 x 4096 tokens per GPU and step"
+      bench "q06_zero3_${n}gpu" 100 --nproc "$n" --model qwen3-0.6b --ds_config configs/zero3.json \
+        --global_batch_tokens $((n * 8 * 4096)) --micro_batch_size 8 --steps 6 --warmup 2 --timeout 110 \
+        --variants default --title "Qwen3-0.6B, ZeRO-3, $n GPU(s), 8 x 4096 tokens per GPU and step"
+    done
+    ;;
+  zero3-h100)  # configs/zero3.json on 4 H100s, 262,144 tokens per step: ours at the automatic micro-batch (whole
+    # parameters at 2 x 8 for the Llama-shaped preset, 1 x 16 for Qwen3-8B) against HF Trainer + DeepSpeed + Liger at
+    # 2 x 8, its largest without checkpointing (at 1 x 16 where 2 runs out of memory), each model in turn (~9 min)
+    for model in llama-7b qwen3-8b; do
+      H=(--nproc 4 --model "$model" --ds_config configs/zero3.json --global_batch_tokens 262144 --steps 3 --warmup 2
+         --timeout 170)
+      bench "${model}_zero3_auto" 150 "${H[@]}" --variants default \
+        --title "$model, ZeRO-3, 4 GPUs, the automatic micro-batch (whole parameters where they fit)"
+      bench "${model}_zero3_peer" 100 "${H[@]}" --micro_batch_size 2 --variants --compare-hf --hf-skip noliger \
+        --title "$model, ZeRO-3, 4 GPUs, 2 x 8: HF + Liger"
+      if grep -q "out of memory" "$OUT/${model}_zero3_peer.txt" 2>/dev/null; then
+        bench "${model}_zero3_peer_mb1" 100 "${H[@]}" --micro_batch_size 1 --variants --compare-hf --hf-skip noliger \
+          --title "$model, ZeRO-3, 4 GPUs, 1 x 16: HF + Liger"
+      fi
     done
     ;;
   zero3-levers)  # Qwen3-8B, configs/zero3.json, 262,144 tokens per step at 4 x 4 on 4 GPUs, the parameters

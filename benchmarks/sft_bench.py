@@ -391,7 +391,9 @@ def model_directory(model: str, seed: int, workdir: Path) -> Path:
     tokenizer = load_tokenizer(None)
     attach_chat_template(tokenizer)
     seed_everything(seed)
-    built = build_model(model, model_config(model, tokenizer), torch.bfloat16, "sdpa", False)
+    # initialised on the GPU where there is one: a 7B model's random init takes minutes on a host's CPU
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        built = build_model(model, model_config(model, tokenizer), torch.bfloat16, "sdpa", False)
     tmp = out.with_name(out.name + ".tmp")
     built.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
