@@ -311,14 +311,23 @@ EOF
       --micro_batch_size 4 --steps 2 --warmup 1 --profile --timeout 280 --variants default \
       --title "Qwen3-8B, ZeRO-3, 4 GPUs: where a step goes"
     ;;
-  zero3-scaling)  # Qwen3-0.6B (the ZeRO-2 scaling's model), configs/zero3.json, 8 x 4096 tokens per GPU and step:
-    # tokens/s per GPU on 1, 2 and 4 GPUs, as many as the machine has (~1.5 min each)
+  zero3-scaling)  # Qwen3-0.6B (the ZeRO-2 scaling's model), configs/zero3.json, micro-batch 8 x 4096: tokens/s per GPU
+    # on 1, 2 and 4 GPUs (as many as the machine has) at 1 and at 4 micro-batches per step, then ZeRO-2
+    # (ds_config.json) on 4 and 1 at 1 (~1-1.5 min each once compiled; the first run compiles: ~2 min)
     gpus=$(nvidia-smi -L | wc -l)
-    for n in 1 2 4; do
+    S=(--model qwen3-0.6b --micro_batch_size 8 --steps 6 --warmup 2 --timeout 200 --variants default)
+    for accumulation in 1 4; do
+      for n in 1 2 4; do
+        ((n <= gpus)) || continue
+        bench "q06_zero3_${n}gpu_acc${accumulation}" 100 --nproc "$n" "${S[@]}" --ds_config configs/zero3.json \
+          --global_batch_tokens $((n * accumulation * 8 * 4096)) \
+          --title "Qwen3-0.6B, ZeRO-3, $n GPU(s), 8 x $accumulation x 4096 tokens per GPU and step"
+      done
+    done
+    for n in 4 1; do
       ((n <= gpus)) || continue
-      bench "q06_zero3_${n}gpu" 100 --nproc "$n" --model qwen3-0.6b --ds_config configs/zero3.json \
-        --global_batch_tokens $((n * 8 * 4096)) --micro_batch_size 8 --steps 6 --warmup 2 --timeout 110 \
-        --variants default --title "Qwen3-0.6B, ZeRO-3, $n GPU(s), 8 x 4096 tokens per GPU and step"
+      bench "q06_zero2_${n}gpu" 80 --nproc "$n" "${S[@]}" --global_batch_tokens $((n * 8 * 4096)) \
+        --title "Qwen3-0.6B, ZeRO-2 (ds_config.json), $n GPU(s), 8 x 4096 tokens per GPU and step"
     done
     ;;
   zero3-h100)  # configs/zero3.json on 4 H100s, 262,144 tokens per step: ours at the automatic micro-batch (whole

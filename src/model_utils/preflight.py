@@ -346,11 +346,23 @@ def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
 def _note_whole_parameters_fit(plan: Plan, report: Report) -> None:
     """ZeRO-3 with partitioned parameters where whole ones fit the GPUs at the same micro-batch: ZeRO-3 then gathers
     every layer's parameters for its forward and again for its backward for nothing. Names "auto" persistence where
-    whole parameters fit under ZeRO-3, else ZeRO-2 where that fits. Advice only: the config stays the user's."""
+    whole parameters fit under ZeRO-3, else ZeRO-2 where that fits. With whole parameters already, ZeRO-2 where it
+    fits: the same data cross the GPUs, without ZeRO-3's hooks on every module. Advice only: the config stays the
+    user's."""
     from . import ds_config as dsc
     from .plan import whole_parameters_that_fit, zero2_that_fits
 
-    if plan.memory_model is None or plan.ds_config is None or plan.memory_model.keeps_whole_parameters(plan.ds_config):
+    if plan.memory_model is None or plan.ds_config is None:
+        return
+    if plan.memory_model.keeps_whole_parameters(plan.ds_config):
+        gpu = zero2_that_fits(plan)
+        if gpu is not None:
+            report.notes.append(
+                f"ZeRO-2 fits these GPUs at micro-batch {plan.batch.micro} by the estimate (~{gpu / GIB:.1f} GiB): "
+                "ZeRO-3 with whole parameters moves the same weights and gradients per step and adds DeepSpeed's "
+                "hooks on every module, which cost most where the layers are small: \"stage\": 2 in the DeepSpeed "
+                "config (ds_config.json has it) where the run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on several "
+                "GPUs)")
         return
     traffic = ""
     if plan.world > 1:

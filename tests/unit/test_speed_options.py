@@ -284,7 +284,8 @@ def test_the_preflight_names_whole_parameters_or_zero2_where_they_fit_at_the_sam
     """ZeRO-3 without offload, 4 GPUs, Qwen3-8B at micro-batch 4 with its parameters partitioned by the config's own
     threshold: where whole parameters fit the GPU (139.8 GiB) the preflight names "auto" persistence, with what crosses
     the GPUs per step; where only ZeRO-2 (without ZeRO-3's second copy of the partition) fits, ZeRO-2; where the run
-    keeps them whole already, nothing. The notes never change the config."""
+    keeps them whole already, ZeRO-2 where it fits (the same data per step without ZeRO-3's hooks). The notes never
+    change the config."""
     from model_utils.preflight import check_plan
 
     def notes(plan, start):
@@ -311,7 +312,12 @@ def test_the_preflight_names_whole_parameters_or_zero2_where_they_fit_at_the_sam
     said = notes(between, "ZeRO-2 fits")
     assert len(said) == 1 and '"stage": 2' in said[0] and between.ds_config["zero_optimization"]["stage"] == 3
 
+    # whole parameters kept already: ZeRO-2 moves the same data without ZeRO-3's hooks on every module
     auto = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4")
-    assert not notes(auto, "whole parameters fit") and not notes(auto, "ZeRO-2 fits")
+    assert auto.memory_model.keeps_whole_parameters(auto.ds_config)
+    assert not notes(auto, "whole parameters fit")
+    said = notes(auto, "ZeRO-2 fits")
+    assert len(said) == 1 and "hooks on every module" in said[0] and '"stage": 2' in said[0]
+    assert auto.ds_config["zero_optimization"]["stage"] == 3
     assert not notes(_zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", gpu_gib="79.2"), "ZeRO-2 fits")
     assert not notes(_zero3_plan(monkeypatch, "zero3-offload.json", "--micro_batch_size", "4"), "ZeRO-2 fits")
