@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys

@@ -19,7 +19,6 @@ import warnings
 from pathlib import Path
 
 from . import patches
-from .config import TrainConfig
 from .run_dir import METRICS, SUMMARY, TENSORBOARD, RunDir
 
 # metrics.jsonl key -> TensorBoard / W&B tag

@@ -203,6 +203,7 @@ class Plan:
     ds_config: dict | None = None  # resolved: flags applied, the batch written, no "auto" left
     batch: object = None  # ds_config.Batch
     micro_batch_choice: str | None = None  # how "auto" chose the micro-batch; None where it was given
+    parameters_choice: str | None = None  # how "auto" persistence chose whole or partitioned ZeRO-3 parameters
     memory_model: MemoryModel | None = None
     memory: MemoryEstimate | None = None
     compiled_layers: bool = False  # torch.compile'd decoder layers (they keep fewer activations); speed.use_compile
@@ -374,11 +375,10 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     memory_model = None if model is None else MemoryModel(
         model, plan.hardware, plan.world, plan.seq_len, cfg.speed, plan.fused_loss, cfg.model.gradient_checkpointing,
         bool(cfg.logging.generate_prompt and cfg.checkpoint.export), cfg.optim.delayed_update_from_step, request)
-    choice = None
+    choice = parameters = None
     micro = request.micro
     if memory_model is not None:
-        ds, said = choose_whole_parameters(memory_model, ds, raw, micro, request.divides)
-        notes += said
+        ds, parameters = choose_whole_parameters(memory_model, ds, raw, micro, request.divides)
     if micro is None:
         if memory_model is not None:
             micro, choice = memory_model.largest_fitting_micro(ds, request.divides)
@@ -388,13 +388,13 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     notes += said
     problems += found
     if batch is None:
-        return dataclasses.replace(plan, memory_model=memory_model), problems, notes
+        return dataclasses.replace(plan, memory_model=memory_model, parameters_choice=parameters), problems, notes
     ds, notes, problems = dsc.with_batch(ds, batch, notes, problems)
     compiled = memory_model.compiles(ds) if memory_model else False
     if compiled and dsc.zero_stage(ds) == 3:
         ds = dsc.with_layer_prefetch(ds, raw, model.layer_params)
     return (dataclasses.replace(plan, ds_config=ds, batch=batch, micro_batch_choice=choice, memory_model=memory_model,
-                                compiled_layers=compiled),
+                                compiled_layers=compiled, parameters_choice=parameters),
             problems, notes)
 
 
@@ -426,17 +426,18 @@ WHOLE_PARAMETERS_MICRO_SHARE = 0.5
 
 
 def choose_whole_parameters(memory_model: MemoryModel, ds: dict, raw: dict, micro: int | None,
-                            allowed) -> tuple[dict, list[str]]:
+                            allowed) -> tuple[dict, str | None]:
     """ZeRO-3's `"stage3_param_persistence_threshold": "auto"` resolved, before the micro-batch: every parameter
     persistent (ds_config.keeps_whole_parameters: nothing gathered per micro-batch) where the estimate with whole
     parameters fits AUTO_MEMORY_SHARE of the GPU at the given micro-batch, or, for an automatic one, at no less than
     WHOLE_PARAMETERS_MICRO_SHARE of the micro-batch partitioned parameters would allow. Otherwise, where
     MemoryModel.may_keep_whole_parameters rules them out or the config sets a number, `ds` as resolve_settings left it
-    (Hugging Face's 10 x hidden). Returns (the config, the header's note)."""
+    (Hugging Face's 10 x hidden). Returns (the config, the header's line saying which and why; None where "auto"
+    decided nothing)."""
     from . import ds_config as dsc
 
     if not (memory_model.may_keep_whole_parameters(ds) and dsc.persistence_is_auto(raw)):
-        return ds, []
+        return ds, None
     budget = memory_model.budget
     whole = dsc.with_whole_parameters(ds, memory_model.model.largest_param)
     if micro is None:
@@ -450,12 +451,12 @@ def choose_whole_parameters(memory_model: MemoryModel, ds: dict, raw: dict, micr
     where = f"~{need / GIB:.1f} GiB at micro-batch {micro}, {AUTO_MEMORY_SHARE:.0%} of the GPU is {budget / GIB:.1f}"
     if need <= budget and enough:
         largest = memory_model.model.largest_param
-        return whole, [f"ZeRO-3 keeps every parameter whole on each GPU (\"stage3_param_persistence_threshold\": "
+        return whole, (f"ZeRO-3 keeps every parameter whole on each GPU (\"stage3_param_persistence_threshold\": "
                        f"\"auto\" -> {largest:,} elements, the largest parameter; {where}): no layer is gathered "
-                       "for its forward or backward"]
+                       "for its forward or backward")
     why = shortfall if need <= budget else where
-    return ds, [f"ZeRO-3 partitions the parameters (\"stage3_param_persistence_threshold\": \"auto\" -> "
-                f"{ds['zero_optimization']['stage3_param_persistence_threshold']:,}): whole ones would take {why}"]
+    return ds, (f"ZeRO-3 partitions the parameters (\"stage3_param_persistence_threshold\": \"auto\" -> "
+                f"{ds['zero_optimization']['stage3_param_persistence_threshold']:,}): whole ones would take {why}")
 
 
 def choose_prefetch(speed: SpeedConfig, memory_model: MemoryModel, ds: dict, micro: int,

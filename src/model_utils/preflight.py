@@ -17,7 +17,6 @@ import os
 import shutil
 import socket
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .config import ConfigError, Problem, TrainConfig, validate_args
 from .ds_config import suggest
@@ -264,7 +263,7 @@ def _check_host_memory(plan: Plan, report: Report) -> None:
             "zero_optimization.offload_optimizer / offload_param", f"{plan.model.num_params / 1e9:.1f}B parameters",
             f"the offloaded states need ~{need:.0f} GiB of host memory on this node, {available / GIB:.0f} GiB are "
             "available",
-            (f"keep part of the optimizer on the GPU: configs/zero3-offload.json with "
+            ("keep part of the optimizer on the GPU: configs/zero3-offload.json with "
              + ("\"offload_param\": {\"device\": \"none\"} and " if partial[1] == "none" else "")
              + f"\"offload_optimizer\": {{\"ratio\": {partial[0]:g}}} (~{partial[2] / GIB:.0f} GiB host, "
              f"~{partial[3] / GIB:.0f} GiB GPU at micro-batch 1 by the estimate; not measured on GPUs), or "
@@ -468,6 +467,8 @@ def _check_memory(plan: Plan, report: Report) -> None:
                     f"{phases.evaluation / GIB:.1f}; export {phases.export / GIB:.1f}"
                     + (f"; generation {phases.generation / GIB:.1f}" if phases.generation else "")
                     + f"); GPU: {f'{memory:.0f} GiB' if memory else where}")
+    if plan.parameters_choice:
+        report.estimate(f"parameters: {plan.parameters_choice}")
     chunk = cfg.speed.flce_chunk_budget
     if plan.fused_loss and not plan.hardware.on_training_hardware and not liger_available():
         logits = activation_bytes(mconf, plan.seq_len, micro, False, False, bf16, chunk) - activation_bytes(

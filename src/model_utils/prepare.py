@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import glob
-import hashlib
 import itertools
 import json
 import os

@@ -244,7 +244,8 @@ def test_auto_persistence_keeps_zero3_parameters_whole_where_they_fit(monkeypatc
     assert largest == 151_936 * 4096  # the embedding (and the LM head)
     assert whole.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == largest
     assert whole.memory_model.keeps_whole_parameters(whole.ds_config)
-    assert any(f'"auto" -> {largest:,} elements' in note and "no layer is gathered" in note for note in whole.notes)
+    assert f'"auto" -> {largest:,} elements' in whole.parameters_choice
+    assert "no layer is gathered" in whole.parameters_choice and not any("ZeRO-3" in note for note in whole.notes)
     partitioned_ds = dsc.with_whole_parameters(whole.ds_config, 40_960)
     assert not whole.memory_model.keeps_whole_parameters(partitioned_ds)
     added = whole.memory_model.peak(whole.ds_config, 4) - whole.memory_model.peak(partitioned_ds, 4)
@@ -252,8 +253,8 @@ def test_auto_persistence_keeps_zero3_parameters_whole_where_they_fit(monkeypatc
 
     small = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", gpu_gib="79.2")
     assert small.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 40_960
-    assert any(note.startswith("ZeRO-3 partitions the parameters") and "90% of the GPU is 71.3" in note
-               for note in small.notes)
+    assert small.parameters_choice.startswith("ZeRO-3 partitions the parameters")
+    assert "90% of the GPU is 71.3" in small.parameters_choice
 
     offloaded = _zero3_plan(monkeypatch, "zero3-offload.json", "--micro_batch_size", "4")
     assert offloaded.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 40_960
@@ -264,7 +265,7 @@ def test_auto_persistence_keeps_zero3_parameters_whole_where_they_fit(monkeypatc
         raw["zero_optimization"]["stage3_param_persistence_threshold"] = 100_000
     mine = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", raw_edit=written, tmp_path=tmp_path)
     assert mine.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] == 100_000
-    assert not any("ZeRO-3" in note and "persistence" in note for note in mine.notes)
+    assert not any("ZeRO-3" in note and "persistence" in note for note in mine.notes) and mine.parameters_choice is None
     assert whole.memory.phases.peak[1] / GIB < 0.9 * 139.8
 
 
@@ -276,8 +277,8 @@ def test_auto_persistence_with_the_automatic_micro_batch(monkeypatch):
     assert h100.batch.micro == 2 and h100.memory_model.keeps_whole_parameters(h100.ds_config)
     short = _zero3_plan(monkeypatch, "zero3.json", "--seq_len", "512", gpu_gib="56")
     assert short.batch.micro == 8 and not short.memory_model.keeps_whole_parameters(short.ds_config)
-    assert any(note.startswith("ZeRO-3 partitions the parameters") and "micro-batch 2 against 8" in note
-               for note in short.notes)
+    assert short.parameters_choice.startswith("ZeRO-3 partitions the parameters")
+    assert "micro-batch 2 against 8" in short.parameters_choice
 
 
 def test_the_preflight_names_whole_parameters_or_zero2_where_they_fit_at_the_same_micro_batch(monkeypatch, tmp_path):
