@@ -135,6 +135,10 @@ class TrainerRun:
     def train_records(self) -> list[dict]:
         return [r for r in self.metrics() if "loss" in r]
 
+    def train_records_by_step(self) -> dict[int, dict]:
+        """A resumed run appends to metrics.jsonl; the last record of each step is the one that counts."""
+        return {r["step"]: r for r in self.train_records()}
+
 
 def rank_environment(rank: int, nproc: int, port: int, env: dict | None = None) -> dict:
     """The environment of one of `nproc` trainer ranks on this machine, as srun or torchrun give it (RANK, WORLD_SIZE,

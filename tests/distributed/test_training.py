@@ -19,11 +19,6 @@ from model_utils.checkpoint import find_resume_checkpoint, inspect_checkpoint, l
 RESUME_ARGS = [*FAST_ARGS, "--max_steps", "10", "--checkpoint_freq", "5", "--no-export", "--seed", "11", "--trace_data"]
 
 
-def last_by_step(records):
-    """A resumed run appends to metrics.jsonl; the last record of each step is the one that counts."""
-    return {r["step"]: r for r in records}
-
-
 # configs/fp16.json resolves to fp32 where there is no GPU (fp16.enabled "auto"): on CPU its case would repeat
 # ds_config.json's run step for step. fp16 itself (the loss scale, an overflow skipped and counted, an exact resume)
 # runs on a GPU: benchmarks/fp16_check.py, in benchmarks/journey.sh's fp16 journey.
@@ -163,7 +158,7 @@ def test_document_mask_trains_with_attention_within_documents(baseline, tmp_path
 
 
 def _assert_continues_exactly(baseline, resumed, from_step):
-    want, got = last_by_step(baseline.train_records()), last_by_step(resumed.train_records())
+    want, got = baseline.train_records_by_step(), resumed.train_records_by_step()
     assert from_step < 10
     for step in range(from_step + 1, 11):
         assert (got[step]["loss"], got[step]["lr"]) == (want[step]["loss"], want[step]["lr"]), f"step {step}"
@@ -202,7 +197,7 @@ def dropout_baseline(session_cache, tmp_path_factory):
 
 def test_dropout_draws_on_the_rng_in_training(dropout_baseline, baseline):
     """The same run with dropout: other losses from the first step on (the weights and data are the same)."""
-    dropped, plain = last_by_step(dropout_baseline.train_records()), last_by_step(baseline.train_records())
+    dropped, plain = dropout_baseline.train_records_by_step(), baseline.train_records_by_step()
     assert sorted(dropped) == sorted(plain) == list(range(1, 11))
     assert all(dropped[step]["loss"] != plain[step]["loss"] for step in dropped)
 
@@ -222,7 +217,7 @@ def test_resume_from_a_named_checkpoint_that_is_not_the_latest(dropout_baseline,
     run = run_trainer(tmp_path / "ckpt", [*DROPOUT_ARGS, "--resume_from_checkpoint", str(source / "step-00000005")])
     assert_ok(run)
     assert f"resume: continuing from {source / 'step-00000005'} at step 5" in run.output
-    assert sorted(last_by_step(run.train_records())) == list(range(6, 11))  # nothing before step 5 was redone
+    assert sorted(run.train_records_by_step()) == list(range(6, 11))  # nothing before step 5 was redone
     _assert_continues_exactly(dropout_baseline, run, 5)
 
 
@@ -319,7 +314,7 @@ def _adam_moments(step_dir):
 
 
 def _assert_resumed_on_another_world_size(reference, resumed, from_step, to_step=10):
-    want, got = last_by_step(reference.train_records()), last_by_step(resumed.train_records())
+    want, got = reference.train_records_by_step(), resumed.train_records_by_step()
     assert sorted(got) == list(range(from_step + 1, to_step + 1))
     for step in got:
         assert got[step]["lr"] == want[step]["lr"], f"step {step}: the schedule continues exactly"
@@ -445,7 +440,7 @@ def test_resume_at_an_epoch_boundary_is_exact(session_cache, tmp_path):
     assert manifest["data_position"] == {"epoch": 1, "blocks_consumed": 0}  # exactly at the boundary
     resumed = run_trainer(ckpt, [*EPOCH_ARGS, "--checkpoint_freq", "9"])
     assert_ok(resumed)
-    want, got = last_by_step(full.train_records()), last_by_step(resumed.train_records())
+    want, got = full.train_records_by_step(), resumed.train_records_by_step()
     for step in range(10, 15):
         assert (got[step]["loss"], got[step]["lr"]) == (want[step]["loss"], want[step]["lr"]), f"step {step}"
 
