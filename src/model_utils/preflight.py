@@ -220,7 +220,7 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         _note_offload_accumulation(plan, report)
         _note_parameter_fetches(plan, report)
         _note_parameters_fit_on_the_gpu(plan, report)
-        _note_whole_parameters_fit(plan, report)
+        _note_faster_zero3_setup(plan, report)
         _estimate_offload_update(plan, report)
         _check_host_memory(plan, report)
         if check_disk:
@@ -342,11 +342,11 @@ def _note_parameters_fit_on_the_gpu(plan: Plan, report: Report) -> None:
         "the two where both fit (docs/PERFORMANCE.md)")
 
 
-def _note_whole_parameters_fit(plan: Plan, report: Report) -> None:
-    """ZeRO-3 with partitioned parameters where whole ones fit the GPUs at the same micro-batch: ZeRO-3 then gathers
-    every layer's parameters for its forward and again for its backward for nothing. Names "auto" persistence where
-    whole parameters fit under ZeRO-3, else ZeRO-2 where that fits. With whole parameters already, ZeRO-2 where it
-    fits: the same data cross the GPUs, without ZeRO-3's hooks on every module. Advice only: the config stays the
+def _note_faster_zero3_setup(plan: Plan, report: Report) -> None:
+    """ZeRO-3 without offload where a faster setup fits the GPUs at the same micro-batch. With partitioned parameters
+    ZeRO-3 gathers every layer's parameters for its forward and again for its backward: names "auto" persistence
+    where whole parameters fit under ZeRO-3, else ZeRO-2 where that fits. With whole parameters already, ZeRO-2 where
+    it fits: the same data cross the GPUs, without ZeRO-3's hooks on every module. Advice only: the config stays the
     user's."""
     from . import ds_config as dsc
     from .plan import whole_parameters_that_fit, zero2_that_fits
@@ -354,39 +354,34 @@ def _note_whole_parameters_fit(plan: Plan, report: Report) -> None:
     if plan.memory_model is None or plan.ds_config is None:
         return
     if plan.memory_model.keeps_whole_parameters(plan.ds_config):
-        gpu = zero2_that_fits(plan)
-        if gpu is not None:
+        why = ("ZeRO-3 with whole parameters moves the same weights and gradients per step and adds DeepSpeed's hooks "
+               "on every module, which cost most where the layers are small")
+    else:
+        traffic = ""
+        if plan.world > 1:
+            value_bytes = 4 if dsc.precision(plan.ds_config) == "fp32" else 2
+            sizes = (plan.model.num_params, plan.model.trainable_params, plan.world, plan.batch.accumulation,
+                     value_bytes)
+            traffic = (f"; each GPU would receive ~{zero_traffic_per_step(*sizes, stage=2) / GIB:.1f} GiB of weights "
+                       f"and gradients per step instead of ~{zero_traffic_per_step(*sizes, stage=3) / GIB:.1f}")
+        whole = whole_parameters_that_fit(plan)
+        if whole is not None:
+            threshold = plan.ds_config["zero_optimization"].get("stage3_param_persistence_threshold")
             report.notes.append(
-                f"ZeRO-2 fits these GPUs at micro-batch {plan.batch.micro} by the estimate (~{gpu / GIB:.1f} GiB): "
-                "ZeRO-3 with whole parameters moves the same weights and gradients per step and adds DeepSpeed's "
-                "hooks on every module, which cost most where the layers are small: \"stage\": 2 in the DeepSpeed "
-                "config (ds_config.json has it) where the run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on several "
-                "GPUs)")
-        return
-    traffic = ""
-    if plan.world > 1:
-        value_bytes = 4 if dsc.precision(plan.ds_config) == "fp32" else 2
-        sizes = (plan.model.num_params, plan.model.trainable_params, plan.world, plan.batch.accumulation, value_bytes)
-        traffic = (f"; each GPU would receive ~{zero_traffic_per_step(*sizes, stage=2) / GIB:.1f} GiB of weights and "
-                   f"gradients per step instead of ~{zero_traffic_per_step(*sizes, stage=3) / GIB:.1f}")
-    whole = whole_parameters_that_fit(plan)
-    if whole is not None:
-        threshold = plan.ds_config["zero_optimization"].get("stage3_param_persistence_threshold")
-        report.notes.append(
-            f"whole parameters fit these GPUs at micro-batch {plan.batch.micro} by the estimate (~{whole / GIB:.1f} "
-            f"GiB): ZeRO-3 would keep each on every GPU and run the same micro-batches without gathering each layer's "
-            f"parameters for its forward and backward{traffic}: \"stage3_param_persistence_threshold\": \"auto\" "
-            f"(now {threshold}) in zero_optimization where the run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on "
-            "several GPUs)")
-        return
+                f"whole parameters fit these GPUs at micro-batch {plan.batch.micro} by the estimate "
+                f"(~{whole / GIB:.1f} GiB): ZeRO-3 would keep each on every GPU and run the same micro-batches "
+                f"without gathering each layer's parameters for its forward and backward{traffic}: "
+                f"\"stage3_param_persistence_threshold\": \"auto\" (now {threshold}) in zero_optimization where the "
+                "run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on several GPUs)")
+            return
+        why = ("it keeps whole parameters on every GPU and runs the same micro-batches without gathering each layer's "
+               f"parameters for its forward and backward, as ZeRO-3 does{traffic}")
     gpu = zero2_that_fits(plan)
-    if gpu is None:
-        return
-    report.notes.append(
-        f"ZeRO-2 fits these GPUs at micro-batch {plan.batch.micro} by the estimate (~{gpu / GIB:.1f} GiB): it keeps "
-        "whole parameters on every GPU and runs the same micro-batches without gathering each layer's parameters for "
-        f"its forward and backward, as ZeRO-3 does{traffic}: \"stage\": 2 in the DeepSpeed config (ds_config.json "
-        "has it) where the run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on several GPUs)")
+    if gpu is not None:
+        report.notes.append(
+            f"ZeRO-2 fits these GPUs at micro-batch {plan.batch.micro} by the estimate (~{gpu / GIB:.1f} GiB): {why}: "
+            "\"stage\": 2 in the DeepSpeed config (ds_config.json has it) where the run's speed matters "
+            "(docs/PERFORMANCE.md, ZeRO-3 on several GPUs)")
 
 
 def zero_traffic_per_step(params: int, trainable: int, world: int, accumulation: int, value_bytes: int,
