@@ -139,6 +139,10 @@ class TrainerRun:
         """A resumed run appends to metrics.jsonl; the last record of each step is the one that counts."""
         return {r["step"]: r for r in self.train_records()}
 
+    def losses_by_step(self) -> dict[int, float]:
+        """Each step's training loss, from the last record of the step."""
+        return {step: r["loss"] for step, r in self.train_records_by_step().items()}
+
 
 def rank_environment(rank: int, nproc: int, port: int, env: dict | None = None) -> dict:
     """The environment of one of `nproc` trainer ranks on this machine, as srun or torchrun give it (RANK, WORLD_SIZE,

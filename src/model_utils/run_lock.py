@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import Problem
-from .run_dir import LOCK, RunDir
+from .run_dir import RunDir
+
 HEARTBEAT_S = 30.0
 STALE_S = 300.0  # ten heartbeats missed
 

@@ -262,10 +262,6 @@ DELAYED_ARGS = [*FAST_ARGS, "--max_steps", "8", "--checkpoint_freq", "4", "--no-
                 "--gradient_accumulation_steps", "2"]
 
 
-def _losses(run) -> dict:
-    return {r["step"]: r["loss"] for r in run.train_records()}  # the last record of each step counts
-
-
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("preset", ["zero2-offload", "zero3-offload"])
 def test_a_delayed_update_run_resumes_exactly(session_cache, tmp_path, preset):
@@ -285,7 +281,7 @@ def test_a_delayed_update_run_resumes_exactly(session_cache, tmp_path, preset):
     assert "differ from the checkpoint's" not in resumed.output
     plain = run_trainer(tmp_path / "plain", [*DELAYED_ARGS, *config])
     assert_ok(plain)
-    want, got, undelayed = _losses(whole), _losses(resumed), _losses(plain)
+    want, got, undelayed = whole.losses_by_step(), resumed.losses_by_step(), plain.losses_by_step()
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)], (want, got)
     assert [undelayed[s] for s in (1, 2, 3)] == [want[s] for s in (1, 2, 3)] and undelayed[4] != want[4], (want,
                                                                                                           undelayed)

@@ -38,18 +38,13 @@ def uninterrupted(shards, tmp_path_factory):
     return run
 
 
-def by_step(run, key):
-    """The last record of each step (a resumed run appends to metrics.jsonl)."""
-    return {r["step"]: r[key] for r in run.train_records()}
-
-
 def test_a_killed_streamed_run_resumes_exactly(shards, uninterrupted, tmp_path):
     assert "streams (--streaming, 4 shard(s)): each of 2 rank(s) reads its own documents (whole shards)" in \
         uninterrupted.output
     assert "(epochs unknown: the data streams)" in uninterrupted.output
     resumed = kill_after_checkpoint_then_resume(tmp_path / "ckpt", stream_args(shards), 4)
     assert re.search(r"resume: the stream continues at epoch [1-9]", resumed.output)  # past each rank's seam
-    want, got = by_step(uninterrupted, "loss"), by_step(resumed, "loss")
+    want, got = uninterrupted.losses_by_step(), resumed.losses_by_step()
     assert sorted(want) == list(range(1, 9))
     assert [got[step] for step in range(5, 9)] == [want[step] for step in range(5, 9)]
     evaluations = [r["eval_loss"] for r in uninterrupted.metrics() if "eval_loss" in r]

@@ -133,8 +133,8 @@ def test_epochs_give_the_steps_of_the_packed_data(lora_runs):
 
 def test_a_lora_run_resumes_exactly_from_adapters_and_optimizer_state(lora_runs):
     root, whole, resumed = lora_runs
-    first = {r["step"]: r["loss"] for r in whole.train_records()}
-    again = {r["step"]: r["loss"] for r in resumed.train_records() if r["step"] > 2}
+    first = whole.losses_by_step()
+    again = {step: loss for step, loss in resumed.losses_by_step().items() if step > 2}
     assert again and all(loss == pytest.approx(first[step], abs=1e-6) for step, loss in again.items())
     assert "LoRA: rank 4, alpha 8" in whole.output
     step = sorted((root / "resumed").glob("step-*"))[-1]  # the newest kept (retention removed step 2)

@@ -10,7 +10,8 @@ import time
 
 from inputs import write_lock
 from model_utils import run_lock
-from model_utils.run_lock import LOCK, STALE_S, acquire, why_takeable
+from model_utils.run_dir import LOCK
+from model_utils.run_lock import STALE_S, acquire, why_takeable
 
 
 def test_who_may_take_a_lock_over(monkeypatch):
