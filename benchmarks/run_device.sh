@@ -330,20 +330,23 @@ EOF
         --title "Qwen3-0.6B, ZeRO-2 (ds_config.json), $n GPU(s), 8 x 4096 tokens per GPU and step"
     done
     ;;
-  zero3-vs-zero2)  # the Llama-2-7B-shaped preset on 4 GPUs, 262,144 tokens per step at one micro-batch (4 on an H200,
-    # 2 on an H100, where whole ZeRO-3 parameters fit): configs/zero3.json (whole parameters) against ds_config.json
-    # (ZeRO-2), which the preflight names where both fit (~5 min)
+  zero3-vs-zero2)  # Z2_MODEL (the Llama-2-7B-shaped preset; qwen3-8b too) on 4 GPUs, 262,144 tokens per step at one
+    # micro-batch (4 on an H200, 2 on an H100, where whole ZeRO-3 parameters fit): configs/zero3.json (whole
+    # parameters) against ds_config.json (ZeRO-2), which the preflight names where both fit (~5 min)
+    : "${Z2_MODEL:=llama-7b}"
     mb=2; (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) > 100000)) && mb=4
     for config in configs/zero3.json ds_config.json; do
-      bench "llama7b_$(basename "$config" .json)_mb$mb" 150 --nproc 4 --model llama-7b --ds_config "$config" \
+      bench "${Z2_MODEL}_$(basename "$config" .json)_mb$mb" 150 --nproc 4 --model "$Z2_MODEL" --ds_config "$config" \
         --global_batch_tokens 262144 --micro_batch_size "$mb" --steps 3 --warmup 2 --timeout 170 --variants default \
-        --title "llama-7b, 4 GPUs, $mb x $((262144 / (4 * 4096 * mb))): $config"
+        --title "$Z2_MODEL, 4 GPUs, $mb x $((262144 / (4 * 4096 * mb))): $config"
     done
     ;;
   zero3-h100)  # configs/zero3.json on 4 H100s, 262,144 tokens per step: ours at the automatic micro-batch (whole
     # parameters at 2 x 8 for the Llama-shaped preset, 1 x 16 for Qwen3-8B) against HF Trainer + DeepSpeed + Liger at
-    # 2 x 8, its largest without checkpointing (at 1 x 16 where 2 runs out of memory), each model in turn (~9 min)
-    for model in llama-7b qwen3-8b; do
+    # 2 x 8, its largest without checkpointing (at 1 x 16 where 2 runs out of memory), each of Z3_MODELS in turn
+    # (~4.5 min a model)
+    read -r -a models <<<"${Z3_MODELS:-llama-7b qwen3-8b}"
+    for model in "${models[@]}"; do
       H=(--nproc 4 --model "$model" --ds_config configs/zero3.json --global_batch_tokens 262144 --steps 3 --warmup 2
          --timeout 170)
       bench "${model}_zero3_auto" 150 "${H[@]}" --variants default \
