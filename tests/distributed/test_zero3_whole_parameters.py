@@ -16,8 +16,8 @@ WHOLE = "parameters: ZeRO-3 keeps every parameter whole on each GPU"  # the head
 
 
 def losses(run) -> list[float]:
-    by_step = run.train_records_by_step()
-    return [by_step[step]["loss"] for step in sorted(by_step)]
+    by_step = run.losses_by_step()
+    return [by_step[step] for step in sorted(by_step)]
 
 
 @pytest.fixture(scope="module")
