@@ -56,5 +56,5 @@ PYTHON=$py CHECKPOINT_DIR=$ckpt MAX_STEPS=$OLDEST_MAX_STEPS ./train-singlenode.s
 test -f "$ckpt/hf/model.safetensors"
 rm -rf "$ckpt"
 "$py" -m pytest -q tests/distributed/test_training.py -k "resume_after_kill_9 or loss_falls or export_loads"
-"$py" -m pytest -q tests/unit/test_build_locks.py
-"$py" -m pytest -q tests/unit/test_lora.py tests/unit/test_sft_data.py tests/unit/test_fine_tuning_schedule.py
+"$py" -m pytest -q tests/unit/runtime/test_build_locks.py
+"$py" -m pytest -q tests/unit/models/test_lora.py tests/unit/data/sft/test_sft_data.py tests/unit/config/test_fine_tuning_schedule.py

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     if a.document_length:
         import numpy as np
 
-        from model_utils.concat_dataset import document_boundaries
+        from model_utils.data.blocks import document_boundaries
 
         rng = np.random.default_rng(0)
         lengths = [np.diff(np.minimum(np.append(0, np.cumsum(rng.geometric(1 / a.document_length, t))), t))

@@ -4,13 +4,14 @@
     python benchmarks/bench.py --model qwen3-0.6b --seq_len 4096 --micro_batch_size 8 --steps 10 --compare-hf
     python benchmarks/bench.py --model tiny --steps 2 --warmup 1            # CPU smoke run
 
-Every measurement runs in its own process (fresh CUDA memory statistics, no monkey-patch leaking between variants),
-on all GPUs present (torchrun --standalone) unless --nproc says otherwise. The engine path is the trainer's own:
-`parse_args` -> `make_plan` -> `build_run` (model, speed options, DeepSpeed engine from ds_config.json) -> `train_step` and the loop's
-per-step collective (`agree_after_step`), on `--dummy_data` random token blocks. After `--warmup` steps, `--steps`
-steps are timed (CUDA synchronised each step, as the trainer's per-step collective does). Reported: tokens/s per GPU, TFLOP/s per GPU, MFU by
-the project's 6N + 12·L·H·Q·T convention and by torchtitan's 6N + 6·L·H·Q·T, peak allocated memory, and where
-nvidia-smi runs the mean SM clock, power draw and share of samples held back by the power limit over the timed steps.
+Every measurement runs in its own process (fresh CUDA memory statistics, no monkey-patch leaking between variants), on
+all GPUs present (torchrun --standalone) unless --nproc says otherwise. The engine path is the trainer's own:
+`parse_args` -> `make_plan` -> `build_run` (model, speed options, DeepSpeed engine from ds_config.json) -> `train_step`
+and the loop's per-step collective (`agree_after_step`), on `--dummy_data` random token blocks. After `--warmup` steps,
+`--steps` steps are timed (CUDA synchronised each step, as the trainer's per-step collective does). Reported: tokens/s
+per GPU, TFLOP/s per GPU, MFU by the project's 6N + 12·L·H·Q·T convention and by torchtitan's 6N + 6·L·H·Q·T, peak
+allocated memory, and where nvidia-smi runs the mean SM clock, power draw and share of samples held back by the power
+limit over the timed steps.
 
 `--variants` runs named lever combinations (see VARIANTS); `--compare-hf` adds HF Trainer + DeepSpeed with and without
 Liger on the same model, seq len, micro-batch and ZeRO config. `--json` appends every result as a JSON line;
@@ -36,11 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory  # noqa: E402
 from hf_peer import HF_PEERS, worker_hf  # noqa: E402
 from profiling import profile_steps  # noqa: E402
-from report import (best_per_side, flops_per_token, is_hf_liger_peer, loss_check, table,  # noqa: E402
-                    throughput, versions)
+from report import best_per_side, flops_per_token, is_hf_liger_peer, loss_check, table, throughput, versions  # noqa: E402
 from telemetry import GpuTelemetry  # noqa: E402
 
-from model_utils.config import SpeedConfig  # noqa: E402  (importable once common is imported)
+from model_utils.config.settings import SpeedConfig  # noqa: E402  (importable once common is imported)
 
 # Each speed lever's value that leaves it off (the libraries' own behaviour), for every lever a variant does not name.
 LEVERS_OFF = {"fused_kernels": "auto", "liger_kernels": "all", "flce_chunk_budget": 1, "compile": "off",
@@ -71,7 +71,8 @@ VARIANTS = {
     "delayed_update": {"args": ["--delayed_update_from_step", "1"]},
     # ...without the prefetch of each update's weights to a second GPU buffer (ZeRO-1/2: --delayed_update_prefetch)
     "delayed_update_no_prefetch": {"args": ["--delayed_update_from_step", "1", "--delayed_update_prefetch", "off"]},
-    # ...and with --gradient_checkpointing, only as many layers recomputed as the GPU needs (--checkpointed_layers auto).
+    # ...and with --gradient_checkpointing, only as many layers recomputed as the GPU needs (--checkpointed_layers
+    # auto).
     "delayed_update_auto_layers": {"args": ["--delayed_update_from_step", "1", "--checkpointed_layers", "auto"]},
     # The default path with eager decoder layers (what ZeRO-3 runs with the parameters offloaded or LoRA's adapters).
     "eager_layers": {"args": ["--compile", "off"]},
@@ -104,12 +105,13 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     normalize_env()
     import torch
 
-    from model_utils.models import gpu_peak_tflops
-    from model_utils.config import parse_args
-    from model_utils.distributed import distributed_env_problems, setup_distributed
-    from model_utils.plan import make_plan
-    from model_utils.preflight import check_plan, raise_on_problems
-    from model_utils.trainer import agree_after_step, build_run, start_log, train_step
+    from model_utils.config.flags import parse_args
+    from model_utils.models.build import gpu_peak_tflops
+    from model_utils.planning.plan import make_plan
+    from model_utils.planning.preflight import check_plan, raise_on_problems
+    from model_utils.runtime.distributed import distributed_env_problems, setup_distributed
+    from model_utils.train.build import build_run, start_log
+    from model_utils.train.step import agree_after_step, train_step
 
     steps, warmup = job["steps"], job["warmup"]
     total = steps + warmup
@@ -218,9 +220,9 @@ def gpu_count() -> int:
 def worker_env(environ, nproc: int, torch_threads: int) -> dict:
     """The environment of a measurement's processes: no rank variables of an enclosing launcher, and with several
     processes each one's share of this host's threads (`torch_threads`, torch's count here) as OMP_NUM_THREADS, by
-    process.host_threads, the count the trainer takes for itself beside other ranks. Both sides get it: torchrun
+    runtime.process.host_threads, the count the trainer takes for itself beside other ranks. Both sides get it: torchrun
     would set 1, leaving an offloaded optimizer's CPU Adam one core per rank. A count the caller set is kept."""
-    from model_utils.process import host_threads
+    from model_utils.runtime.process import host_threads
 
     env = dict(environ, PYTHONUNBUFFERED="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -305,7 +307,7 @@ def _ds_set_suffix(items: list[str]) -> str:
 
 
 def seq_len(a) -> int:
-    from model_utils.models import default_seq_len
+    from model_utils.config.presets import default_seq_len
 
     return a.seq_len or default_seq_len(a.model)
 

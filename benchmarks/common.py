@@ -23,7 +23,7 @@ GIB = 1024**3
 def normalize_env():
     """What every benchmark process sets up first: TORCH_CUDA_ARCH_LIST in the form DeepSpeed's op builder parses, as
     the trainer normalises it, and TOKENIZERS_PARALLELISM off unless it is set."""
-    from model_utils.distributed import normalize_cuda_arch_list
+    from model_utils.runtime.distributed import normalize_cuda_arch_list
 
     normalize_cuda_arch_list()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,7 +32,7 @@ def normalize_env():
 def ds_config_for(job: dict, path_out: Path) -> Path:
     """The job's DeepSpeed config, written to `path_out`: the named file, with an optional ZeRO stage override and
     the --ds-set values."""
-    from model_utils.config import TrainConfig
+    from model_utils.config.settings import TrainConfig
 
     src = TrainConfig.from_flags(ds_config=job.get("ds_config", "ds_config.json")).optim.ds_config_path
     raw = json.loads(src.read_text())

@@ -81,20 +81,20 @@ def step_timer(warmup: int, steps: int, rank: int):
 
 def worker_hf(job: dict, workdir: Path) -> dict:
     normalize_env()
-    from model_utils.distributed import distributed_env_problems
+    from model_utils.runtime.distributed import distributed_env_problems
 
     assert not distributed_env_problems()  # a single process gets RANK/WORLD_SIZE/MASTER_* like the trainer's
     import numpy as np
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from model_utils.concat_dataset import dummy_packed
-    from model_utils.models import build_model, gpu_peak_tflops, model_config
-    from model_utils.tokenizer import load_tokenizer
+    from model_utils.data.pipeline import dummy_packed
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.models.build import build_model, gpu_peak_tflops, model_config
 
     steps, warmup, mb = job["steps"], job["warmup"], job["micro_batch_size"]
     accumulation = job.get("gradient_accumulation_steps", 1)
-    from model_utils.models import default_seq_len
+    from model_utils.config.presets import default_seq_len
 
     seq_len = job["seq_len"] or default_seq_len(job["model"])
     tokenizer = load_tokenizer(None)

@@ -1,5 +1,6 @@
 """What one decoder layer keeps for its backward pass, per token, measured on the GPU: the data behind
-`memory.layer_activation_bytes_per_token` (compiled layers) and `memory.eager_layer_activation_bytes_per_token`.
+`models.memory.layer_activation_bytes_per_token` (compiled layers) and
+`models.memory.eager_layer_activation_bytes_per_token`.
 
 For each model it builds the preset with 1 and with 3 decoder layers, applies the trainer's speed options (the same
 `apply_speed_options`) and, with --lora_rank, LoRA's adapters after them as the trainer does, and reads the memory a
@@ -25,13 +26,13 @@ MICRO_BATCHES = (1, 2)
 
 def measure(model_name: str, layers: int, micros, seq_len: int, perf, log, lora=None) -> list[dict]:
     """Memory a forward pass leaves allocated for its backward, for each micro-batch (after one warm-up pass each,
-    which compiles). `lora`: lora.LoraSettings, or None for no adapters."""
+    which compiles). `lora`: config.settings.LoraSettings, or None for no adapters."""
     import torch
 
-    from model_utils.lora import adapter_activations, apply_lora
-    from model_utils.speed import apply_speed_options
-    from model_utils.memory import eager_layer_activation_bytes_per_token, layer_activation_bytes_per_token
-    from model_utils.models import build_model, model_config
+    from model_utils.models.build import build_model, model_config
+    from model_utils.models.lora import adapter_activations, apply_lora
+    from model_utils.models.memory import eager_layer_activation_bytes_per_token, layer_activation_bytes_per_token
+    from model_utils.models.speed import apply_speed_options
 
     config = model_config(model_name)
     config.num_hidden_layers = layers
@@ -105,8 +106,7 @@ def main(argv=None) -> int:
     normalize_env()
     import torch
 
-    from model_utils.config import SpeedConfig
-    from model_utils.lora import LoraSettings
+    from model_utils.config.settings import LoraSettings, SpeedConfig
 
     if not torch.cuda.is_available():
         print("layer_activations.py measures GPU memory: no GPU here", file=sys.stderr)

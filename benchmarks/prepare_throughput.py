@@ -29,7 +29,7 @@ SAMPLE_DOCUMENTS = 200  # documents tokenized to estimate the corpus's tokens pe
 def generate_corpus(path: Path, tokens: float, tokenizer) -> dict:
     """Write about `tokens` tokens of JSONL: the embedded corpus's documents in turn, each copy prefixed with its
     number so that no two documents are the same text."""
-    from model_utils.corpus import iter_documents
+    from model_utils.data.corpus import iter_documents
 
     docs = list(iter_documents())
     sample = docs[:SAMPLE_DOCUMENTS]
@@ -51,7 +51,8 @@ def generate_corpus(path: Path, tokens: float, tokenizer) -> dict:
 def one_core_encode(path: Path, tokenizer, limit_tokens: float = 2e6) -> float:
     """Tokens per second of the fast tokenizer's batch encode in this process on one core, on the corpus's first
     `limit_tokens` or so."""
-    from model_utils.prepare import ENCODE_BATCH, Encoder
+    from model_utils.data.prepare import Encoder
+    from model_utils.data.shards import ENCODE_BATCH
 
     encoder = Encoder.from_spec(Encoder.spec(tokenizer, None))
     texts, size = [], 0
@@ -69,8 +70,8 @@ def one_core_encode(path: Path, tokenizer, limit_tokens: float = 2e6) -> float:
 
 def prepare_rate(path: Path, processes: int, workdir: Path) -> tuple[float, int]:
     """(tokens/s, tokens) of a whole preparation of `path` with `processes` tokenizing processes, from scratch."""
-    from model_utils.config import DataConfig
-    from model_utils.prepare import prepare
+    from model_utils.config.settings import DataConfig
+    from model_utils.data.prepare import prepare
 
     output = workdir / f"prepared-{processes}"
     started = time.perf_counter()
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None, help="Folder for the measured corpus and preparations (default: a "
                    "temporary one, removed).")
     args = p.parse_args(argv)
-    from model_utils.tokenizer import load_tokenizer
+    from model_utils.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
     if args.generate:

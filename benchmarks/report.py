@@ -25,7 +25,7 @@ def throughput(tokens_per_step_per_gpu: int, step_times: list[float], flops_per_
 def flops_per_token(config, num_params: int, seq_len: int, attention_span: float | None = None) -> tuple[float, float]:
     """Under both attention conventions. `attention_span`: the attention query-key pairs per token, seq_len unless
     attention stays within documents (then the mean over the timed tokens)."""
-    from model_utils.models import FlopsModel
+    from model_utils.models.build import FlopsModel
 
     fm = FlopsModel.from_config(config, num_params, seq_len)
     span = seq_len if attention_span is None else attention_span
@@ -127,7 +127,7 @@ def loss_check(results_a: dict, results_b: dict, n: int = 50) -> dict:
 
 
 def versions() -> dict:
-    from model_utils.monitor import package_version
+    from model_utils.runtime.monitor import package_version
 
     out = {"python": platform.python_version()}
     for name in ("torch", "deepspeed", "transformers", "liger-kernel", "flash-attn-4", "triton", "accelerate"):

@@ -396,6 +396,15 @@ EOF
     bench h200_1gpu_hf 90 --nproc 1 --micro_batch_size 8 --steps 6 --warmup 3 --timeout 150 --variants --compare-hf --title "HF Trainer + DeepSpeed (with and without Liger), micro-batch 8, 1 H200"
     bench h200_4gpu_z1 55 --nproc 4 --micro_batch_size 8 "${C[@]}" --zero_stage 1 --title "Qwen3-0.6B, 4 H200, ZeRO-1"
     ;;
+  layout-rounds)  # the same default path from two trees in turn: BEFORE (another commit's tree, e.g. `git archive REV
+    # src benchmarks | tar x -C .before`) and this one, Qwen3-0.6B at micro-batch 16 on one GPU, ROUNDS rounds (~70 s each)
+    for round in $(seq "${ROUNDS:=2}"); do
+      run_bench "${BEFORE:=.before}/benchmarks/bench.py" "before-$round" 110 --nproc 1 --model qwen3-0.6b \
+        --micro_batch_size 16 --steps 20 --warmup 3 --variants default --timeout 150 --title "before, round $round"
+      bench "after-$round" 110 --nproc 1 --model qwen3-0.6b --micro_batch_size 16 --steps 20 --warmup 3 \
+        --variants default --timeout 150 --title "after, round $round"
+    done
+    ;;
   *) eval "$1" ;;  # a custom plan: shell commands that may call bench()
 esac
 }

@@ -11,7 +11,7 @@ step), with the same DeepSpeed config and the same optimizer and schedule:
 
 - Model: a preset name is written once as a random-init Hugging Face model (bf16 safetensors and the run's tokenizer,
   its chat template attached) under --workdir, and both sides load that directory; a model directory is used as it is.
-- Rows: --dataset embedded-chat (the project's chats about the standard library, sft_corpus.build_sft_corpus: its
+- Rows: --dataset embedded-chat (the project's chats about the standard library, data.chat_corpus.build_sft_corpus: its
   train split) or a chat JSONL file (`messages` per row); the first --max_examples rows of it are written to
   --workdir/rows.jsonl, which both sides read.
 - Ours: `parse_args` (--dataset ROWS --data_format chat --validation_fraction 0, --lora_rank for the LoRA row) ->
@@ -23,7 +23,7 @@ step), with the same DeepSpeed config and the same optimizer and schedule:
   checkpointing as ours, deepspeed=the same config with HF's "auto" values)`, the tokenizer with the chat template
   ours renders with (its `{% generation %}` marks give both sides the same assistant mask), the learning rate,
   betas, epsilon, weight decay, clipping and warm-up of our plan, and for the LoRA row
-  `peft_config=lora.lora_config(...)`: the LoraConfig our run builds (rank, alpha, dropout, targets). Timed by a
+  `peft_config=models.lora.lora_config(...)`: the LoraConfig our run builds (rank, alpha, dropout, targets). Timed by a
   TrainerCallback over whole optimizer steps with CUDA synchronised, as hf_peer.py does.
 
 What differs by design, each side as its library does it: TRL packs the tokenized conversations (n tokens each) into
@@ -80,7 +80,7 @@ def segment_lengths(positions) -> list[int]:
 
 def block_example_lengths(positions, targets) -> list[int]:
     """The examples' lengths in one packed block of ours: its runs of positions, less a last run whose targets carry
-    no loss (the padding; every example placed carries loss, sft_data.pack_examples)."""
+    no loss (the padding; every example placed carries loss, data.sft.packing.pack_examples)."""
     import numpy as np
 
     lengths = segment_lengths(positions)
@@ -105,7 +105,7 @@ def figures(config, num_params: int, seq_len: int, tokens: int, area: int, loss_
     """Per-GPU throughput of the timed steps from the tokens and attention pairs all ranks processed in them."""
     import torch
 
-    from model_utils.models import gpu_peak_tflops
+    from model_utils.models.build import gpu_peak_tflops
 
     steps = max(len(times), 1)
     per_gpu_step = tokens / world_size / steps
@@ -163,11 +163,12 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
     import numpy as np
     import torch
 
-    from model_utils.config import parse_args
-    from model_utils.distributed import distributed_env_problems, setup_distributed
-    from model_utils.plan import make_plan
-    from model_utils.preflight import check_plan, raise_on_problems
-    from model_utils.trainer import agree_after_step, build_run, start_log, train_step
+    from model_utils.config.flags import parse_args
+    from model_utils.planning.plan import make_plan
+    from model_utils.planning.preflight import check_plan, raise_on_problems
+    from model_utils.runtime.distributed import distributed_env_problems, setup_distributed
+    from model_utils.train.build import build_run, start_log
+    from model_utils.train.step import agree_after_step, train_step
 
     steps, warmup = job["steps"], job["warmup"]
     cfg = parse_args(trainer_argv(job, workdir))
@@ -227,19 +228,19 @@ def read_rows(path: str) -> list[dict]:
 
 def worker_trl(job: dict, workdir: Path) -> dict | None:
     normalize_env()
-    from model_utils.distributed import distributed_env_problems
+    from model_utils.runtime.distributed import distributed_env_problems
 
     assert not distributed_env_problems()
     import datasets
     import torch
+    from hf_peer import step_timer, trainer_ds_config
     from trl import SFTConfig, SFTTrainer
 
-    from hf_peer import step_timer, trainer_ds_config
-    from model_utils.config import parse_args
-    from model_utils.lora import lora_config
-    from model_utils.models import build_model
-    from model_utils.plan import make_plan
-    from model_utils.sft_data import resolve_chat_template
+    from model_utils.config.flags import parse_args
+    from model_utils.data.sft.formats import resolve_chat_template
+    from model_utils.models.build import build_model
+    from model_utils.models.lora import lora_config
+    from model_utils.planning.plan import make_plan
 
     steps, warmup, mb, seq_len = job["steps"], job["warmup"], job["micro_batch_size"], job["seq_len"]
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -328,10 +329,10 @@ class BenchProblem(Exception):
 
 def write_rows(dataset: str, max_examples: int, out: Path) -> tuple[Path, int]:
     """The first `max_examples` chat rows (0: all) of --dataset as JSONL at `out`, each checked as a chat
-    (sft_data.check_row); returns the file and its row count."""
-    from model_utils.concat_dataset import DataError
-    from model_utils.sft_corpus import build_sft_corpus, split_files
-    from model_utils.sft_data import check_row
+    (data.sft.formats.check_row); returns the file and its row count."""
+    from model_utils.data.chat_corpus import build_sft_corpus, split_files
+    from model_utils.data.errors import DataError
+    from model_utils.data.sft.formats import check_row
 
     if dataset == "embedded-chat":
         source = split_files(build_sft_corpus())["train"]
@@ -369,7 +370,7 @@ def write_rows(dataset: str, max_examples: int, out: Path) -> tuple[Path, int]:
 def model_directory(model: str, seed: int, workdir: Path) -> Path:
     """The model both sides load: a preset written once under `workdir` as a random-init Hugging Face model (bf16,
     the run's tokenizer with the chat template ours renders with), or the directory given."""
-    from model_utils.models import is_preset, preset_names
+    from model_utils.config.presets import is_preset, preset_names
 
     if not is_preset(model):
         path = Path(model)
@@ -383,10 +384,10 @@ def model_directory(model: str, seed: int, workdir: Path) -> Path:
         return out
     import torch
 
-    from model_utils.models import build_model, model_config
-    from model_utils.process import seed_everything
-    from model_utils.sft_data import attach_chat_template
-    from model_utils.tokenizer import load_tokenizer
+    from model_utils.data.sft.formats import attach_chat_template
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.models.build import build_model, model_config
+    from model_utils.runtime.process import seed_everything
 
     tokenizer = load_tokenizer(None)
     attach_chat_template(tokenizer)
@@ -588,7 +589,7 @@ def main(argv=None) -> int:
 
 
 def _version(name: str) -> str | None:
-    from model_utils.monitor import package_version
+    from model_utils.runtime.monitor import package_version
 
     return package_version(name)
 

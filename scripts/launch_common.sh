@@ -49,15 +49,15 @@ TASK_WRAPPER='[[ -z ${VENV:-} ]] || source "$VENV/bin/activate"; export RANK=$SL
 
 # Exit status with which the trainer reports "checkpoint saved after a signal, run me again": the trainer's own
 # constant, read from its module, so the two cannot disagree.
-trainer_exit_status() { # trainer_exit_status NAME: the value of NAME in src/model_utils/exit_status.py
+trainer_exit_status() { # trainer_exit_status NAME: the value of NAME in src/model_utils/core/exit_status.py
     local key value
     while read -r key _ value _; do
         [[ $key == "$1" ]] && echo "$value" && return
-    done <src/model_utils/exit_status.py
+    done <src/model_utils/core/exit_status.py
 }
 RESUME_STATUS=$(trainer_exit_status STOPPED_BY_SIGNAL)
 if [[ ! $RESUME_STATUS =~ ^[0-9]+$ ]]; then
-    echo "$(basename "$0"): error: no STOPPED_BY_SIGNAL in src/model_utils/exit_status.py: run from a complete checkout" >&2
+    echo "$(basename "$0"): error: no STOPPED_BY_SIGNAL in src/model_utils/core/exit_status.py: run from a complete checkout" >&2
     exit 1
 fi
 # A TERM this close to the time limit (seconds) is the limit itself: the job is requeued as after USR1.
@@ -177,7 +177,7 @@ select_cuda() {
     if [[ -n ${TORCH_CUDA_ARCH_LIST:-} ]]; then
         # The trainer's own normalisation (9.0a -> 9.0, +PTX kept), which also names a malformed entry.
         local normalized
-        normalized=$("${PYTHON:-python3}" src/model_utils/cuda_arch.py "$TORCH_CUDA_ARCH_LIST" 2>&1) || die "$normalized"
+        normalized=$("${PYTHON:-python3}" src/model_utils/core/cuda_arch.py "$TORCH_CUDA_ARCH_LIST" 2>&1) || die "$normalized"
         export TORCH_CUDA_ARCH_LIST=$normalized
     fi
     [[ -z $CUDA_VERSION ]] && return 0

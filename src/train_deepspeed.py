@@ -5,9 +5,9 @@
     srun (one task per GPU)              python src/train_deepspeed.py ...      # SLURM: ranks from SLURM_PROCID
     python src/train_deepspeed.py --preflight ...                               # check everything, train nothing
 
-Parse the flags, plan the run and check the plan, build it, train, exit with its status (model_utils/exit_status.py).
-The trainer itself is model_utils/trainer.py; `ds_config.json` holds what DeepSpeed owns (batch, optimizer, scheduler,
-ZeRO, precision); see docs/CONFIGURATION.md.
+Parse the flags, plan the run and check the plan, build it, train, exit with its status
+(model_utils/core/exit_status.py). The plan is model_utils/planning/, the loop model_utils/train/loop.py; `ds_config.json` holds what DeepSpeed owns
+(batch, optimizer, scheduler, ZeRO, precision); see docs/CONFIGURATION.md.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # model_utils, also where the project is not installed
 
-from model_utils import exit_status  # noqa: E402
-from model_utils.config import ConfigError, exit_on_problems, parse_args, validate_args  # noqa: E402
+from model_utils.config.checks import validate_args  # noqa: E402
+from model_utils.config.flags import parse_args  # noqa: E402
+from model_utils.core import exit_status  # noqa: E402
+from model_utils.core.problems import ConfigError, exit_on_problems  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,26 +31,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.preflight:
-        from model_utils.preflight import print_report, run_preflight
+        from model_utils.planning.preflight import print_report, run_preflight
         return print_report(run_preflight(cfg))
-    from model_utils.build_locks import remove_leftover_locks, stale_build_lock_problems
-    from model_utils.distributed import distributed_env_problems
+    from model_utils.runtime.build_locks import remove_leftover_locks, stale_build_lock_problems
+    from model_utils.runtime.distributed import distributed_env_problems
 
     remove_leftover_locks(lambda line: print(line, flush=True))
     exit_on_problems(validate_args(cfg) + distributed_env_problems() + stale_build_lock_problems())
     # A rank that dies in native code (SIGSEGV, SIGABRT from a C++ library) prints every thread's Python stack first.
     faulthandler.enable()
 
-    from model_utils.checkpoint import ResumeError, SaveFailed
-    from model_utils.concat_dataset import DataError, PreparerLost
-    from model_utils.distributed import setup_distributed
-    from model_utils.run_lock import acquire
+    from model_utils.checkpoint.protocol import ResumeError
+    from model_utils.checkpoint.save import SaveFailed
+    from model_utils.data.errors import DataError, PreparerLost
+    from model_utils.runtime.distributed import setup_distributed
+    from model_utils.runtime.run_lock import acquire
 
     dist = setup_distributed()
     lock, together = None, False
     try:
         if cfg.sanity_check:
-            from model_utils.sanity import all_reduce_check
+            from model_utils.runtime.sanity import all_reduce_check
             return all_reduce_check(dist)
         # --- one run per checkpoint directory, decided by rank 0 before anything is written there ---
         lock, problem = acquire(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.force_unlock, print) if dist.is_main else (None, None)
@@ -59,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             return exit_status.BAD_INPUT
 
         # --- plan, check, build, train ---
-        from model_utils.preflight import checked_plan
-        from model_utils.trainer import build_run, start_log, train
+        from model_utils.planning.preflight import checked_plan
+        from model_utils.train.build import build_run, start_log
+        from model_utils.train.loop import train
 
         t0 = time.perf_counter()
         log = start_log(cfg, dist)
@@ -77,12 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     except PreparerLost as e:  # the rank preparing the data died: the others cannot meet it in a collective
         print(f"error (rank {dist.rank}): {e.problem}", file=sys.stderr, flush=True)
         return exit_status.BAD_INPUT
-    except DataError as e:  # every rank, on what rank 0 found and broadcast (concat_dataset.prepare_data)
+    except DataError as e:  # every rank, on what rank 0 found and broadcast (data.pipeline.prepare_data)
         together = True
         if dist.is_main:
             exit_on_problems([e.problem])
         return exit_status.BAD_INPUT
-    except ResumeError as e:  # every rank, on rank 0's broadcast verdict (checkpoint.convert_to_universal)
+    except ResumeError as e:  # every rank, on rank 0's broadcast verdict (checkpoint.protocol.convert_to_universal)
         together = True
         if dist.is_main:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -25,7 +25,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_fixtures import *  # noqa: E402,F401,F403
 from slurm_fixtures import LAUNCHER_SETTINGS  # noqa: E402
-from model_utils.distributed import free_port# noqa: E402
+
+from model_utils.runtime.distributed import free_port  # noqa: E402
 
 # Hermetic: what a user's shell commonly exports must not change a test's outcome. Every launcher setting
 # (scripts/launch_common.sh), SLURM's job variables, a distributed rank environment and its OpenMP threads, GPU
@@ -79,9 +80,11 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """Each test is marked with its tier, the folder it lives in (`pytest -m "not slurm"` and the like)."""
+    """Each test is marked with its tier, the folder under tests/ it lives in (`pytest -m "not slurm"` and the like);
+    tests/unit has a folder per folder of src/model_utils."""
+    tests = Path(__file__).resolve().parent
     for item in items:
-        tier = Path(item.fspath).parent.name
+        tier = Path(item.fspath).resolve().relative_to(tests).parts[0]
         if tier in TIERS:
             item.add_marker(tier)
 
@@ -90,9 +93,10 @@ def pytest_collection_modifyitems(items):
 def session_cache(tmp_path_factory) -> Path:
     """One cache (embedded corpus, packed tokens) for every trainer the tests start; built once, here."""
     cache = Path(os.environ["DEEPSPEED_LM_CACHE"])  # the session's own (pytest_configure)
-    from model_utils.config import DataConfig
-    from model_utils.concat_dataset import build_token_files, cache_dir_for, resolve_source
-    from model_utils.tokenizer import load_tokenizer
+    from model_utils.config.settings import DataConfig
+    from model_utils.data.sources import resolve_source
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.data.tokens import build_token_files, cache_dir_for
 
     cfg = DataConfig()
     tokenizer = load_tokenizer(None)

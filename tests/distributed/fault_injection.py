@@ -34,7 +34,12 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 sys.path.insert(0, str(SRC))
 
-from model_utils import background_save, checkpoint, evaluation  # noqa: E402
+# The faults go where the trainer calls what they replace: the checkpoint protocol's and the save's file writes, the
+# loop's save and evaluation.
+from model_utils.checkpoint import background as background_save  # noqa: E402
+from model_utils.checkpoint import save as checkpoint_save  # noqa: E402
+from model_utils.core import run_dir  # noqa: E402
+from model_utils.train import loop  # noqa: E402
 
 point, rank, step = os.environ["FAULT"].split(":")
 rank, step = int(rank), int(step)
@@ -46,7 +51,7 @@ def act(sig):
     os.kill(os.getpid(), sig)
 
 
-tag = checkpoint.checkpoint_name(step)
+tag = run_dir.checkpoint_name(step)
 
 
 def in_this_save(path) -> bool:
@@ -66,7 +71,7 @@ def on_fsync(act_on):
                 act_on(Path(path))
         return fsync
 
-    checkpoint._fsync_file = wrap(checkpoint._fsync_file)
+    checkpoint_save.fsync_file = wrap(checkpoint_save.fsync_file)
     background_save.fsync_path = wrap(background_save.fsync_path)
 
 
@@ -83,30 +88,30 @@ elif point == "pause-before-manifest":
 elif point == "kill-in-save":
     on_fsync(lambda path: act(signal.SIGKILL))  # the first file fsynced: nothing after it
 elif point == "kill-after-manifest":
-    original_write = checkpoint.atomic_write_text
+    original_write = checkpoint_save.atomic_write_text
 
     def atomic_write_text(path, text):
-        if me == rank and Path(path).name == checkpoint.LATEST and text == tag:
+        if me == rank and Path(path).name == run_dir.LATEST and text == tag:
             act(signal.SIGKILL)
         return original_write(path, text)
 
-    checkpoint.atomic_write_text = atomic_write_text
+    checkpoint_save.atomic_write_text = atomic_write_text
 elif point == "usr1-in-save":
     signalled = []
     on_fsync(lambda path: not signalled and (signalled.append(path) or act(signal.SIGUSR1)))  # its first file
 elif point == "disk-full":
     on_fsync(no_space)
 elif point == "manifest-disk-full":
-    original_write_text = checkpoint.atomic_write_text
+    original_write_text = checkpoint_save.atomic_write_text
 
     def atomic_write_text(path, text):
-        if me == rank and Path(path).name == checkpoint.MANIFEST and Path(path).parent.name == tag:
+        if me == rank and Path(path).name == run_dir.MANIFEST and Path(path).parent.name == tag:
             no_space(path)
         return original_write_text(path, text)
 
-    checkpoint.atomic_write_text = atomic_write_text
+    checkpoint_save.atomic_write_text = atomic_write_text
 elif point == "fill-disk":
-    original_save = checkpoint.save_checkpoint
+    original_save = loop.save_checkpoint
 
     def save_checkpoint(engine, ctx, at_step, *args, **kwargs):
         if me == rank and at_step == step:  # before the save's first barrier: no rank has written yet
@@ -115,9 +120,9 @@ elif point == "fill-disk":
                 os.posix_fallocate(f.fileno(), 0, free - 256 * 1024)
         return original_save(engine, ctx, at_step, *args, **kwargs)
 
-    checkpoint.save_checkpoint = save_checkpoint
+    loop.save_checkpoint = save_checkpoint
 elif point == "usr1-in-eval":
-    original_loss = evaluation.evaluation_loss
+    original_loss = loop.evaluation_loss
     evaluated = {"done": False}
 
     def evaluation_loss(engine, model, batch):
@@ -126,7 +131,7 @@ elif point == "usr1-in-eval":
             act(signal.SIGUSR1)
         return original_loss(engine, model, batch)
 
-    evaluation.evaluation_loss = evaluation_loss
+    loop.evaluation_loss = evaluation_loss
 else:
     raise SystemExit(f"unknown FAULT point {point}")
 

@@ -3,9 +3,9 @@
     python lora_zero2_run.py BASE_MODEL WORK_DIR train    # 4 steps, checkpoint after step 2, export at the end
     python lora_zero2_run.py BASE_MODEL WORK_DIR resume   # from the step-2 checkpoint, steps 3 and 4
 
-The model is BASE_MODEL wrapped by model_utils.lora, the data chats packed by model_utils.sft_data, the optimizer
-groups models.decay_groups: the pieces the trainer wires. Rank 0 writes what the test checks to WORK_DIR/<phase>.json.
-"""
+The model is BASE_MODEL wrapped by model_utils.models.lora, the data chats packed by model_utils.data.sft.packing, the
+optimizer groups models.build.decay_groups: the pieces the trainer wires. Rank 0 writes what the test checks to
+WORK_DIR/<phase>.json. """
 
 from __future__ import annotations
 
@@ -39,13 +39,15 @@ def main(base_model: str, work_dir: str, phase: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from model_utils.concat_dataset import BlockOrder, DataPosition
-    from model_utils.lora import (LoraSettings, adapter_state_dict, apply_lora, checkpoint_options, export_lora,
-                                  parameter_counts)
-    from model_utils.models import decay_groups
-    from model_utils.sft_data import ExampleEncoder, PackedExamples, encode_rows, pack_examples
-    from model_utils.tokenizer import load_tokenizer
-    from model_utils.distributed import setup_distributed
+    from model_utils.config.settings import LoraSettings
+    from model_utils.data.blocks import BlockOrder, DataPosition
+    from model_utils.data.sft.encode import ExampleEncoder, encode_rows
+    from model_utils.data.sft.packing import PackedExamples, pack_examples
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.models.build import decay_groups
+    from model_utils.models.lora import (adapter_state_dict, apply_lora, checkpoint_options, export_lora,
+                                         parameter_counts)
+    from model_utils.runtime.distributed import setup_distributed
 
     work = Path(work_dir)
     dist = setup_distributed()

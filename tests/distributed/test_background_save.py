@@ -10,11 +10,11 @@ from collections import OrderedDict
 
 import pytest
 import torch
-
 from conftest import assert_ok, run_trainer
-from model_utils.background_save import HostBuffers, host_copy
 from test_save_faults import run_with_fault
 from test_training import RESUME_ARGS
+
+from model_utils.checkpoint.background import HostBuffers, host_copy
 
 
 def saved_bytes(obj) -> bytes:

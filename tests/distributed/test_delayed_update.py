@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import (FAST_ARGS, SRC, assert_ok, gpu_count, gpu_environment, kill_after_checkpoint_then_resume,
                       run_trainer)
-from model_utils.distributed import free_port
+
+from model_utils.runtime.distributed import free_port
 
 # Runs in a fresh process (DeepSpeed initialises torch.distributed). "delayed": the patch from step 1. "reference":
 # DeepSpeed's own offload step with torch's fused AdamW on the host (the kernel the patch's thread runs), the model's

@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import FAST_ARGS, REPO, SRC, assert_ok, run_trainer
 
 
@@ -29,9 +28,12 @@ def _first_step_loss_of(model_dir, seq_len, micro, world, seed):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from model_utils.config import TrainConfig
-    from model_utils.concat_dataset import BlockOrder, DataPosition, cache_dir_for, open_packed, resolve_source
-    from model_utils.tokenizer import load_tokenizer
+    from model_utils.config.settings import TrainConfig
+    from model_utils.data.blocks import BlockOrder, DataPosition
+    from model_utils.data.pipeline import open_packed
+    from model_utils.data.sources import resolve_source
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.data.tokens import cache_dir_for
 
     cfg = TrainConfig.from_flags(model=str(model_dir), seq_len=seq_len, seed=seed).data
     tokenizer = load_tokenizer(str(model_dir))

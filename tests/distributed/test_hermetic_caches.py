@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import torch
-
 from conftest import CACHE_SETTINGS, FAST_ARGS, assert_ok, run_trainer
-from model_utils.build_locks import torch_locks_with_os_lock
+
+from model_utils.runtime.build_locks import torch_locks_with_os_lock
 
 # ZeRO-2 with the optimizer offloaded: the run needs DeepSpeed's cpu_adam op, which torch builds (or loads) in its
 # extension folder under a `lock` file.
@@ -62,9 +62,9 @@ def test_a_poisoned_user_cache_changes_no_run(session_cache, tmp_path):
     assert (Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "cpu_adam").is_dir()
     assert snapshot(home) == before  # the home folder was neither read into nor written
 
-    # The control: the same run where the suite's cache settings are not set meets the poison and stops (exit 2)
-    # naming it: with a FileBaton torch (<= 2.13) the lock, at the start; a torch >= 2.14 ignores a lock file nobody
-    # holds (model_utils.build_locks) and meets the corrupt dataset cache. So the run above passed because of the
+    # The control: the same run where the suite's cache settings are not set meets the poison and stops (exit 2) naming
+    # it: with a FileBaton torch (<= 2.13) the lock, at the start; a torch >= 2.14 ignores a lock file nobody holds
+    # (model_utils.runtime.build_locks) and meets the corrupt dataset cache. So the run above passed because of the
     # settings, not because the poison is harmless.
     unset = {name: None for name in CACHE_SETTINGS}
     control = run_trainer(tmp_path / "control", ARGS, env={**user, **unset}, timeout=300)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, rank_environment
-from model_utils.distributed import free_port
+
+from model_utils.runtime.distributed import free_port
 
 SCRIPT = Path(__file__).with_name("lora_zero2_run.py")
 
@@ -31,7 +31,7 @@ def run_ranks(base: Path, work: Path, phase: str, nproc: int = 2) -> None:
 def lora_run(tmp_path_factory):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from model_utils.tokenizer import load_tokenizer
+    from model_utils.data.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("lora-zero2")
     torch.manual_seed(0)
@@ -83,7 +83,8 @@ def test_exports_load_in_transformers_alone_and_in_peft(lora_run):
 def test_the_offline_export_of_a_checkpoint_has_its_adapters(lora_run, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from model_utils.lora import LoraSettings, adapter_state_dict, export_lora_checkpoint
+    from model_utils.config.settings import LoraSettings
+    from model_utils.models.lora import adapter_state_dict, export_lora_checkpoint
 
     root, _, resumed = lora_run
     fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root / "checkpoints"), tag="step-2",

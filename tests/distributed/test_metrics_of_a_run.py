@@ -11,10 +11,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import FAST_ARGS, SRC, Trainer, assert_ok, run_trainer
 from inputs import png_shape
-
 
 MON_ARGS = [*FAST_ARGS, "--max_steps", "8", "--log_interval", "2", "--eval_interval", "4", "--warmup_steps", "3",
             "--no-export"]

@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import FAST_ARGS, REPO, TRAINER, assert_ok, run_trainer
-from model_utils.config import DataConfig
-from model_utils.prepare import prepare
+
+from model_utils.config.settings import DataConfig
+from model_utils.data.prepare import prepare
 
 ARGS = [*FAST_ARGS, "--max_steps", "3", "--checkpoint_freq", "3", "--no-export", "--seed", "11", "--trace_data"]
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, SRC
 
 PRESETS = ["ds_config.json", *sorted(f"configs/{p.name}" for p in (REPO / "configs").glob("*.json"))]
@@ -45,8 +44,8 @@ def _inner(engine):
 
 
 def _optimizer_type(engine):
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
     import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     inner = _inner(engine)
     if isinstance(inner, torch.optim.AdamW) or (isinstance(inner, DeepSpeedCPUAdam) and inner.adam_w_mode):
@@ -139,10 +138,10 @@ def leaves(node, prefix=""):
 def report(preset: str, out: str):
     """Run in a fresh process: the trainer's setup() on one CPU rank, then each key's effective value as JSON."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    from model_utils.config import parse_args
-    from model_utils.distributed import free_port, setup_distributed
-    from model_utils.preflight import checked_plan
-    from model_utils.trainer import build_run, start_log
+    from model_utils.config.flags import parse_args
+    from model_utils.planning.preflight import checked_plan
+    from model_utils.runtime.distributed import free_port, setup_distributed
+    from model_utils.train.build import build_run, start_log
 
     os.environ["MASTER_PORT"] = str(free_port())
     cfg = parse_args(["--ds_config", preset, "--dummy_data", "32", "--seq_len", "32", "--max_steps", "100",
@@ -162,16 +161,17 @@ def partial_offload_checkpoint(preset: str, out: str):
     Stand-in: the CPU accelerator names every sub-group's device "cpu", so sub-group 0 is labelled "cuda" (no GPU here)
     to take DeepSpeed's GPU path: its backup torch AdamW, on this machine's tensors."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    from model_utils.config import parse_args
-    from model_utils.distributed import free_port, setup_distributed
-    from model_utils.preflight import checked_plan
-    from model_utils.trainer import build_run, start_log, train_step
+    from model_utils.config.flags import parse_args
+    from model_utils.planning.preflight import checked_plan
+    from model_utils.runtime.distributed import free_port, setup_distributed
+    from model_utils.train.build import build_run, start_log
+    from model_utils.train.step import train_step
 
     os.environ["MASTER_PORT"] = str(free_port())
     cfg = parse_args(["--ds_config", preset, "--dummy_data", "32", "--seq_len", "32", "--max_steps", "100",
                       "--checkpoint_dir", os.path.join(os.path.dirname(out), "ckpt"), "--no-tensorboard"])
-    from model_utils.ds_config import zero3_sub_groups
-    from model_utils.plan import make_plan
+    from model_utils.config.deepspeed import zero3_sub_groups
+    from model_utils.planning.plan import make_plan
 
     dist = setup_distributed()
     log = start_log(cfg, dist)
@@ -195,10 +195,12 @@ def partial_offload_losses(spec: str, out: str):
     SAVE_AT (0: never); the losses as JSON."""
     preset, stop_at, save_at = spec.split()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    from model_utils.config import parse_args
-    from model_utils.distributed import free_port, setup_distributed
-    from model_utils.preflight import checked_plan
-    from model_utils.trainer import build_run, save, start_log, train_step
+    from model_utils.config.flags import parse_args
+    from model_utils.planning.preflight import checked_plan
+    from model_utils.runtime.distributed import free_port, setup_distributed
+    from model_utils.train.build import build_run, start_log
+    from model_utils.train.loop import save
+    from model_utils.train.step import train_step
 
     os.environ["MASTER_PORT"] = str(free_port())
     cfg = parse_args(["--ds_config", preset, "--dummy_data", "32", "--seq_len", "32", "--max_steps", "6",

@@ -8,11 +8,11 @@ import socket
 import time
 
 import pytest
-
 from conftest import FAST_ARGS, Trainer, assert_ok, run_trainer
 from inputs import write_lock
-from model_utils.run_dir import LOCK
-from model_utils.run_lock import STALE_S
+
+from model_utils.core.run_dir import LOCK
+from model_utils.runtime.run_lock import STALE_S
 
 
 def test_second_run_on_the_same_directory_refuses_at_once(session_cache, tmp_path):

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TrainerRun, assert_ok, rank_environment, run_trainer
 from inputs import mounted_tmpfs
-from model_utils.checkpoint import inspect_checkpoint
-from model_utils.distributed import free_port
 from test_training import RESUME_ARGS, _assert_continues_exactly, baseline  # noqa: F401 (the fixture)
+
+from model_utils.checkpoint.protocol import inspect_checkpoint
+from model_utils.runtime.distributed import free_port
 
 INJECT = Path(__file__).with_name("fault_injection.py")
 EVERY_STEP = [*RESUME_ARGS, "--checkpoint_freq", "1", "--keep_last_checkpoints", "0"]

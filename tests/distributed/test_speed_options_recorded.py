@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 from conftest import FAST_ARGS, assert_ok, run_trainer
-from model_utils.config import SpeedConfig
+
+from model_utils.config.settings import SpeedConfig
 
 
 def test_options_are_recorded_and_a_changed_option_is_named_on_resume(session_cache, tmp_path):

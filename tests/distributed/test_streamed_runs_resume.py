@@ -8,7 +8,6 @@ import json
 import re
 
 import pytest
-
 from conftest import FAST_ARGS, assert_ok, kill_after_checkpoint_then_resume, run_trainer
 from inputs import jsonl
 

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import FAST_ARGS, REPO, SRC, assert_ok, kill_after_checkpoint_then_resume, run_trainer
 
 SFT_ARGS = ["--seq_len", "64", "--micro_batch_size", "2", "--eval_iters", "2", "--log_interval", "1",
@@ -28,7 +27,7 @@ def save_tiny_model(path, config) -> None:
     """A randomly initialised model of `config` with the project's tokenizer: a local "pretrained" model."""
     from transformers import AutoModelForCausalLM
 
-    from model_utils.tokenizer import load_tokenizer
+    from model_utils.data.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -36,7 +35,7 @@ def save_tiny_model(path, config) -> None:
 
 
 def vocab() -> int:
-    from model_utils.tokenizer import load_tokenizer
+    from model_utils.data.tokenizer import load_tokenizer
 
     return -(-len(load_tokenizer(None)) // 64) * 64
 
@@ -189,7 +188,7 @@ def test_a_pretrained_model_without_data_is_refused(base_model, tmp_path):
 
 
 def family_configs() -> dict:
-    from transformers import (GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+    from transformers import GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2)

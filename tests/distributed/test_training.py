@@ -11,10 +11,9 @@ import sys
 
 import pytest
 import torch
-
 from conftest import FAST_ARGS, REPO, Trainer, assert_ok, kill_after_checkpoint_then_resume, run_trainer
-from model_utils.checkpoint import find_resume_checkpoint, inspect_checkpoint, list_checkpoints
 
+from model_utils.checkpoint.protocol import find_resume_checkpoint, inspect_checkpoint, list_checkpoints
 
 RESUME_ARGS = [*FAST_ARGS, "--max_steps", "10", "--checkpoint_freq", "5", "--no-export", "--seed", "11", "--trace_data"]
 
@@ -47,7 +46,7 @@ def test_zero_stage_trains_checkpoints_and_exports(config, session_cache, tmp_pa
     # The standalone export of the same checkpoint, on CPU, equals the end-of-run export.
     from transformers import AutoModelForCausalLM
 
-    from model_utils.export import export_checkpoint
+    from model_utils.models.export import export_checkpoint
 
     exported = export_checkpoint(tmp_path / "ckpt", tmp_path / "exported", dtype="float32", log=lambda *_: None)
     ours = AutoModelForCausalLM.from_pretrained(exported).state_dict()

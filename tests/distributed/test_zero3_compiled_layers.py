@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, rank_environment
-from model_utils.distributed import free_port
+
+from model_utils.runtime.distributed import free_port
 
 SCRIPT = Path(__file__).with_name("zero3_layers_run.py")
 

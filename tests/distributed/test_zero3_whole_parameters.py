@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import FAST_ARGS, assert_ok, kill_after_checkpoint_then_resume, run_trainer
 
 ARGS = [*FAST_ARGS, "--ds_config", "configs/zero3.json", "--max_steps", "6", "--checkpoint_freq", "3", "--seed", "11"]

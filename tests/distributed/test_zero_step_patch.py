@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from conftest import SRC
-from model_utils.distributed import free_port
 
+from model_utils.runtime.distributed import free_port
 
 # Runs in a fresh process (DeepSpeed initialises torch.distributed): bf16 ZeRO-2 on CPU, the same optimizer class and
 # step() as on GPUs (torch's fused AdamW, as ds_config.json), with a warm-up LR schedule so that every scheduler step

@@ -3,14 +3,13 @@ test_zero3_compiled_layers.py.
 
     python zero3_layers_run.py WORK_DIR eager|compiled|compiled-checkpointed|compiled-whole
 
-The model is a tiny Qwen3 built under zero.Init; `compiled` applies speed._compile_layers as the trainer does under
-ZeRO-3 (each layer a ZeRO-3 leaf module, its forward compiled, the hooks outside the graph; the trainer does so on
-GPUs only: here Inductor's CPU backend compiles the same graph); `compiled-checkpointed` also recomputes each layer
-in the backward pass (--gradient_checkpointing); `compiled-whole` keeps every parameter whole on each rank (the
-persistence threshold at the largest parameter, as plan.choose_whole_parameters writes it). Rank 0 writes the losses,
-the final weights (gathered), what the hooks cover and which parameters ZeRO-3 released after a micro-batch's backward
-(from the second step on) to WORK_DIR/<mode>.json.
-"""
+The model is a tiny Qwen3 built under zero.Init; `compiled` applies models.speed._compile_layers as the trainer does
+under ZeRO-3 (each layer a ZeRO-3 leaf module, its forward compiled, the hooks outside the graph; the trainer does so on
+GPUs only: here Inductor's CPU backend compiles the same graph); `compiled-checkpointed` also recomputes each layer in
+the backward pass (--gradient_checkpointing); `compiled-whole` keeps every parameter whole on each rank (the persistence
+threshold at the largest parameter, as planning.memory_model.choose_whole_parameters writes it). Rank 0 writes the
+losses, the final weights (gathered), what the hooks cover and which parameters ZeRO-3 released after a micro-batch's
+backward (from the second step on) to WORK_DIR/<mode>.json. """
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ DS_CONFIG = {
     "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
     "steps_per_print": 1_000_000,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
-    # a prefetch bucket of one layer's parameters, as plan.py writes for compiled layers under ZeRO-3
+    # a prefetch bucket of one layer's parameters, as planning/plan.py writes for compiled layers under ZeRO-3
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 60_000},
 }
 
@@ -40,8 +39,8 @@ def main(work_dir: str, mode: str) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
     from transformers.integrations import HfDeepSpeedConfig
 
-    from model_utils import speed
-    from model_utils.distributed import setup_distributed
+    from model_utils.models import speed
+    from model_utils.runtime.distributed import setup_distributed
 
     dist = setup_distributed()
     torch.manual_seed(0)
@@ -57,7 +56,7 @@ def main(work_dir: str, mode: str) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if mode.startswith("compiled"):
         assert speed._compile_layers(model, 1.0, print, zero3=True)
-    if mode.endswith("checkpointed"):  # as models.build_model enables it
+    if mode.endswith("checkpointed"):  # as models.build.build_model enables it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 

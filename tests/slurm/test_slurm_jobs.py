@@ -12,10 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launching import stand_in_nvidia_smi
 from slurm_fixtures import REPO_ROOT
-
 
 # A few fast steps of the tiny default model on the embedded corpus.
 FAST_ENV = {"MAX_STEPS": "6", "CHECKPOINT_FREQ": "3", "SEQ_LEN": "64"}
@@ -135,7 +133,7 @@ def test_scancel_during_saves_leaves_a_resumable_state(slurm, tmp_path):
     """A job saving every step is cancelled while its save of step 3 is incomplete: rank 1 has written its files and
     stops there (fault point pause-before-manifest), so step 3 never gets a manifest. The next submission moves step 3
     aside, resumes from step 2 and finishes."""
-    from model_utils.checkpoint import inspect_checkpoint
+    from model_utils.checkpoint.protocol import inspect_checkpoint
 
     ckpt = tmp_path / "ckpt"
     env = {**FAST_ENV, "MAX_STEPS": "8", "CHECKPOINT_FREQ": "1", "CHECKPOINT_DIR": str(ckpt)}
@@ -175,7 +173,7 @@ def test_requeue_after_a_kill_in_the_first_save_starts_fresh_and_completes(slurm
     would: the job fails. It is requeued as SLURM requeues a job after a node failure (`scontrol requeue`, the test's
     stand-in for the failure itself); the requeued start moves step 3 aside, finds no complete checkpoint, says it
     starts from step 0, and completes."""
-    from model_utils.checkpoint import inspect_checkpoint
+    from model_utils.checkpoint.protocol import inspect_checkpoint
 
     ckpt = tmp_path / "ckpt"
     env = {**FAST_ENV, "CHECKPOINT_DIR": str(ckpt), **python_with_fault(tmp_path, "kill-before-manifest:1:3")}
@@ -330,8 +328,8 @@ def test_prepare_data_sbatch_tokenizes_on_both_nodes(slurm, tmp_path):
 
     import numpy as np
 
-    from model_utils.config import DataConfig
-    from model_utils.prepare import prepare
+    from model_utils.config.settings import DataConfig
+    from model_utils.data.prepare import prepare
 
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i}: " + "the words of a corpus line " * 30}) + "\n"

@@ -3,8 +3,9 @@
 Each module holds one library's patches and declares them as `Patch` records: what is replaced, the versions it was
 tested on (checked at run time by `gate`: any other version, or the library missing, takes the library's own path and
 the log says so, so a new release costs speed, never correctness), the measured gain that justifies it, and the tests
-that show it behaves as the stock path does. tests/unit/test_patches.py checks the records against the installed
-libraries and that each named test exists.
+that show it behaves as the stock path does. tests/unit/patches/test_patches.py checks the records against the installed
+libraries and that each named test exists; registry.py lists every record. The package imports nothing else of the
+project, so every layer may use it.
 
     deepspeed_zero   the ZeRO-1/2 step's overflow check through the gradient norm, and its verdict on the GPU
     deepspeed_offload  ZeRO's CPU-offloaded update run beside the next step (the delayed parameter update)
@@ -71,27 +72,4 @@ def gate(patch: Patch, log=None) -> bool:
             f"the versions the patch of {patch.what} was tested with: using the library's own path instead")
     return False
 
-
-def all_patches() -> dict[str, Patch]:
-    """Every patch record by name (module.NAME), for the tests and the docs."""
-    from . import deepspeed_offload, deepspeed_zero, deepspeed_zero3, flash_attn4, liger, torch_compile
-
-    return {f"{module.__name__.rsplit('.', 1)[1]}.{name}": value
-            for module in (deepspeed_offload, deepspeed_zero, deepspeed_zero3, flash_attn4, liger, torch_compile)
-            for name, value in vars(module).items() if isinstance(value, Patch)}
-
-
-def versions_line() -> str:
-    """The run header's line: the patches whose tested versions are installed (each still applies only where its
-    setting asks for it) and those that take the library's own path, with the version found."""
-    open_, stock = [], []
-    for name, patch in all_patches().items():
-        version = installed(patch.distribution)
-        if version is not None and within(version, patch.oldest, patch.newest):
-            open_.append(name)
-        else:
-            found = f"{patch.distribution} {version}" if version else f"{patch.distribution} not installed"
-            stock.append(f"{name} ({found}, tested {patch.oldest}-{patch.newest})")
-    return (f"patches: tested versions installed, used where their setting applies: {', '.join(open_) or 'none'}; "
-            f"the library's own path: {', '.join(stock) or 'none'}")
 

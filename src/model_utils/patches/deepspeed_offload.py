@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 
-from . import Patch, gate
+from model_utils.patches import Patch, gate
 
 DELAYED_UPDATE = Patch(
     "deepspeed", "0.19.8", "0.19.8",
@@ -52,11 +52,11 @@ DELAYED_UPDATE_ZERO3 = Patch(
 
 
 def delay_offload_updates(engine, from_step: int, log, prefetch: bool = True) -> bool:
-    """Install the delayed update on a ZeRO engine with CPU optimizer offload, from optimizer step `from_step` on
-    (0: off); `prefetch` (ZeRO-1/2 on GPUs: --delayed_update_prefetch) copies each update's 16-bit weights to a
-    second GPU buffer as soon as the host has them. Returns whether it is in force; the checks of
-    ds_config.check_delayed_update have refused the configs it does not cover before the engine was built, so here
-    only an untested DeepSpeed release takes the stock step."""
+    """Install the delayed update on a ZeRO engine with CPU optimizer offload, from optimizer step `from_step` on (0:
+    off); `prefetch` (ZeRO-1/2 on GPUs: --delayed_update_prefetch) copies each update's 16-bit weights to a second GPU
+    buffer as soon as the host has them. Returns whether it is in force; the checks of
+    config.deepspeed.check_delayed_update have refused the configs it does not cover before the engine was built, so
+    here only an untested DeepSpeed release takes the stock step."""
     if from_step <= 0:
         return False
     zero3 = hasattr(getattr(engine, "optimizer", None), "fp32_partitioned_groups_flat")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from . import Patch, gate
+from model_utils.patches import Patch, gate
 
 NORM_OVERFLOW_CHECK = Patch(
     "deepspeed", "0.19.6", "0.19.8",
@@ -23,7 +23,7 @@ NORM_OVERFLOW_CHECK = Patch(
     "the per-tensor scan idles the GPU every step; without it the step is faster (docs/PERFORMANCE.md, Speed options: "
     "In force by default)",
     ("tests/distributed/test_zero_step_patch.py::test_patched_zero_step_skips_and_clips_like_deepspeed",
-     "tests/unit/test_patches.py::test_an_untested_deepspeed_takes_its_own_zero_step"))
+     "tests/unit/patches/test_patches.py::test_an_untested_deepspeed_takes_its_own_zero_step"))
 DEVICE_OVERFLOW_SKIP = Patch(
     "deepspeed", "0.19.6", "0.19.8",
     "DeepSpeedZeroOptimizer.scaled_global_norm (wrapped on the instance), stage_1_and_2.is_invalid_grad_norm "

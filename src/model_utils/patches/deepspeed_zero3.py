@@ -11,7 +11,7 @@ the GPU with a torch AdamW of its own (`backup_optimizer`) and the rest on the h
 
 from __future__ import annotations
 
-from . import Patch, gate
+from model_utils.patches import Patch, gate
 
 PARTIAL_OFFLOAD_STATE = Patch(
     "deepspeed", "0.19.8", "0.19.8",

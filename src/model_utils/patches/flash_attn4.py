@@ -13,8 +13,7 @@ import functools
 import importlib
 import os
 
-from ..models import head_dim
-from . import Patch, gate, installed
+from model_utils.patches import Patch, gate, installed
 
 FA4_KERNELS = Patch(
     "flash-attn-4", "4.0.0b36", "4.0.0b36",
@@ -23,8 +22,8 @@ FA4_KERNELS = Patch(
     "faster attention than SDPA's kernels within documents (docs/PERFORMANCE.md, Attention within documents); the "
     "loss check against the unfused SDPA path stays within bf16 noise",
 
-    ("tests/unit/test_patches.py::test_fa4_attention_wrapper_layout_and_fallbacks",
-     "tests/unit/test_patches.py::test_fa4_attention_takes_documents_as_boundaries"))
+    ("tests/unit/patches/test_patches.py::test_fa4_attention_wrapper_layout_and_fallbacks",
+     "tests/unit/patches/test_patches.py::test_fa4_attention_takes_documents_as_boundaries"))
 FA4_NAME = "dslm_fa4"  # the attention implementation name registered with transformers
 
 
@@ -194,7 +193,8 @@ def fa4_probe_failure(model, documents: bool = False) -> str | None:
     import torch
 
     config = model.config
-    heads, dim = config.num_attention_heads, head_dim(config)
+    heads = config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # as models.build.head_dim
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     try:
         _register_fa4()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from . import Patch, gate
+from model_utils.patches import Patch, gate
 
 FLCE_CHUNK_BUDGET = Patch(
     "liger-kernel", "0.8.5", "0.8.5",
@@ -19,7 +19,7 @@ FLCE_CHUNK_BUDGET = Patch(
     "whose chunk_mem_const defaults to --flce_chunk_budget",
     "a faster step at the same loss (docs/PERFORMANCE.md, Speed options: In force by default; the loss check against the "
     "unfused path stays within bf16 noise)",
-    ("tests/unit/test_patches.py::test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function",))
+    ("tests/unit/patches/test_patches.py::test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function",))
 
 
 @functools.cache

@@ -7,7 +7,7 @@ settings are gated.
 
 from __future__ import annotations
 
-from . import Patch, gate
+from model_utils.patches import Patch, gate
 
 COMPILE_SETTINGS = Patch(
     "torch", "2.11", "2.11",
@@ -17,7 +17,7 @@ COMPILE_SETTINGS = Patch(
     "the limit to eager); the budget lowers the compiled layers' peak at the same speed, which lets a larger "
     "micro-batch fit (docs/PERFORMANCE.md, Memory and recomputation)",
 
-    ("tests/unit/test_patches.py::test_compile_settings_raise_limits_and_set_the_budget",))
+    ("tests/unit/patches/test_patches.py::test_compile_settings_raise_limits_and_set_the_budget",))
 
 
 def configure(num_layers: int, budget: float, log) -> bool:

@@ -1,0 +1,213 @@
+"""Checkpoint writes off the critical path, without weakening the complete-only guarantee.
+
+DeepSpeed writes every file of a checkpoint through its checkpoint engine (`engine.checkpoint_engine.save(state,
+path)`). `HostCopyWriter` wraps the engine DeepSpeed built: `save` copies the state to host memory (GPU tensors and
+CPU-offloaded optimizer states alike, storage sharing kept) and returns; one thread then runs the stock engine's own
+`save` on that copy and fsyncs the file. The files are byte-identical to a synchronous save
+(tests/distributed/test_background_save.py).
+
+A checkpoint becomes visible only through its manifest and `latest` (checkpoint.save.commit_save), written by rank 0
+once every rank reports its writes done. `BackgroundSaves` keeps at most one checkpoint in flight: the ranks agree on
+its state in the loop's per-step collective, a new save first finishes the one in flight, and a stop or the last step
+finishes before exiting. A crash while a save is in flight leaves the previous checkpoint as `latest`.
+
+DeepSpeed's own decoupled writer was not used: it hands the live tensors to a subprocess and waits for the write at
+the next optimizer step, so a save still stalls training for the whole write once it outlasts one step.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import threading
+import time
+
+import torch
+
+from model_utils.checkpoint.save import ANOTHER_RANKS_WRITE, commit_everywhere, save_failed, write_failure
+
+IDLE, WRITING, FAILED = 0.0, 1.0, 2.0  # this rank's writer state, agreed across ranks with a MAX all-reduce
+
+
+class HostBuffers:
+    """Host storages reused from one save to the next: allocating gigabytes anew each time costs more than the copy
+    (its page faults alone take about half a synchronous save: docs/PERFORMANCE.md). Pinned
+    where there is a GPU, so that the copies from it run at full speed."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self._free: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.UntypedStorage:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
+
+    def give_back(self, storages) -> None:
+        with self._lock:
+            for storage in storages:
+                self._free.setdefault(storage.nbytes(), []).append(storage)
+
+
+def host_copy(obj, memo: dict | None = None, buffers: HostBuffers | None = None):
+    """`obj` with every tensor copied to host memory (into `buffers`' storages, if given: memo["taken"] lists them;
+    copies from a GPU are queued on its stream: synchronize before reading). What `obj` shares stays shared (tensors
+    on one storage: tied weights, views of a flat buffer; containers met twice), so torch.save pickles the copy
+    exactly as it would `obj`."""
+    memo = {"taken": []} if memo is None else memo
+    if id(obj) in memo:  # an object met before (a tensor listed twice, two groups' betas): shared in the copy too
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        # One storage, one copy, told apart as torch.save tells them apart (by `_cdata`, its handle: ZeRO-3's empty
+        # placeholders all have address 0, yet a tied weight's placeholder is one storage); the test of identical
+        # bytes fails if that rule changes.
+        key = ("storage", getattr(storage, "_cdata", (str(storage.device), storage.data_ptr(), storage.nbytes())))
+        host_storage = memo.get(key)
+        if host_storage is None:
+            if buffers is not None and storage.nbytes():
+                host_storage = buffers.take(storage.nbytes())
+                memo["taken"].append(host_storage)
+            else:
+                host_storage = torch.UntypedStorage(storage.nbytes())
+            host_storage.copy_(storage, non_blocking=True)
+            memo[key] = host_storage
+        host = torch.empty(0, dtype=obj.dtype).set_(host_storage, obj.storage_offset(), obj.size(), obj.stride())
+        if isinstance(obj, torch.nn.Parameter):
+            host = torch.nn.Parameter(host, requires_grad=obj.requires_grad)
+        else:
+            host.requires_grad_(obj.requires_grad)  # ZeRO's fp32 partitions are saved with requires_grad
+        memo[id(obj)] = host
+        for name, value in vars(obj).items():  # Python attributes torch.save keeps (ZeRO-3's `ds_id`)
+            setattr(host, name, host_copy(value, memo, buffers))
+        return host
+    if isinstance(obj, dict):
+        copied = memo[id(obj)] = copy.copy(obj)  # the same type and attributes (a state dict's _metadata)
+        for k, v in obj.items():
+            copied[k] = host_copy(v, memo, buffers)
+        return copied
+    if type(obj) is list:
+        copied = memo[id(obj)] = []
+        copied.extend(host_copy(v, memo, buffers) for v in obj)
+        return copied
+    if type(obj) is tuple:
+        copied = memo[id(obj)] = tuple(host_copy(v, memo, buffers) for v in obj)
+        return copied
+    return obj  # numbers, strings, dtypes, torch.Size, configs: not changed by training
+
+
+def fsync_path(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+class HostCopyWriter:
+    """Stands in for DeepSpeed's checkpoint engine: `save` returns once the state is in host memory; everything
+    else (load, makedirs, create, commit) is the stock engine's."""
+
+    def __init__(self, stock):
+        self.stock = stock
+        self.jobs: queue.Queue = queue.Queue()
+        self.error: str | None = None  # what made a write fail, and its fix (checkpoint.save.write_failure)
+        self.fix: str | None = None
+        self.buffers = HostBuffers(pinned=torch.cuda.is_available())
+        self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def __getattr__(self, name):
+        return getattr(self.stock, name)
+
+    def save(self, state_dict, path: str):
+        memo = {"taken": []}
+        state_copy = host_copy(state_dict, memo, self.buffers)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the copies from the GPU have landed
+        self.jobs.put((self.stock.save, state_copy, path, memo["taken"]))
+
+    def save_file(self, obj, path: str):
+        """A file of ours (the rank's RNG state), written in order with DeepSpeed's."""
+        self.jobs.put((torch.save, host_copy(obj), path, []))
+
+    def _write_loop(self):
+        while True:
+            write, obj, path, taken = self.jobs.get()
+            try:
+                if self.error is None:  # after a failure the checkpoint is lost anyway: drop the rest
+                    write(obj, str(path))
+                    fsync_path(str(path))
+            except (OSError, RuntimeError) as e:  # disk full, quota, permissions, a read-only or vanished directory
+
+                self.error, self.fix = write_failure(e, path)
+            finally:
+                del obj
+                self.buffers.give_back(taken)
+                self.jobs.task_done()
+
+    def state(self) -> float:
+        if self.error is not None:
+            return FAILED
+        return WRITING if self.jobs.unfinished_tasks else IDLE
+
+    def wait(self) -> None:
+        self.jobs.join()
+
+
+def install(engine, log) -> HostCopyWriter | None:
+    """Wrap the engine's checkpoint engine, if it is DeepSpeed's plain torch.save engine (a configured writer,
+    e.g. FastPersist's `checkpoint.writer`, is kept as the user chose it)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    stock = engine.checkpoint_engine
+    if type(stock) is not TorchCheckpointEngine:
+        log(f"checkpoint: written synchronously by the configured {type(stock).__name__}")
+        return None
+    engine.checkpoint_engine = HostCopyWriter(stock)
+    return engine.checkpoint_engine
+
+
+class BackgroundSaves:
+    """At most one checkpoint in flight; it is committed (manifest, `latest`) once all ranks have written it."""
+
+    def __init__(self, writer: HostCopyWriter, dist, log):
+        self.writer, self.dist, self.log = writer, dist, log
+        self.pending = None  # the checkpoint.save.PendingSave in flight
+
+    def local_state(self) -> float:
+        return self.writer.state() if self.pending is not None else IDLE
+
+    def agreed(self, state: float) -> None:
+        """Called on every rank with the MAX over ranks of local_state(), from the same collective."""
+        if self.pending is None:
+            return
+        if state == FAILED:
+            self._fail()
+        if state == IDLE:
+            self._commit()
+
+    def finish(self) -> None:
+        """Wait for the checkpoint in flight and commit it (every rank calls this at the same point)."""
+        if self.pending is None:
+            return
+        self.writer.wait()
+        flag = torch.tensor([self.writer.state()], device=self.dist.device)
+        self.dist.all_reduce(flag, torch.distributed.ReduceOp.MAX)
+        if flag.item() == FAILED:
+            self._fail()
+        self._commit()
+
+    def started(self, pending) -> None:
+        self.pending = pending
+
+    def _commit(self):
+        pending, self.pending = self.pending, None
+        commit_everywhere(pending, self.dist, self.log)
+        self.log(f"checkpoint: {pending.path.name} complete, written in the background in "
+                 f"{time.perf_counter() - pending.started:.1f}s")
+
+    def _fail(self):
+        cause, fix = (self.writer.error, self.writer.fix) if self.writer.error else ANOTHER_RANKS_WRITE
+        raise save_failed(self.pending.path.name, cause, fix)

@@ -1,0 +1,288 @@
+"""LoRA (low-rank adapters, Hu et al. 2021) through `peft`: which layers get adapters, wrapping the model before
+`deepspeed.initialize`, what the optimizer and the checkpoints hold, and the exports.
+
+Wrapping: `apply_lora(model, settings)` freezes every weight of the model and adds a pair of low-rank matrices A (rank x
+in) and B (out x rank, zero at the start, so the wrapped model starts as the pretrained one) beside each target layer;
+its output becomes W x + (alpha / rank) B A dropout(x). Only A and B require gradients, so the optimizer's parameter
+groups (`models.build.decay_groups`, which keeps `requires_grad` parameters) hold only them, and so do DeepSpeed's fp32
+master weights and Adam moments.
+
+Checkpoints: DeepSpeed's model file (`mp_rank_00_model_states.pt`) holds the module's whole state dict, frozen
+weights included, unless `save_checkpoint(..., exclude_frozen_parameters=True)`; its optimizer files hold the trainable
+parameters only. With frozen weights left out, a resume rebuilds them from the pretrained model (they never change) and
+loads the checkpoint with `load_module_strict=False`; `checkpoint_options()` gives both arguments.
+
+Exports: the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors), which
+`PeftModel.from_pretrained(base, path)` loads; with `export_merged`, also the model with B A added into its weights
+(`merge_and_unload`), a plain transformers model that loads without peft.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from model_utils.config.settings import LoraSettings
+from model_utils.core.problems import Problem
+from model_utils.models.memory import AdapterActivations
+
+# Adapters on every linear layer of attention and MLP: Dettmers et al. 2023 (QLoRA, section 4) find that adapting
+# all of them is what matches full fine-tuning; PEFT's own default (q_proj, v_proj) adapts two of seven.
+LLAMA_LIKE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGET_MODULES: dict[str, tuple[str, ...]] = {
+    **{family: LLAMA_LIKE_TARGETS for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+                                                 "gemma3_text", "gemma3")},
+    # GPT-2's layers are Conv1D (weights stored in x out): c_attn (q, k, v together), c_proj (the attention's output
+    # and the MLP's), c_fc (the MLP's input).
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+}
+CONV1D_FAMILIES = ("gpt2",)
+ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head, for the families above none is listed
+
+
+def target_modules_for(config, settings: LoraSettings) -> list[str] | str:
+    """The layer names to adapt in a model of this config: the settings' own, else its family's default, else
+    peft's all-linear."""
+    if settings.target_modules is not None:
+        return list(settings.target_modules)
+    return list(DEFAULT_TARGET_MODULES.get(getattr(config, "model_type", ""), ())) or ALL_LINEAR
+
+
+def adaptable_layer_names(model) -> list[str]:
+    """The last name component of every linear (or GPT-2 Conv1D) layer of the model, sorted: what
+    --lora_target_modules can name."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, (torch.nn.Linear, Conv1D)) and name})
+
+
+def target_problems(model, targets: list[str] | str) -> list[Problem]:
+    """Each named target that matches no linear layer of the model, with the names that would."""
+    if targets == ALL_LINEAR:
+        return []
+    available = adaptable_layer_names(model)
+    missing = [t for t in targets if t not in available]
+    if not missing:
+        return []
+    return [Problem("--lora_target_modules", ",".join(missing), f"matches no linear layer of this "
+                    f"{getattr(model.config, 'model_type', 'model')} model",
+                    f"name layers among: {', '.join(available)}")]
+
+
+def lora_config(model_config, settings: LoraSettings):
+    """The peft LoraConfig for a model of `model_config`."""
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.rank, lora_alpha=settings.alpha,
+                      lora_dropout=settings.dropout, target_modules=target_modules_for(model_config, settings),
+                      fan_in_fan_out=getattr(model_config, "model_type", "") in CONV1D_FAMILIES, bias="none")
+
+
+class LoraError(Exception):
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+def apply_lora(model, settings: LoraSettings):
+    """Wrap `model` (built, not yet given to deepspeed.initialize) with adapters; every other weight is frozen.
+    Raises LoraError naming the settings at fault. With gradient checkpointing on, the inputs of the first layer
+    require gradients, so the recomputed layers pass gradients back to the adapters."""
+    from peft import get_peft_model
+
+    problems = settings.problems()
+    if not problems:
+        problems = target_problems(model, target_modules_for(model.config, settings))
+    if problems:
+        raise LoraError(problems)
+    wrapped = get_peft_model(model, lora_config(model.config, settings))
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers < 5.x: the older name
+    if checkpointing if checkpointing is not None else getattr(model, "is_gradient_checkpointing", False):
+        wrapped.enable_input_require_grads()
+    return wrapped
+
+
+def trainable_parameters(model) -> list:
+    """The parameters the optimizer gets: those that require gradients (the adapters' under LoRA)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@dataclass
+class ParameterCounts:
+    """Trainable and frozen parameters, for the memory estimate: a trainable parameter costs its weight, gradient
+    and optimizer state (models.memory.model_state_bytes), a frozen one only its weight."""
+
+    trainable: int
+    frozen: int
+
+    @property
+    def total(self) -> int:
+        return self.trainable + self.frozen
+
+    def describe(self) -> str:
+        return (f"{self.trainable / 1e6:,.2f}M trainable of {self.total / 1e6:,.1f}M parameters "
+                f"({100 * self.trainable / max(self.total, 1):.2f}%)")
+
+
+def parameter_counts(model) -> ParameterCounts:
+    """Counts of a built model (ZeRO-3 placeholders counted by their real size, ds_numel)."""
+    trainable = frozen = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        if p.requires_grad:
+            trainable += n
+        else:
+            frozen += n
+    return ParameterCounts(trainable, frozen)
+
+
+def meta_model(model_config, settings: LoraSettings | None):
+    """A model of `model_config` on the meta device (nothing allocated or downloaded beyond the config), its tied
+    weights tied, with these adapters (None: none): what the plan sizes and counts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+        model.tie_weights()  # transformers 5.0 leaves a meta model's tied LM head untied until asked
+        if settings is not None:
+            model = apply_lora(model, settings)
+    return model
+
+
+def adapter_activations(model, settings: LoraSettings, layers: int):
+    """models.memory.AdapterActivations of a wrapped model with `layers` decoder layers: its adapters' input widths and
+    ranks summed over the model and shared out over the layers."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    inputs = sum(m.in_features for m in adapted)
+    ranks = sum(sum(m.r.values()) for m in adapted)
+    return AdapterActivations(inputs // max(layers, 1), ranks // max(layers, 1), settings.dropout > 0)
+
+
+def lora_parameter_counts(model_config, settings: LoraSettings | None) -> ParameterCounts:
+    """The counts a model of `model_config` has with these adapters (None: no LoRA, everything trainable)."""
+    return parameter_counts(meta_model(model_config, settings))
+
+
+def checkpoint_options() -> tuple[dict, dict]:
+    """(save_checkpoint's, load_checkpoint's) keyword arguments for a LoRA run: the frozen weights stay out of the
+    checkpoint and come from the pretrained model on resume."""
+    return {"exclude_frozen_parameters": True}, {"load_module_strict": False}
+
+
+def lora_resume_problems(recorded: dict | None, settings: LoraSettings, checkpoint: str) -> list[Problem]:
+    """A checkpoint continues only with the adapters it was trained with (the shapes and the layers)."""
+    if recorded is None:
+        return [Problem("--lora_rank", settings.rank, f"{checkpoint} was trained without LoRA",
+                        "resume it without the LoRA options, or start a new run in another --checkpoint_dir")]
+    before = LoraSettings.from_manifest(recorded)
+    changed = [f"{name} {getattr(before, name)} -> {getattr(settings, name)}"
+               for name in ("rank", "alpha", "target_modules") if getattr(before, name) != getattr(settings, name)]
+    if not changed:
+        return []
+    return [Problem("--lora_rank", settings.rank, f"{checkpoint} was trained with other adapters ({'; '.join(changed)})",
+                    "resume with the checkpoint's LoRA settings, or start a new run in another --checkpoint_dir")]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Exports
+# --------------------------------------------------------------------------------------------------------------------
+def adapter_state_dict(model) -> dict:
+    """The adapters' weights under PEFT's names (what adapter_model.safetensors holds)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+def load_adapter_weights(model, state_dict: dict) -> None:
+    """Put trained adapter weights (keys of the wrapped model's state dict, as DeepSpeed's zero_to_fp32 gives them,
+    or PEFT's saved names) into a freshly wrapped model; every adapter weight must be given."""
+    from peft import set_peft_model_state_dict
+
+    own = {k for k in model.state_dict() if "lora_" in k}
+    given = {k: v for k, v in state_dict.items() if "lora_" in k}
+    if given and set(given) == own:
+        model.load_state_dict(given, strict=False)
+        return
+    result = set_peft_model_state_dict(model, given)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or not given:
+        raise RuntimeError(f"adapter weights missing for {missing[:3] or 'every adapter'}")
+
+
+def export_lora(model, tokenizer, out_dir: Path, merged: bool = False, dtype=None,
+                in_place: bool = False) -> dict[str, Path]:
+    """Write the adapter (PEFT format) to out_dir/adapter and, with `merged`, the merged model to out_dir/merged, each
+    with the tokenizer. `model`: the wrapped model (ZeRO-1/2: every rank holds it whole; export from rank 0). The
+    merge works on a copy, so `model` keeps its adapters, unless `in_place` (a model that is not used afterwards: no
+    second copy in memory). Returns {"adapter": path[, "merged": path]}."""
+    import copy
+
+    out_dir = Path(out_dir)
+    written = {"adapter": out_dir / "adapter"}
+    model.save_pretrained(written["adapter"])
+    if tokenizer is not None:
+        tokenizer.save_pretrained(written["adapter"])
+    if merged:
+        plain = (model if in_place else copy.deepcopy(model)).merge_and_unload()
+        if dtype is not None:
+            plain = plain.to(dtype)
+        plain.config.use_cache = True
+        written["merged"] = out_dir / "merged"
+        plain.save_pretrained(written["merged"])
+        if tokenizer is not None:
+            tokenizer.save_pretrained(written["merged"])
+    return written
+
+
+def export_lora_checkpoint(base_model: str, settings: LoraSettings, fp32_state_dict: dict, tokenizer,
+                           out_dir: Path, merged: bool = False, dtype=None) -> dict[str, Path]:
+    """Offline export of a LoRA checkpoint (model_utils.export): the pretrained `base_model` wrapped again with the
+    checkpoint's settings, the adapters' trained fp32 weights (zero_to_fp32's state dict) loaded, then `export_lora`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    model = apply_lora(base, settings)
+    load_adapter_weights(model, fp32_state_dict)
+    return export_lora(model, tokenizer, out_dir, merged, dtype, in_place=True)
+
+
+@dataclass
+class LoraSummary:
+    """The run's LoRA line: the adapted layers and the parameter counts."""
+
+    targets: list[str] | str
+    counts: ParameterCounts
+    settings: LoraSettings = field(default_factory=LoraSettings)
+
+    def describe(self) -> str:
+        targets = self.targets if isinstance(self.targets, str) else ",".join(self.targets)
+        return (f"LoRA: rank {self.settings.rank}, alpha {self.settings.alpha:g}, dropout {self.settings.dropout:g} on "
+                f"{targets}; {self.counts.describe()}")
+
+
+def summary(model, settings: LoraSettings) -> LoraSummary:
+    """The LoRA line of a wrapped model."""
+    return LoraSummary(target_modules_for(model.config, settings), parameter_counts(model), settings)
+
+
+def unpartitioned_copy(config, settings, state_dict: dict):
+    """A LoRA model of `config` on the CPU holding `state_dict` (a gathered ZeRO-3 model's, adapters included)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+
+    model = apply_lora(AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32), settings)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise RuntimeError(f"the gathered model does not match its LoRA wrapping: missing {missing[:3]}, unexpected "
+                           f"{unexpected[:3]}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model

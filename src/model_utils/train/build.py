@@ -1,0 +1,237 @@
+"""A run built from its checked plan (planning.preflight.checked_plan): the engine's DeepSpeed config, the data on every
+rank, the model with its speed options and adapters, the DeepSpeed engine and its patches, then the resume.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+from transformers.integrations import HfDeepSpeedConfig
+
+from model_utils.checkpoint.background import BackgroundSaves, install
+from model_utils.checkpoint.protocol import convert_to_universal, data_position_problems, needs_universal
+from model_utils.config import deepspeed as dsc
+from model_utils.config.fine_tuning import apply_weight_decay, settle_epochs, with_fine_tuning_defaults
+from model_utils.config.settings import TrainConfig
+from model_utils.core.problems import ConfigError
+from model_utils.data.blocks import BlockOrder, DataPosition, PackedData
+from model_utils.data.pipeline import prepare_data
+from model_utils.data.sft.packing import PackedExamples
+from model_utils.data.streaming import identity_entry, is_streamed
+from model_utils.data.tokens import token_fingerprint, tokenizer_identity
+from model_utils.models.build import build_model, decay_groups, gpu_peak_tflops
+from model_utils.models.lora import LoraError, apply_lora, summary
+from model_utils.models.speed import apply_speed_options, streamline_zero_step
+from model_utils.patches.deepspeed_offload import delay_offload_updates
+from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
+from model_utils.patches.flash_attn4 import takes_document_boundaries
+from model_utils.planning.plan import Plan
+from model_utils.runtime.distributed import Dist
+from model_utils.runtime.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
+from model_utils.runtime.process import seed_everything, share_host_cores
+from model_utils.runtime.run_log import Logger, bars_only_on_a_terminal
+from model_utils.train.resume import load_checkpoint
+from model_utils.train.run import Run
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Build: plan -> data -> model -> engine -> resume
+# ----------------------------------------------------------------------------------------------------------------------
+def start_log(cfg: TrainConfig, dist: Dist) -> Logger:
+    """The run's log, its header (job, nodes, world size, versions, effective flags) and this rank's host threads."""
+    bars_only_on_a_terminal()
+    log = Logger(dist, cfg.checkpoint.run_dir.metrics)
+    start_run_log(log, cfg, dist)
+    log.info(share_host_cores())  # before DeepSpeedCPUAdam or any thread pool starts
+    return log
+
+
+def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
+    """The run of a checked plan (planning.preflight.checked_plan: every rank holds the same resume point and data
+    source): the engine's DeepSpeed config, the data, the model and engine, then the resume."""
+    ds, resume_tag = engine_config(plan, dist, log)
+    loaded = load_data(plan, ds, dist, log)
+    cfg, ds = loaded.cfg, loaded.ds_config
+    model, engine, in_force, saves = build_engine(plan, loaded, dist, log)
+    documents = cfg.data.document_mask or loaded.examples  # examples: positions restart at each one
+    run = Run(cfg, dist, cfg.checkpoint.run_dir, ds, plan.tokenizer, model, engine, loaded.data, loaded.order,
+              plan.batch, plan.model.flops, log, data_identity=loaded.identity, speed_in_force=in_force,
+              peak_tflops=gpu_peak(dist), position=DataPosition(), saves=saves, incomplete_moved=plan.incomplete_moved,
+              document_eos=plan.tokenizer.eos_token_id if cfg.data.document_mask and not loaded.examples else None,
+              document_boundaries=documents and takes_document_boundaries(model), lora=cfg.model.lora_settings(),
+              examples=loaded.examples)
+    describe_run(run, plan, loaded.length)
+    if plan.resume:
+        load_checkpoint(run, plan.resume, resume_tag)
+    log.sinks = Sinks(cfg, run.run_dir, dist, ds, engine, run.step, log)  # TensorBoard / W&B (rank 0)
+    return run
+
+
+def engine_config(plan: Plan, dist: Dist, log: Logger) -> tuple[dict, str | None]:
+    """The plan's DeepSpeed config as the engine takes it (DeepSpeed's own monitor writing into the run directory; a
+    checkpoint of another world size converted to a universal one), and the checkpoint tag to load."""
+    ds = copy.deepcopy(plan.ds_config)  # DeepSpeed and the universal-checkpoint load write into it
+    prepare_ds_monitor(ds, plan.cfg.checkpoint.run_dir)
+    resume_tag = plan.resume.path.name if plan.resume else None
+    if plan.resume and needs_universal(plan.resume, dist.world_size, dsc.zero_stage(ds)):
+        resume_tag = convert_to_universal(plan.resume, dist, log.info)
+        ds.setdefault("checkpoint", {})["load_universal"] = True
+    return ds, resume_tag
+
+
+@dataclass(frozen=True)
+class LoadedData:
+    """The run's data, and what follows from them: with --num_epochs the run's length (the configuration's max_steps
+    and the DeepSpeed scheduler settled from the packed data)."""
+
+    data: PackedData
+    order: BlockOrder
+    identity: dict  # what the data position means (data_identity)
+    examples: bool  # fine-tuning examples with their labels (sft_data), not concatenated text
+    cfg: TrainConfig
+    ds_config: dict
+    length: object  # config.fine_tuning.EpochLength with --num_epochs, else None
+
+
+def load_data(plan: Plan, ds: dict, dist: Dist, log: Logger) -> LoadedData:
+    """Every rank's data (rank 0 prepares, the others wait on its files), checked against the resume point."""
+    cfg, batch = plan.cfg, plan.batch
+    data = prepare_data(cfg.data, plan.tokenizer, batch.seq_len, dist, log.info, source=plan.data_source,
+                        seed=cfg.seed, data_format=plan.data_format)
+    length = None
+    if cfg.batch.num_epochs is not None:  # the length in steps follows from the packed data
+        cfg, ds, length = settle_length(plan, ds, len(data.train_ids), dist.world_size, log)
+    elif plan.fine_tuning is not None:
+        log.info(plan.fine_tuning.describe())
+    log.info(describe_ds_config(ds))
+    identity = data_identity(cfg, plan.tokenizer, batch.seq_len, data, dist.world_size)
+    if plan.resume:  # every rank alike: the same manifest (broadcast), the same data
+        problems = data_position_problems(plan.resume.manifest, plan.resume.path, identity)
+        if problems:
+            raise ConfigError(problems)
+    order = (data.order(dist.world_size, batch.micro) if is_streamed(data)
+             else BlockOrder(data.train_ids, cfg.seed, dist.world_size, batch.micro))
+    log.info(f"data: {data.description}")
+    return LoadedData(data, order, identity, is_example_data(data), cfg, ds, length)
+
+
+def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
+    """(model, DeepSpeed engine, the speed options in force, background saves or None): the model built (under
+    zero.Init for ZeRO-3), its speed options applied, LoRA's adapters where asked, the engine with its patches."""
+    cfg, ds = loaded.cfg, loaded.ds_config
+    seed_everything(cfg.seed)
+    zero3_context = None
+    if dsc.zero_stage(ds) == 3:
+        zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
+    model = build_model(cfg.model.model, plan.model.config, torch.float32, cfg.model.attn_implementation,
+                        cfg.model.gradient_checkpointing, plan.memory.checkpointed_layers)
+    in_force = apply_speed_options(model, cfg.speed, dist.device.type == "cuda", log.info,
+                                   warn=lambda message: log.warn(message, all_ranks=True),
+                                   documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss,
+                                   compiled=plan.compiled_layers)
+    lora = cfg.model.lora_settings()
+    if lora is not None:
+        model = wrap_with_adapters(model, lora, log)
+
+    matrices, others = decay_groups(model.parameters())
+    wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+    groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+    in_force.update(streamline_zero_step(engine, cfg.speed, log.info))
+    from_step = cfg.optim.delayed_update_from_step
+    delayed = delay_offload_updates(engine, from_step, log.info,  # ZeRO, optimizer offloaded
+                                    prefetch=plan.memory.delayed_prefetch)
+    in_force["delayed_update_from_step"] = from_step if delayed else 0
+    prefetched = delayed and getattr(engine.optimizer.dslm_delayed_update, "staged", None)
+    in_force["delayed_update_prefetch"] = "on" if prefetched else "off"
+    keep_partial_offload_state(engine.optimizer, log.info)  # ZeRO-3 with offload_optimizer.ratio < 1
+    saves = None
+    if plan.checkpoints.background:
+        saves = BackgroundSaves(install(engine, log.info), dist, log.info)
+    return model, engine, in_force, saves
+
+
+def gpu_peak(dist: Dist) -> float | None:
+    """This GPU's dense bf16 peak in TFLOP/s for MFU; None on CPU or an unknown GPU."""
+    return gpu_peak_tflops(torch.cuda.get_device_name(dist.device)) if dist.device.type == "cuda" else None
+
+
+def describe_run(run: Run, plan: Plan, length) -> None:
+    """The header lines of a built run: attention, model, batch, recomputed layers."""
+    cfg, log, batch, ds = run.cfg, run.log, run.batch, run.ds_config
+    if run.examples:
+        log.info("attention: within each example (positions restart at every example, "
+                 + ("FlashAttention-4 takes the examples' boundaries)" if run.document_boundaries
+                    else "transformers masks attention to each example)"))
+    elif cfg.data.document_mask:
+        log.info("attention: within documents (--document_mask; positions restart after each EOS, "
+                 + ("FlashAttention-4 takes the documents' boundaries)" if run.document_boundaries
+                    else "transformers masks attention to each document)"))
+    precision = dsc.precision(ds)
+    log.info(f"model: {cfg.model.model}, {plan.model.num_params / 1e6:.1f}M parameters, "
+             f"{plan.model.flops.per_token() / 1e9:.3f} GFLOP/token; "
+             f"precision {precision}{' (dynamic loss scaling)' if precision == 'fp16' else ''}, "
+             f"ZeRO stage {dsc.zero_stage(ds)}")
+    log.info(f"batch: {batch.describe()}; "
+             f"{batch.plan(cfg.batch.max_steps, max(run.data.train_tokens or 0, 1), is_streamed(run.data))}"
+             + (f"; {length.description}" if length else "")
+             + (f"; micro-batch {plan.micro_batch_choice}" if plan.micro_batch_choice else ""))
+    layers = plan.memory.checkpointed_layers
+    if layers is not None:
+        log.info(f"activation checkpointing: {layers} of {plan.model.config.num_hidden_layers} decoder layers "
+                 "recompute" + (f" ({plan.memory.checkpointed_layers_choice})"
+                                if plan.memory.checkpointed_layers_choice else ""))
+
+
+def settle_length(plan: Plan, ds: dict, training_blocks: int, world: int, log: Logger):
+    """--num_epochs once the data are packed: (cfg whose max_steps is the step the run stops at, the DeepSpeed config
+    whose scheduler counts the epochs' steps and takes the fine-tuning defaults where they apply, the EpochLength).
+    Only the optimizer and scheduler sections change: the rest of `ds` is the plan's."""
+    cfg, batch = plan.cfg, plan.batch
+    length = settle_epochs(cfg.batch.num_epochs, training_blocks, world, batch.micro, batch.accumulation,
+                           plan.resume.manifest if plan.resume else None)
+    scheduled, defaults = with_fine_tuning_defaults(cfg.with_flags(max_steps=length.total_steps), length.total_steps)
+    resolved, _, problems = dsc.resolve_settings(plan.raw_ds_config, scheduled, plan.hardware.precision,
+                                                 plan.model.config.hidden_size)
+    if problems:
+        raise ConfigError(problems)
+    apply_weight_decay(resolved, defaults)
+    ds = copy.deepcopy(ds)
+    for section in ("optimizer", "scheduler"):
+        if section in resolved:
+            ds[section] = resolved[section]
+    if defaults is not None:
+        log.info(defaults.describe())
+    return dataclasses.replace(scheduled, batch=dataclasses.replace(scheduled.batch, max_steps=length.stop_step)), \
+        ds, length
+
+
+def is_example_data(data) -> bool:
+    """Fine-tuning data: blocks of examples with their labels and positions (sft_data), not of concatenated text."""
+    return isinstance(data.train, PackedExamples)
+
+
+def wrap_with_adapters(model, settings, log: Logger):
+    """The model with LoRA adapters (models.lora.apply_lora), its other weights frozen; bad settings stop every rank
+    alike."""
+    try:
+        model = apply_lora(model, settings)
+    except LoraError as e:
+        raise ConfigError(e.problems) from e
+    log.info(summary(model, settings).describe())
+    return model
+
+
+def data_identity(cfg: TrainConfig, tokenizer, seq_len: int, data, world_size: int = 1) -> dict:
+    """What a checkpoint's data position counts in: blocks of seq_len, tokens of this tokenizer, these training tokens
+    (checkpoint.protocol.data_position_problems compares them on resume)."""
+    if is_streamed(data):  # a place in each rank's stream: no token array to digest
+        return {"tokenizer": cfg.model.tokenizer, "tokenizer_identity": tokenizer_identity(tokenizer),
+                "seq_len": seq_len, "data": identity_entry(data, world_size, cfg.data.stream_shuffle_blocks)}
+    return {"tokenizer": cfg.model.tokenizer, "tokenizer_identity": tokenizer_identity(tokenizer), "seq_len": seq_len,
+            "data": {"dataset": cfg.data.dataset if not cfg.data.dummy_data else f"--dummy_data {cfg.data.dummy_data}",
+                     "tokens": len(data.train.tokens), "fingerprint": token_fingerprint(data.train.tokens)}}

@@ -1,0 +1,194 @@
+"""The training loop, top to bottom: `train(run)` steps, logs, evaluates, agrees with the other ranks, judges the
+update, saves or stops, and returns the exit status; `evaluate`, `save` and `finish` (the final evaluation, the
+export, the sample) beside it. The run comes from build.build_run; its step from step.py.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                            UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+from tqdm import tqdm
+
+from model_utils.checkpoint.save import SaveContext, save_checkpoint
+from model_utils.config.deepspeed import zero_stage
+from model_utils.core.exit_status import NONFINITE, OK, STOPPED_BY_SIGNAL
+from model_utils.data.sft.formats import attach_chat_template
+from model_utils.data.streaming import with_stream_state
+from model_utils.models.evaluation import evaluation_loss
+from model_utils.models.export import export_hf, gathered_state_dict
+from model_utils.models.generate import generate_text
+from model_utils.models.lora import export_lora, unpartitioned_copy
+from model_utils.patches.deepspeed_offload import settle
+from model_utils.runtime.monitor import write_summary
+from model_utils.runtime.process import StopSignal, rng_state
+from model_utils.train.resume import checkpoint_options
+from model_utils.train.run import Run
+from model_utils.train.step import agree_after_step, model_inputs, train_step
+from model_utils.train.tracking import DataTrace, Interval, NonfiniteSteps, SaveSchedule
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------------------
+def train(run: Run) -> int:
+    """The loop: step, log, evaluate, agree, judge the update, save or stop. Returns the exit status."""
+    cfg, log = run.cfg, run.log
+    stop = StopSignal()
+    interval, nonfinite, saves, trace = Interval(run), NonfiniteSteps(run), SaveSchedule(run), DataTrace(run)
+    # A progress bar on a terminal only: in a job's log file its redraws would be lines of carriage returns, and the
+    # log lines every --log_interval steps say the same.
+    log.bar = tqdm(total=cfg.batch.max_steps, initial=run.step, desc="train", dynamic_ncols=True,
+                   disable=not (run.dist.is_main and sys.stderr.isatty()))
+    run.engine.train()
+    while run.step < cfg.batch.max_steps:
+        # --- one optimizer step at this learning rate ---
+        lr = run.engine.get_lr()[0]
+        t0 = time.perf_counter()
+        result = train_step(run)
+        interval.add(result, time.perf_counter() - t0)
+        trace.write(run.step, result.blocks)
+
+        # --- logging: the interval's loss averaged over its micro-batches on all ranks ---
+        if run.step % cfg.logging.log_interval == 0 or run.step == cfg.batch.max_steps:
+            interval.log(lr)
+        log.bar.update(1)
+
+        # --- evaluation ---
+        if cfg.logging.eval_interval and run.step % cfg.logging.eval_interval == 0 and run.step < cfg.batch.max_steps:
+            log_evaluation(run, "eval")
+
+        # --- what all ranks decide together, in one collective ---
+        agreed = agree_after_step(run, result, bool(stop.received), saves.clock_says_save())
+
+        # --- a non-finite loss or gradient: stop without saving after too many, the last checkpoint is good ---
+        bad, give_up = nonfinite.judge(agreed)
+        if give_up:
+            log.warn(f"stopping after {nonfinite.count} consecutive non-finite step(s) (--max_bad_steps "
+                     f"{cfg.optim.max_bad_steps}); no checkpoint written, the last saved one is intact. Lower the learning "
+                     "rate, raise warmup, or check the data")
+            return end_early(run, NONFINITE, f"stopped: {nonfinite.count} consecutive non-finite step(s)")
+
+        # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
+        if saves.due(agreed, bad):
+            save(run, wait=agreed.stop or run.step == cfg.batch.max_steps)
+            saves.saved()
+        if agreed.stop and run.step < cfg.batch.max_steps:
+            log.info(f"stop: {stop.received or 'a signal on another rank'} received; checkpoint saved at step "
+                     f"{run.step}; exiting with status {STOPPED_BY_SIGNAL} so the job can be requeued")
+            return end_early(run, STOPPED_BY_SIGNAL, f"preempted: {stop.received or 'signal on another rank'} at "
+                                                     f"step {run.step} (requeue resumes)")
+    log.bar.close()
+    log.bar = None
+    finish(run)
+    return OK
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What the loop calls: evaluation, saves, the end of a run
+# ----------------------------------------------------------------------------------------------------------------------
+def evaluate(run: Run) -> dict:
+    settle(run.engine)  # the model with every step's update (--delayed_update_from_step)
+    ids = run.data.val_ids
+    if len(ids) == 0:
+        return {}
+    engine, dist, m = run.engine, run.dist, run.batch.micro
+    engine.eval()
+    sums = torch.zeros(2, device=dist.device, dtype=torch.float64)  # the loss summed over its targets, their count
+    with torch.no_grad():
+        for i in range(run.cfg.logging.eval_iters):
+            start = (i * dist.world_size + dist.rank) * m
+            picks = [ids[(start + j) % len(ids)] for j in range(m)]
+            summed, targets = evaluation_loss(engine, run.model, model_inputs(run, run.data.val.batch(picks)))
+            sums += torch.stack([summed, targets])
+    engine.train()
+    loss_sum, targets = dist.all_reduce(sums).tolist()
+    loss = loss_sum / max(targets, 1)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def log_evaluation(run: Run, label: str):
+    result = evaluate(run)
+    if result:
+        run.log.metrics({"step": run.step, **result})
+        run.log.info(f"{label} step {run.step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+
+
+def save(run: Run, wait: bool = False):
+    """Save a checkpoint of this step on every rank. In the background (run.saves), training goes on once the state
+    is in host memory, after the checkpoint still in flight, if any, is complete; `wait` also finishes this one."""
+    settle(run.engine)  # a checkpoint holds every step's update; the run resumed from it continues the same way
+
+    ctx = SaveContext(run.run_dir.root, run.cfg.checkpoint.keep_last_checkpoints,
+                      {"model": run.cfg.model.model, **run.data_identity, "zero_stage": zero_stage(run.ds_config),
+                       "ds_config": run.ds_config, "perf": run.cfg.speed.as_dict(),
+                       "levers_in_force": run.speed_in_force,
+                       "lora": run.lora.as_manifest() if run.lora else None},
+                      save_options=checkpoint_options(run)[0])
+    client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
+              # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)
+              UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+    rank_state = with_stream_state(rng_state(), run.data)  # each rank's file: its RNG, its place in a stream
+    t0 = time.perf_counter()
+    if run.saves is None:
+        save_checkpoint(run.engine, ctx, run.step, client, rank_state, run.dist, run.log.info)
+    else:
+        run.saves.finish()  # one checkpoint in flight at a time
+        waited = time.perf_counter() - t0
+        run.saves.started(save_checkpoint(run.engine, ctx, run.step, client, rank_state, run.dist, run.log.info,
+                                          run.saves.writer))
+        run.log.info(f"checkpoint: step {run.step} in host memory after {time.perf_counter() - t0:.1f}s"
+                     + (f" ({waited:.1f}s waiting for the previous save)" if waited >= 0.05 else "")
+                     + ("; waiting for its writes (the last step, or a stop)" if wait else
+                        "; writing it in the background"))
+        if wait:
+            run.saves.finish()
+    run.log.metrics({"step": run.step, "checkpoint_s": time.perf_counter() - t0})  # how long training stood still
+
+
+def end_early(run: Run, status: int, why: str) -> int:
+    """Every early exit of the loop: the progress bar closed, a checkpoint in flight completed (it was saved at a
+    good step), the summary written with the exit status."""
+    run.log.bar.close()
+    if run.saves:
+        run.saves.finish()
+    write_summary(run, f"{why}, exit {status}")
+    return status
+
+
+def finish(run: Run):
+    """Final evaluation, export to a Hugging Face directory, optional generation sample."""
+    settle(run.engine)  # the evaluation and the export see every step's update (--delayed_update_from_step)
+    log_evaluation(run, "eval (final)")
+    if run.cfg.checkpoint.export:
+        if run.examples:  # the export is prompted through the template its chats were rendered with
+            attach_chat_template(run.tokenizer)
+        if run.lora:
+            out = export_adapters(run)
+        else:
+            out = export_hf(run.engine, run.model, run.tokenizer, run.run_dir.export, zero_stage(run.ds_config),
+                            run.dist, run.log.info)
+        if run.cfg.logging.generate_prompt and run.dist.is_main and out is not None:
+            run.log.info(f"sample: {generate_text(out, run.cfg.logging.generate_prompt)}")
+    write_summary(run, "completed", export=str(run.run_dir.export) if run.cfg.checkpoint.export else None)
+
+
+def export_adapters(run: Run):
+    """A LoRA run's export on rank 0: the adapter in PEFT's format in EXPORT_DIR/adapter and, with --export_merged,
+    the merged model in EXPORT_DIR/merged. ZeRO-1/2 hold the whole model on every rank; under ZeRO-3 every rank takes
+    part in gathering it (models.export.gathered_state_dict) into a copy that rank 0 wraps again and exports. Returns
+    the directory a plain transformers model loads from (the merged one), else None."""
+    module, merged = run.engine.module, run.cfg.checkpoint.export_merged
+    state = gathered_state_dict(module, run.dist) if zero_stage(run.ds_config) == 3 else None
+    written = None
+    if run.dist.is_main:
+        if state is not None:
+            module = unpartitioned_copy(module.config, run.lora, state)
+        written = export_lora(module, run.tokenizer, run.run_dir.export, merged=merged, in_place=state is not None)
+        run.log.info("export: " + "; ".join(f"{kind} written to {path}" for kind, path in written.items()))
+    run.dist.barrier()
+    return written.get("merged") if written else None

@@ -1,0 +1,176 @@
+"""One optimizer step: the model's inputs from packed blocks or examples, the forward and backward of each micro-batch
+(weighted by its loss tokens for fine-tuning examples), DeepSpeed's update, and the one collective every rank agrees
+on after it. The loop and benchmarks/bench.py both call `train_step` and `agree_after_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from model_utils.data.blocks import attention_area as document_area
+from model_utils.data.blocks import document_boundaries, document_positions
+from model_utils.data.sft.packing import ExampleBatch
+from model_utils.patches.deepspeed_zero import device_skip_flag, settle_device_skip
+from model_utils.train.run import Run
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Steps
+# ----------------------------------------------------------------------------------------------------------------------
+def model_inputs(run: Run, blocks) -> dict:
+    """The model's keyword arguments for packed blocks of seq_len + 1 tokens (a host array): inputs are each block's
+    first T tokens, targets its last T (already shifted). With --document_mask, positions restart after each EOS,
+    from which transformers masks attention to each document; FlashAttention-4 takes the documents' boundaries
+    instead. Both come from the host's copy of the tokens: nothing waits on the GPU for them."""
+    device = run.dist.device
+    if isinstance(blocks, ExampleBatch):
+        return example_inputs(run, blocks)
+    on_device = to_device(blocks, device)
+    inputs, targets = on_device[:, :-1].contiguous(), on_device[:, 1:].contiguous()
+    batch = {"input_ids": inputs, "labels": targets, "shift_labels": targets}
+    if run.document_eos is not None:
+        positions = document_positions(blocks[:, :-1], run.document_eos)
+        batch["position_ids"] = to_device(positions, device)
+        if run.document_boundaries:
+            boundaries = to_device(document_boundaries(positions), device)
+            torch._dynamo.maybe_mark_dynamic(boundaries, 0)  # their count varies: one compiled graph for all
+            batch.update(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=run.batch.seq_len,
+                         max_length_k=run.batch.seq_len)
+    return batch
+
+
+def example_inputs(run: Run, batch) -> dict:
+    """The model's keyword arguments for a batch of packed examples (data.sft.packing.ExampleBatch): its targets (-100
+    outside the answers) and positions restarting at every example; FlashAttention-4 takes the examples' boundaries."""
+    arrays = batch.model_arrays(run.document_boundaries)
+    inputs = {k: to_device(v, run.dist.device) if hasattr(v, "shape") else v for k, v in arrays.items()}
+    if "cu_seq_lens_q" in inputs:
+        torch._dynamo.maybe_mark_dynamic(inputs["cu_seq_lens_q"], 0)  # their count varies: one compiled graph
+    return inputs
+
+
+def attention_area(run: Run, blocks) -> int:
+    """The query-key pairs the blocks' attention covers, for FLOPs and MFU: T² per block, or each document's length
+    squared with --document_mask, each example's with fine-tuning data (model FLOPs: what the kernel computes, or
+    skips, does not change them)."""
+    if isinstance(blocks, ExampleBatch):
+        return document_area(blocks.position_ids)
+    if run.document_eos is None:
+        return len(blocks) * run.batch.seq_len ** 2
+    return document_area(document_positions(blocks[:, :-1], run.document_eos))
+
+
+def compute_loss(engine, batch: dict):
+    """Mean next-token loss over the batch (`model_inputs`)."""
+    return engine(**batch, use_cache=False).loss
+
+
+@dataclass
+class StepResult:
+    """One optimizer step on this rank, its tensors still on the device (nothing here waits for the GPU)."""
+
+    loss_sum: object  # the micro-batches' losses summed (float64; a non-finite one counts 0)
+    nonfinite: object  # whether any micro-batch's loss was inf/NaN (bool)
+    attention_area: int  # query-key pairs the step's attention covered (FLOPs)
+    blocks: list  # the block indices this rank read, in order (--trace_data)
+
+
+@dataclass
+class StepFlags:
+    """What every rank decided together after a step (`agree_after_step`)."""
+
+    stop: bool  # a stop signal reached some rank
+    nonfinite_loss: bool  # some rank's loss was not finite
+    save_due: bool  # rank 0's clock says a save is due (--checkpoint_minutes)
+
+
+def _no_phase(name: str):
+    return NO_PHASE
+
+
+NO_PHASE = contextlib.nullcontext()
+
+
+def train_step(run: Run, phase=_no_phase) -> StepResult:
+    """One optimizer step: grad_accum micro-batches of forward and backward, DeepSpeed applying the update at the
+    accumulation boundary, the data position advanced. `phase(name)` wraps the forward, backward and step of each
+    micro-batch in a context (benchmarks/profiling.py); the training loop and benchmarks/bench.py both call this."""
+    dist, engine = run.dist, run.engine
+    loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
+    nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
+    blocks_read, area = [], 0
+    # Packed examples: the step's micro-batches read up front, to weight each one's mean loss by its loss tokens
+    ahead = step_micro_batches(run) if run.examples else None
+    weights = loss_token_weights(run, [blocks for _, blocks in ahead]) if ahead else None
+    for micro in range(run.batch.accumulation):
+        with phase("forward"):
+            indices, blocks = ahead[micro] if ahead else read_micro_batch(run, run.position)
+            blocks_read += indices.tolist()
+            area += attention_area(run, blocks)
+            loss = compute_loss(engine, model_inputs(run, blocks))
+            if weights is not None:
+                loss = loss * weights[micro]
+        with phase("backward"):
+            engine.backward(loss)
+        with phase("step"):
+            engine.step()
+            run.position = run.order.advance(run.position)
+        nonfinite |= ~torch.isfinite(loss.detach())
+        loss_sum += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+    run.step += 1
+    run.tokens_seen += run.batch.tokens_per_step
+    return StepResult(loss_sum, nonfinite, area, blocks_read)
+
+
+def read_micro_batch(run: Run, position) -> tuple:
+    """(block indices, blocks) of this rank's micro-batch at data `position`."""
+    indices = run.order.rank_indices(position, run.dist.rank)
+    return indices, run.data.train.batch(indices)
+
+
+def step_micro_batches(run: Run) -> list[tuple]:
+    """This rank's micro-batches of the coming step, in order (the data position is not advanced)."""
+    position, micro_batches = run.position, []
+    for _ in range(run.batch.accumulation):
+        micro_batches.append(read_micro_batch(run, position))
+        position = run.order.advance(position)
+    return micro_batches
+
+
+def loss_token_weights(run: Run, micro_batches: list):
+    """Per micro-batch, the factor on its mean loss that makes the step's gradient the mean over the loss tokens of
+    the whole step, every rank's (Hugging Face's num_items_in_batch): its loss tokens over the step's, times the
+    micro-batches per step and the ranks, whose averages DeepSpeed and the loss log take. Without it a micro-batch
+    with few answer tokens would weigh as much as one with many. One all-reduce of the step's count."""
+    counts = torch.tensor([float(blocks.loss_tokens) for blocks in micro_batches], dtype=torch.float64)
+    counts = counts.to(run.dist.device)
+    total = run.dist.all_reduce(counts.sum())
+    return (counts * (len(micro_batches) * run.dist.world_size) / total).float()
+
+
+def agree_after_step(run: Run, result: StepResult, stop_received: bool = False, save_due: bool = False) -> StepFlags:
+    """The one collective after every step: a stop signal on any rank, a non-finite loss, an update the GPU skipped
+    (--overflow_check device: booked here as DeepSpeed books one it skips), a save due by rank 0's clock, and the
+    state of a checkpoint written in the background (committed once every rank has written it)."""
+    dist = run.dist
+    writes = run.saves.local_state() if run.saves else 0.0
+    flags = torch.stack([torch.tensor(float(stop_received), device=dist.device), result.nonfinite.float(),
+                         device_skip_flag(run.engine, dist.device), torch.tensor(float(save_due), device=dist.device),
+                         torch.tensor(writes, device=dist.device)])
+    dist.all_reduce(flags, torch.distributed.ReduceOp.MAX)
+    stop, nonfinite_loss, skipped_on_device, save_due = (flags[:4] > 0).tolist()
+    if run.saves:
+        run.saves.agreed(flags[4].item())
+    if skipped_on_device:
+        settle_device_skip(run.engine)
+    return StepFlags(stop, nonfinite_loss, save_due)
+
+
+def to_device(array, device):
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

@@ -1,0 +1,90 @@
+"""benchmarks/sft_bench.py's own arithmetic on CPU: the example tokens and attention pairs counted in packed blocks and
+flattened bins, the global batch both sides share, the runs of an invocation, and the loss comparison; and the
+llama-1b preset it benchmarks beside Qwen3."""
+
+from __future__ import annotations
+
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+
+
+def test_example_lengths_of_a_packed_block_leave_out_its_padding():
+    """Ours: examples of 3 and 2 positions, then 3 of padding (targets -100); a full block has no padding run."""
+    import sft_bench
+
+    positions = np.array([0, 1, 2, 0, 1, 0, 1, 2])
+    targets = np.array([-100, 7, 8, -100, 9, -100, -100, -100])
+    assert sft_bench.segment_lengths(positions) == [3, 2, 3]
+    assert sft_bench.block_example_lengths(positions, targets) == [3, 2]
+    full = np.array([-100, 7, 8, -100, 9, -100, 4, 5])
+    assert sft_bench.block_example_lengths(positions, full) == [3, 2, 3]
+    assert sft_bench.work_of([3, 2]) == (5, 13)
+    # TRL's flattened bins: one row, positions restarting per example, no padding.
+    assert sft_bench.segment_lengths(np.array([[0, 1, 0, 1, 2, 3]])) == [2, 4]
+
+
+def bench_args(**overrides) -> Namespace:
+    values = dict(micro_batch_size=[2, 4], peer_micro_batch_size=[1, 3], nproc=1, seq_len=1024,
+                  global_batch_tokens=None, modes=["full", "lora"], skip=[], steps=3, warmup=1, seed=5,
+                  ds_config="ds_config.json", zero_stage=None, ds_set=[], gradient_checkpointing=False, lora_rank=16,
+                  lora_alpha=32.0, lora_target_modules=None, peer_liger="on", peer_attn="sdpa")
+    return Namespace(**{**values, **overrides})
+
+
+def test_global_batch_is_whole_steps_for_every_micro_batch_of_both_sides():
+    import sft_bench
+
+    assert sft_bench.global_batch(bench_args()) == 12 * 1024  # lcm of 1, 2, 3, 4 blocks
+    assert sft_bench.global_batch(bench_args(global_batch_tokens=24 * 1024)) == 24 * 1024
+    with pytest.raises(sft_bench.BenchProblem, match="not a multiple of micro-batch 3 x 1 GPU"):
+        sft_bench.global_batch(bench_args(global_batch_tokens=16 * 1024))
+
+
+def test_jobs_per_mode_each_side_at_its_micro_batches_with_the_same_global_batch():
+    import sft_bench
+
+    jobs = sft_bench.make_jobs(bench_args(), Path("/m"), Path("/rows.jsonl"), Path("/cache"), 12 * 1024)
+    assert [j["name"] for j in jobs] == [
+        "ours-full-mb2-ga6", "ours-full-mb4-ga3", "trl-full-mb1-ga12", "trl-full-mb3-ga4",
+        "ours-lora-mb2-ga6", "ours-lora-mb4-ga3", "trl-lora-mb1-ga12", "trl-lora-mb3-ga4"]
+    only_ours = sft_bench.make_jobs(bench_args(skip=["trl"], modes=["lora"]), Path("/m"), Path("/r"), Path("/c"),
+                                    12 * 1024)
+    assert [j["name"] for j in only_ours] == ["ours-lora-mb2-ga6", "ours-lora-mb4-ga3"]
+    lora = next(j for j in jobs if j["mode"] == "lora")
+    argv = sft_bench.trainer_argv(lora, Path("/tmp"))
+    assert argv[argv.index("--lora_rank") + 1] == "16" and argv[argv.index("--data_format") + 1] == "chat"
+    assert argv[argv.index("--global_batch_tokens") + 1] == str(12 * 1024)
+
+
+def test_losses_compared_over_the_same_steps():
+    import sft_bench
+
+    compared = sft_bench.compare_losses([10.0, 9.0, 8.0, 7.0], [10.5, 9.5, 8.5])
+    assert compared["steps"] == 3 and compared["ours_first"] == [10.0, 9.0, 8.0]
+    assert compared["mean_diff"] == pytest.approx(-0.5)
+    assert sft_bench.compare_losses([], [1.0]) == {}
+
+
+def test_llama_1b_preset_is_llama_3_2_1b_in_transformers_llama_architecture():
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from model_utils.config.presets import default_seq_len
+    from model_utils.config.settings import LoraSettings
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.models.build import model_config
+    from model_utils.models.lora import target_modules_for
+
+    config = model_config("llama-1b", load_tokenizer(None))
+    assert isinstance(config, LlamaConfig) and config.model_type == "llama"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+    assert "q_proj" in target_modules_for(config, LoraSettings(rank=16))
+    assert default_seq_len("llama-1b") == 4096
