@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from model_utils.runtime.plot import _labels, load_run, plot_runs
+from model_utils.runtime.plot import load_run, plot_runs, run_labels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: plotting needs matplotlib: pip install matplotlib (or the project's `monitor` extra)",
               file=sys.stderr)
         return 2
-    runs = [load_run(a, label) for a, label in zip(args.runs, _labels(args.runs, args.labels))]
+    runs = [load_run(a, label) for a, label in zip(args.runs, run_labels(args.runs, args.labels))]
     for path in plot_runs(runs, Path(args.out), args.dpi, args.title):
         print(path)
     return 0

@@ -8,7 +8,8 @@ files). An epoch of the mixture has as many training blocks as all parts togethe
 of them (largest-remainder rounding). A part whose share exceeds its blocks contributes all of them as many whole times
 as fit plus a subset of the rest; a smaller share is a subset. The subsets are drawn by --seed, once for the run, so
 the mixture's block list is fixed and BlockOrder visits it as any dataset's: the same order for a seed at any world
-size, and a resume continues exactly. Validation blocks are every part's validation blocks, unweighted.
+size, and a resume continues exactly. Validation blocks are every part's validation blocks, unweighted. The two
+--dataset forms above are read by sources.parse_mixture, with what --dataset names.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def load_run(arg: str, label: str | None = None) -> RunMetrics:
     return RunMetrics(label or metrics.parent.name, metrics, train, evals)
 
 
-def _labels(args: list[str], given: list[str] | None) -> list[str | None]:
+def run_labels(args: list[str], given: list[str] | None) -> list[str | None]:
     if given:
         if len(given) != len(args):
             raise SystemExit(f"error: {len(given)} --labels for {len(args)} runs")

@@ -1,5 +1,6 @@
 """--streaming (model_utils.data.streaming): local JSONL and Parquet files read with datasets' streaming path, the
-blocks each rank reads, the held-out validation documents, the state that resumes a stream exactly, and the refusals."""
+blocks each rank reads, the held-out validation documents, the state that resumes a stream exactly, and the
+refusals."""
 
 from __future__ import annotations
 

@@ -148,7 +148,7 @@ class ExampleBatch:
 
     def model_arrays(self, document_boundaries: bool = False) -> dict:
         """The model's keyword arguments as host arrays (the loop moves each to the device): `labels` and
-        `shift_labels` are the shifted targets, as `train_deepspeed.model_inputs` gives them; with
+        `shift_labels` are the shifted targets, as `train.step.model_inputs` gives them; with
         `document_boundaries` (FlashAttention-4) also the examples' offsets in the flattened batch."""
         arrays = {"input_ids": self.input_ids, "labels": self.targets, "shift_labels": self.targets,
                   "position_ids": self.position_ids}
