@@ -16,6 +16,7 @@
 : "${CHECKPOINT_DIR:=}"      # --checkpoint_dir (relative paths: from the repository root)
 : "${DS_CONFIG:=}"           # --ds_config (relative paths: from the repository root)
 : "${SEQ_LEN:=}"             # --seq_len
+: "${SEQUENCE_PARALLEL:=}"    # --sequence_parallel (GPUs of a node that share each sequence)
 : "${OUTPUT_DIR:=}"          # --export_dir
 
 # ---- Launcher settings.
@@ -321,7 +322,8 @@ build_trainer_args() {
     TRAINER_ARGS=()
     for pair in DATASET:--dataset DATASET_CONFIG_NAME:--dataset_config_name LOCAL_DATASET:--local_dataset \
         MODEL:--model TOKENIZER:--tokenizer MAX_STEPS:--max_steps CHECKPOINT_FREQ:--checkpoint_freq \
-        CHECKPOINT_DIR:--checkpoint_dir DS_CONFIG:--ds_config SEQ_LEN:--seq_len OUTPUT_DIR:--export_dir; do
+        CHECKPOINT_DIR:--checkpoint_dir DS_CONFIG:--ds_config SEQ_LEN:--seq_len SEQUENCE_PARALLEL:--sequence_parallel \
+        OUTPUT_DIR:--export_dir; do
         var=${pair%%:*}
         [[ -n ${!var} ]] && TRAINER_ARGS+=("${pair#*:}" "${!var}")
     done

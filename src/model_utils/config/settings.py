@@ -104,6 +104,16 @@ class ModelConfig:
                                                "with which the run still fits the GPU by the preflight's memory "
                                                "estimate, at the micro-batch all of them allow: the memory left over "
                                                "buys back recomputation); or a count.", parse="layer_count")
+    sequence_parallel: int = _f(1, "Sequence parallelism (DeepSpeed's Ulysses, ALST): each sequence split across this "
+                                   "many GPUs of a node, attention exchanging heads for sequence by all-to-all; data "
+                                   "parallelism (ZeRO) over the GPUs / N groups. 1: off, every GPU holds whole "
+                                   "sequences. Needs the attention heads, key-value heads and --seq_len divisible by "
+                                   "N (docs/LONG-CONTEXT.md).")
+    tiled_mlp: str = _f("auto", "Run each decoder layer's MLP over the sequence in tiles and recompute it in the "
+                                "backward pass (DeepSpeed's TiledMLP): the MLP's activations of one tile instead of "
+                                "the whole sequence, for one more MLP forward. on, off, or auto (on where a GPU holds "
+                                "at least 32,768 tokens of a sequence: --seq_len / --sequence_parallel).",
+                        choices=("auto", "on", "off"))
     lora_rank: int = _f(0, "LoRA: train low-rank adapters of this rank beside the frozen weights (Hu et al. 2021); "
                            "0 (the default): off, every weight trains (full fine-tuning). 16 is this project's usual "
                            "choice (docs/FINE-TUNING.md).")

@@ -42,6 +42,7 @@ from model_utils.data.tokenizer import load_tokenizer
 from model_utils.models.build import FlopsModel, checkpointable_layers, decay_groups, model_config, tokenizer_source
 from model_utils.models.lora import LoraError, adapter_activations, meta_model, parameter_counts
 from model_utils.models.memory import GIB, PhaseMemory, choose_micro_batch, resume_host_bytes
+from model_utils.models.sequence_parallel import sequence_parallel_problems
 from model_utils.models.speed import use_fused_kernels
 from model_utils.planning.memory_model import (Hardware, MemoryModel, ModelPlan, choose_checkpointed_layers,
                                                choose_prefetch, choose_whole_parameters)
@@ -75,7 +76,7 @@ class Plan:
     (its problem is in `problems`)."""
 
     cfg: TrainConfig
-    world: int  # data-parallel ranks the run has (or will have: the launchers export WORLD_SIZE)
+    world: int  # data-parallel ranks the run has (or will have: the launchers export WORLD_SIZE), GPUs / N
     hardware: Hardware
     fused_loss: bool
     seq_len: int
@@ -97,6 +98,20 @@ class Plan:
     fine_tuning: object = None  # config.fine_tuning.FineTuningDefaults in cfg and ds_config; None: the config's own
     problems: tuple[Problem, ...] = ()
     notes: tuple[str, ...] = ()
+
+    @property
+    def sequence_parallel(self) -> int:
+        return self.cfg.model.sequence_parallel
+
+    @property
+    def ranks(self) -> int:
+        """The GPUs: data-parallel ranks x the GPUs that share each sequence (ZeRO partitions over all of them)."""
+        return self.world * self.sequence_parallel
+
+    @property
+    def rank_seq_len(self) -> int:
+        """The tokens of each sequence that one GPU holds (--seq_len / --sequence_parallel)."""
+        return self.seq_len // self.sequence_parallel
 
 
 def gpu_memory_gib() -> tuple[float | None, str]:
@@ -136,13 +151,16 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
     hardware = probe_hardware(on_training_hardware, world)
     fused = fused_loss(cfg.speed, hardware)
     seq_len = cfg.model.seq_len or default_seq_len(cfg.model.model)
-    plan = Plan(cfg, world, hardware, fused, seq_len, fine_tuning=fine_tuning)
+    plan = Plan(cfg, max(world // cfg.model.sequence_parallel, 1), hardware, fused, seq_len, fine_tuning=fine_tuning)
 
     ds_path = cfg.optim.ds_config_path
     raw, found = dsc.load_json(ds_path) if ds_path.is_file() else (None, [])  # a missing file: validate_args
     problems += found
     tokenizer, model, found = load_model(cfg, seq_len)
     problems += found
+    if model is not None:
+        problems += sequence_parallel_problems(model.config, cfg.model.sequence_parallel, seq_len, world,
+                                               cfg.model.attn_implementation)
     plan = dataclasses.replace(plan, raw_ds_config=raw, tokenizer=tokenizer, model=model)
 
     if raw is not None:
@@ -241,7 +259,7 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     if request is None:
         return plan, problems, notes
     memory_model = None if model is None else MemoryModel(
-        model, plan.hardware, plan.world, plan.seq_len, cfg.speed, plan.fused_loss, cfg.model.gradient_checkpointing,
+        model, plan.hardware, plan.ranks, plan.rank_seq_len, cfg.speed, plan.fused_loss, cfg.model.gradient_checkpointing,
         bool(cfg.logging.generate_prompt and cfg.checkpoint.export), cfg.optim.delayed_update_from_step, request)
     choice = parameters = None
     micro = request.micro
@@ -258,6 +276,8 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     if batch is None:
         return dataclasses.replace(plan, memory_model=memory_model, parameters_choice=parameters), problems, notes
     ds, notes, problems = with_batch(ds, batch, notes, problems)
+    if plan.sequence_parallel > 1 and ds is not None:  # DeepSpeed's batch is over the data-parallel ranks
+        ds["sequence_parallel_size"] = plan.sequence_parallel
     compiled = memory_model.compiles(ds) if memory_model else False
     if compiled and dsc.zero_stage(ds) == 3:
         ds = dsc.with_layer_prefetch(ds, raw, model.layer_params)
@@ -276,12 +296,12 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
         checkpointed_layers=layers, checkpointed_layers_choice=layers_choice,
         delayed_prefetch=prefetch, delayed_prefetch_choice=prefetch_choice,
         host_bytes=memory_model.host_bytes(ds),
-        resume_host_bytes=resume_host_bytes(model.trainable_params, plan.world, plan.hardware.ranks_per_node,
+        resume_host_bytes=resume_host_bytes(model.trainable_params, plan.ranks, plan.hardware.ranks_per_node,
                                             dsc.offloads(ds)[0], memory_model.gpu_optimizer_share(ds)))
     bf16 = dsc.precision(ds) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
     checkpoint_bytes = model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05  # LoRA: no frozen weight
     writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,
-                                    any(dsc.offloads(ds)), plan.hardware, plan.world)
+                                    any(dsc.offloads(ds)), plan.hardware, plan.ranks)
     return dataclasses.replace(plan, memory=memory, checkpoints=writes), problems
 
 

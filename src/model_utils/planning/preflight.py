@@ -232,10 +232,18 @@ def _check_resume(plan: Plan, report: Report):
         return
     m = info.manifest
     report.lines.append(f"resume: from {info.path} (step {m['step']})")
-    if plan.ds_config is not None and needs_universal(info, plan.world, dsc.zero_stage(plan.ds_config)):
-        report.notes.append(f"{info.path} was saved by {m.get('world_size')} ranks and this run has {plan.world}: it "
-                            f"will be converted to a universal checkpoint ({' '.join(universal_command(info))}) "
-                            "and loaded with load_universal")
+    if plan.ds_config is not None and needs_universal(info, plan.ranks, dsc.zero_stage(plan.ds_config)):
+        split = (m.get("ds_config") or {}).get("sequence_parallel_size", 1)
+        if split > 1:  # DeepSpeed records Ulysses' groups as tensor parallelism, which ds_to_universal then expects
+            report.problems.append(Problem(
+                "--resume_from_checkpoint" if cfg.checkpoint.resume_from_checkpoint else "--checkpoint_dir",
+                str(info.path), f"was saved by {m.get('world_size')} GPUs with --sequence_parallel {split} and this run "
+                f"has {plan.ranks}: DeepSpeed's universal conversion (ds_to_universal) cannot read a sequence-parallel "
+                "checkpoint", f"resume on {m.get('world_size')} GPUs (with any --sequence_parallel that divides them)"))
+        else:
+            report.notes.append(f"{info.path} was saved by {m.get('world_size')} ranks and this run has {plan.ranks}: "
+                                f"it will be converted to a universal checkpoint ({' '.join(universal_command(info))}) "
+                                "and loaded with load_universal")
     if m.get("model") not in (None, cfg.model.model):
         report.problems.append(Problem("--model", cfg.model.model, f"{info.path} holds a checkpoint of {m.get('model')}",
                                        f"use --model {m.get('model')}, or another --checkpoint_dir"))

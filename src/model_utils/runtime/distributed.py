@@ -21,10 +21,27 @@ class Dist:
     world_size: int
     device: torch.device
     backend: str
+    sequence_parallel: int = 1  # GPUs that share each sequence (--sequence_parallel): consecutive ranks, one group
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the data-parallel ranks: the ranks of one sequence-parallel group read the same
+        blocks (each its own slice of their sequences)."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def data_world(self) -> int:
+        """The data-parallel ranks: groups of --sequence_parallel GPUs, each reading its own blocks."""
+        return self.world_size // self.sequence_parallel
+
+    @property
+    def sequence_rank(self) -> int:
+        """This rank's slice of each sequence within its sequence-parallel group (0 without sequence parallelism)."""
+        return self.rank % self.sequence_parallel
 
     def barrier(self):
         if torch.distributed.is_initialized():

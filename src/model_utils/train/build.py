@@ -25,6 +25,7 @@ from model_utils.data.streaming import identity_entry, is_streamed
 from model_utils.data.tokens import token_fingerprint, tokenizer_identity
 from model_utils.models.build import build_model, decay_groups, gpu_peak_tflops
 from model_utils.models.lora import LoraError, apply_lora, summary
+from model_utils.models.sequence_parallel import enable_ulysses, tile_mlps, uses_tiled_mlp
 from model_utils.models.speed import apply_speed_options, streamline_zero_step
 from model_utils.patches.deepspeed_offload import delay_offload_updates
 from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
@@ -53,6 +54,7 @@ def start_log(cfg: TrainConfig, dist: Dist) -> Logger:
 def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
     """The run of a checked plan (planning.preflight.checked_plan: every rank holds the same resume point and data
     source): the engine's DeepSpeed config, the data, the model and engine, then the resume."""
+    dist.sequence_parallel = plan.cfg.model.sequence_parallel  # the plan checked that it divides the ranks
     ds, resume_tag = engine_config(plan, dist, log)
     loaded = load_data(plan, ds, dist, log)
     cfg, ds = loaded.cfg, loaded.ds_config
@@ -62,7 +64,8 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
               plan.batch, plan.model.flops, log, data_identity=loaded.identity, speed_in_force=in_force,
               peak_tflops=gpu_peak(dist), position=DataPosition(), saves=saves, incomplete_moved=plan.incomplete_moved,
               document_eos=plan.tokenizer.eos_token_id if cfg.data.document_mask and not loaded.examples else None,
-              document_boundaries=documents and takes_document_boundaries(model), lora=cfg.model.lora_settings(),
+              document_boundaries=documents and (takes_document_boundaries(model) or dist.sequence_parallel > 1),
+              lora=cfg.model.lora_settings(),
               examples=loaded.examples)
     describe_run(run, plan, loaded.length)
     if plan.resume:
@@ -104,17 +107,17 @@ def load_data(plan: Plan, ds: dict, dist: Dist, log: Logger) -> LoadedData:
                         seed=cfg.seed, data_format=plan.data_format)
     length = None
     if cfg.batch.num_epochs is not None:  # the length in steps follows from the packed data
-        cfg, ds, length = settle_length(plan, ds, len(data.train_ids), dist.world_size, log)
+        cfg, ds, length = settle_length(plan, ds, len(data.train_ids), dist.data_world, log)
     elif plan.fine_tuning is not None:
         log.info(plan.fine_tuning.describe())
     log.info(describe_ds_config(ds))
-    identity = data_identity(cfg, plan.tokenizer, batch.seq_len, data, dist.world_size)
+    identity = data_identity(cfg, plan.tokenizer, batch.seq_len, data, dist.data_world)
     if plan.resume:  # every rank alike: the same manifest (broadcast), the same data
         problems = data_position_problems(plan.resume.manifest, plan.resume.path, identity)
         if problems:
             raise ConfigError(problems)
-    order = (data.order(dist.world_size, batch.micro) if is_streamed(data)
-             else BlockOrder(data.train_ids, cfg.seed, dist.world_size, batch.micro))
+    order = (data.order(dist.data_world, batch.micro) if is_streamed(data)  # a sequence-parallel group reads alike
+             else BlockOrder(data.train_ids, cfg.seed, dist.data_world, batch.micro))
     log.info(f"data: {data.description}")
     return LoadedData(data, order, identity, is_example_data(data), cfg, ds, length)
 
@@ -133,6 +136,11 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
                                    warn=lambda message: log.warn(message, all_ranks=True),
                                    documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss,
                                    compiled=plan.compiled_layers)
+    mpu = None
+    if dist.sequence_parallel > 1:
+        mpu = enable_ulysses(model, dist.sequence_parallel, plan.batch.micro, log.info)
+    if uses_tiled_mlp(cfg.model.tiled_mlp, plan.seq_len, dist.sequence_parallel):
+        in_force["tiled_mlp"] = tile_mlps(model, log.info)
     lora = cfg.model.lora_settings()
     if lora is not None:
         model = wrap_with_adapters(model, lora, log)
@@ -140,7 +148,7 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     matrices, others = decay_groups(model.parameters())
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds, mpu=mpu)
     in_force.update(streamline_zero_step(engine, cfg.speed, log.info))
     from_step = cfg.optim.delayed_update_from_step
     delayed = delay_offload_updates(engine, from_step, log.info,  # ZeRO, optimizer offloaded
@@ -163,13 +171,15 @@ def gpu_peak(dist: Dist) -> float | None:
 def describe_run(run: Run, plan: Plan, length) -> None:
     """The header lines of a built run: attention, model, batch, recomputed layers."""
     cfg, log, batch, ds = run.cfg, run.log, run.batch, run.ds_config
+    # the documents' boundaries go to FlashAttention-4, or under sequence parallelism to SDPA once per document
+    kernel = "FlashAttention-4" if run.speed_in_force.get("attention_kernel") == "fa4" else "SDPA (one call each)"
     if run.examples:
         log.info("attention: within each example (positions restart at every example, "
-                 + ("FlashAttention-4 takes the examples' boundaries)" if run.document_boundaries
+                 + (f"{kernel} takes the examples' boundaries)" if run.document_boundaries
                     else "transformers masks attention to each example)"))
     elif cfg.data.document_mask:
         log.info("attention: within documents (--document_mask; positions restart after each EOS, "
-                 + ("FlashAttention-4 takes the documents' boundaries)" if run.document_boundaries
+                 + (f"{kernel} takes the documents' boundaries)" if run.document_boundaries
                     else "transformers masks attention to each document)"))
     precision = dsc.precision(ds)
     log.info(f"model: {cfg.model.model}, {plan.model.num_params / 1e6:.1f}M parameters, "

@@ -101,7 +101,7 @@ def evaluate(run: Run) -> dict:
     sums = torch.zeros(2, device=dist.device, dtype=torch.float64)  # the loss summed over its targets, their count
     with torch.no_grad():
         for i in range(run.cfg.logging.eval_iters):
-            start = (i * dist.world_size + dist.rank) * m
+            start = (i * dist.data_world + dist.data_rank) * m  # a sequence-parallel group reads alike
             picks = [ids[(start + j) % len(ids)] for j in range(m)]
             summed, targets = evaluation_loss(engine, run.model, model_inputs(run, run.data.val.batch(picks)))
             sums += torch.stack([summed, targets])

@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model_utils.data.blocks import attention_area as document_area
 from model_utils.data.blocks import document_boundaries, document_positions
 from model_utils.data.sft.packing import ExampleBatch
+from model_utils.models.sequence_parallel import shard_inputs
 from model_utils.patches.deepspeed_zero import device_skip_flag, settle_device_skip
 from model_utils.train.run import Run
 
@@ -24,13 +26,26 @@ def model_inputs(run: Run, blocks) -> dict:
     """The model's keyword arguments for packed blocks of seq_len + 1 tokens (a host array): inputs are each block's
     first T tokens, targets its last T (already shifted). With --document_mask, positions restart after each EOS,
     from which transformers masks attention to each document; FlashAttention-4 takes the documents' boundaries
-    instead. Both come from the host's copy of the tokens: nothing waits on the GPU for them."""
+    instead. Both come from the host's copy of the tokens: nothing waits on the GPU for them. With
+    --sequence_parallel, this rank's slice of each sequence (positions always given: Ulysses gathers them)."""
     device = run.dist.device
     if isinstance(blocks, ExampleBatch):
-        return example_inputs(run, blocks)
+        batch = example_inputs(run, blocks)
+    else:
+        batch = block_inputs(run, blocks, device)
+    if run.dist.sequence_parallel > 1:
+        return shard_inputs(batch, run.dist.sequence_rank, run.dist.sequence_parallel)
+    return batch
+
+
+def block_inputs(run: Run, blocks, device) -> dict:
+    """`model_inputs` of packed blocks of text (not fine-tuning examples), whole sequences."""
     on_device = to_device(blocks, device)
     inputs, targets = on_device[:, :-1].contiguous(), on_device[:, 1:].contiguous()
     batch = {"input_ids": inputs, "labels": targets, "shift_labels": targets}
+    if run.document_eos is None and run.dist.sequence_parallel > 1:
+        positions = np.broadcast_to(np.arange(run.batch.seq_len), inputs.shape).copy()
+        batch["position_ids"] = to_device(positions, device)
     if run.document_eos is not None:
         positions = document_positions(blocks[:, :-1], run.document_eos)
         batch["position_ids"] = to_device(positions, device)
@@ -102,15 +117,23 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
     loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
     nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
     blocks_read, area = [], 0
-    # Packed examples: the step's micro-batches read up front, to weight each one's mean loss by its loss tokens
-    ahead = step_micro_batches(run) if run.examples else None
-    weights = loss_token_weights(run, [blocks for _, blocks in ahead]) if ahead else None
+    split = dist.sequence_parallel > 1
+    # Packed examples, or sequences split across ranks: the step's micro-batches read up front, to weigh each loss
+    # token of the step alike (a micro-batch's or a slice's own mean would weigh its few tokens as much as many)
+    ahead = step_micro_batches(run) if run.examples or split else None
+    step_blocks = [blocks for _, blocks in ahead] if ahead else None
+    weights = loss_token_weights(run, step_blocks) if run.examples and not split else None
+    loss_items = split_loss_items(run, step_blocks) if split else None
     for micro in range(run.batch.accumulation):
         with phase("forward"):
             indices, blocks = ahead[micro] if ahead else read_micro_batch(run, run.position)
             blocks_read += indices.tolist()
-            area += attention_area(run, blocks)
-            loss = compute_loss(engine, model_inputs(run, blocks))
+            if dist.sequence_rank == 0:  # the group's ranks compute one sequence together: its attention once
+                area += attention_area(run, blocks)
+            inputs = model_inputs(run, blocks)
+            if loss_items is not None:
+                inputs["num_items_in_batch"] = loss_items
+            loss = compute_loss(engine, inputs)
             if weights is not None:
                 loss = loss * weights[micro]
         with phase("backward"):
@@ -127,7 +150,7 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
 
 def read_micro_batch(run: Run, position) -> tuple:
     """(block indices, blocks) of this rank's micro-batch at data `position`."""
-    indices = run.order.rank_indices(position, run.dist.rank)
+    indices = run.order.rank_indices(position, run.dist.data_rank)
     return indices, run.data.train.batch(indices)
 
 
@@ -148,7 +171,20 @@ def loss_token_weights(run: Run, micro_batches: list):
     counts = torch.tensor([float(blocks.loss_tokens) for blocks in micro_batches], dtype=torch.float64)
     counts = counts.to(run.dist.device)
     total = run.dist.all_reduce(counts.sum())
-    return (counts * (len(micro_batches) * run.dist.world_size) / total).float()
+    return (counts * (len(micro_batches) * run.batch.world) / total).float()
+
+
+def split_loss_items(run: Run, micro_batches: list) -> float:
+    """With --sequence_parallel: the divisor of each slice's summed loss (transformers' num_items_in_batch) that
+    makes the step's gradient the mean over every loss token of the step. DeepSpeed sums the gradients of a group's
+    ranks (their slices are one sequence) and averages over the groups and micro-batches; so each slice's loss is its
+    sum over the step's loss tokens, times the groups and micro-batches. One all-reduce of the step's count (each
+    group's ranks count the same blocks)."""
+    count = sum(float(blocks.loss_tokens) if isinstance(blocks, ExampleBatch) else float(blocks[:, 1:].size)
+                for blocks in micro_batches)
+    total = run.dist.all_reduce(torch.tensor(count, dtype=torch.float64, device=run.dist.device)).item()
+    total /= run.dist.sequence_parallel
+    return max(total, 1.0) / (len(micro_batches) * run.batch.world)
 
 
 def agree_after_step(run: Run, result: StepResult, stop_received: bool = False, save_due: bool = False) -> StepFlags:

@@ -35,7 +35,7 @@ class Interval:
         run, dist, engine = self.run, self.run.dist, self.run.engine
         sums = torch.stack([self.loss_sum, torch.tensor(float(self.area), device=dist.device, dtype=torch.float64)])
         loss_total, area_total = dist.all_reduce(sums).tolist()
-        mean_loss = loss_total / (self.steps * run.batch.accumulation * dist.world_size)
+        mean_loss = loss_total / (self.steps * run.batch.accumulation * run.batch.world)  # data-parallel ranks
         tokens = self.steps * run.batch.tokens_per_step
         # slowest and fastest rank's mean step time (max of t and of -t: one collective)
         times = torch.tensor([self.step_time, -self.step_time], device=dist.device, dtype=torch.float64) / self.steps

@@ -235,7 +235,7 @@ def test_document_mask_makes_each_document_see_only_itself(tokenizer):
     blocks = np.stack([block, block[::-1]]).astype(np.int64)
 
     def run(document_mask: bool):
-        fake_run = SimpleNamespace(dist=SimpleNamespace(device=torch.device("cpu")), seq_len=32,
+        fake_run = SimpleNamespace(dist=SimpleNamespace(device=torch.device("cpu"), sequence_parallel=1), seq_len=32,
                                    document_eos=eos if document_mask else None, document_boundaries=False)
         batch = model_inputs(fake_run, blocks)
         assert torch.equal(batch["input_ids"], torch.from_numpy(blocks[:, :-1]))

@@ -100,13 +100,13 @@ def test_dry_run_standalone_maps_every_setting_to_its_flag(tmp_path):
     result = launch("./train-singlenode.sh", "--seed", "7", "--resume", "never", DRY_RUN="1",
                     DATASET="data/x.jsonl", DATASET_CONFIG_NAME="en", LOCAL_DATASET="true", MODEL="qwen3-0.6b",
                     TOKENIZER="tok", MAX_STEPS="20", CHECKPOINT_FREQ="5", CHECKPOINT_DIR=str(tmp_path / "ck"),
-                    DS_CONFIG="ds_config.json", SEQ_LEN="128", OUTPUT_DIR=str(tmp_path / "hf"))
+                    DS_CONFIG="ds_config.json", SEQ_LEN="128", SEQUENCE_PARALLEL="2", OUTPUT_DIR=str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     assert commands(result) == [
         f"+ {DEFAULT_PYTHON} src/train_deepspeed.py "
         "--dataset data/x.jsonl --dataset_config_name en --local_dataset true --model qwen3-0.6b --tokenizer tok "
         f"--max_steps 20 --checkpoint_freq 5 --checkpoint_dir {tmp_path}/ck --ds_config ds_config.json --seq_len 128 "
-        f"--export_dir {tmp_path}/hf --seed 7 --resume never"]
+        f"--sequence_parallel 2 --export_dir {tmp_path}/hf --seed 7 --resume never"]
     assert ("this machine: 2 processes (0 GPUs), each running with RANK=LOCAL_RANK=0..1 WORLD_SIZE=2 "
             "MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>:") in result.stdout
 

@@ -1,0 +1,105 @@
+"""Long sequences on the GPU: the trainer at given lengths and --sequence_parallel sizes, one torchrun per case, each
+case's steps read back from its metrics.jsonl (loss, tokens/s per GPU, MFU, peak GPU memory) and its exit (done, out of
+memory, failed). Random-token blocks (--dummy_data): what one optimizer step costs does not depend on the tokens.
+
+    python3 benchmarks/long_context.py --json results.jsonl --log-dir logs --nproc 2 --model llama-1b \\
+        --seq_len 65536 131072 --sequence_parallel 2 --steps 3 -- --gradient_checkpointing
+
+Arguments after `--` go to every trainer run. A case's record has `status` "ok", "oom" or "failed" and, when it
+trained, its per-step records; `--stop-at-oom` skips the longer lengths of a size once one runs out of memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
+    name = f"{args.model}-T{seq_len}-sp{split}-gpus{nproc}"
+    work = Path(args.workdir) / name
+    shutil.rmtree(work, ignore_errors=True)
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    blocks = max(args.steps * nproc // split * 2, 8)
+    command = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(REPO / "src" / "train_deepspeed.py"),
+               "--model", args.model, "--seq_len", str(seq_len), "--sequence_parallel", str(split),
+               "--dummy_data", str(blocks), "--max_steps", str(args.steps), "--micro_batch_size", "1",
+               "--log_interval", "1", "--eval_interval", "0", "--checkpoint_freq", "0", "--no-export",
+               "--checkpoint_dir", str(work), "--ds_config", args.ds_config, *extra]
+    t0 = time.monotonic()
+    with open(log_dir / f"{name}.log", "w") as log:
+        try:
+            proc = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                  check=False)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    text = (log_dir / f"{name}.log").read_text(errors="replace")
+    records = []
+    metrics = work / "metrics.jsonl"
+    if metrics.exists():
+        records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r and "lr" in r]
+    status = "ok" if code == 0 else ("oom" if "OutOfMemoryError" in text or "out of memory" in text else "failed")
+    summary = {"case": name, "model": args.model, "seq_len": seq_len, "sequence_parallel": split, "gpus": nproc,
+               "status": status, "exit": code, "wall_s": round(time.monotonic() - t0, 1), "steps": records,
+               "extra_args": extra, "ds_config": args.ds_config,
+               "log_tail": "" if status == "ok" else text[-3000:]}
+    timed = records[args.skip:] or records
+    if timed:
+        mean = lambda key: sum(r[key] for r in timed if r.get(key) is not None) / len(timed)  # noqa: E731
+        summary.update(mean_step_time_s=mean("step_time_s"), tokens_per_s_per_device=mean("tokens_per_s_per_device"),
+                       mfu=mean("mfu") if timed[0].get("mfu") is not None else None,
+                       peak_gib=max(r.get("peak_mem_gib", 0) or 0 for r in records))
+    for line in text.splitlines():
+        if line.startswith(("memory:", "tiled MLP", "sequence parallelism", "attention:", "activation checkpointing")):
+            summary.setdefault("header", []).append(line[:300])
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--log-dir", required=True)
+    parser.add_argument("--write-doc", default=None, help="accepted for run_device.sh; not written")
+    parser.add_argument("--model", default="llama-1b")
+    parser.add_argument("--ds_config", default="ds_config.json")
+    parser.add_argument("--seq_len", type=int, nargs="+", required=True)
+    parser.add_argument("--sequence_parallel", type=int, nargs="+", default=[1])
+    parser.add_argument("--nproc", type=int, nargs="+", default=None, help="GPUs per case (default: the split size)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--skip", type=int, default=1, help="first steps left out of the means (compile, warm-up)")
+    parser.add_argument("--timeout", type=int, default=300)
+    parser.add_argument("--workdir", default="/tmp/long-context")
+    parser.add_argument("--stop-at-oom", action="store_true")
+    parser.add_argument("--title", default="")
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    for split in args.sequence_parallel:
+        for nproc in args.nproc or [split]:
+            for seq_len in args.seq_len:
+                result = run_case(args, extra, seq_len, split, nproc)
+                result["title"] = args.title
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+                shown = {k: result.get(k) for k in ("case", "status", "mean_step_time_s", "tokens_per_s_per_device",
+                                                    "mfu", "peak_gib")}
+                losses = [round(r["loss"], 4) for r in result["steps"]]
+                print(f"ours {json.dumps(shown)} losses {losses[:3]}...{losses[-3:]}", flush=True)
+                if result["status"] != "ok":
+                    print("# " + result["log_tail"][-1500:].replace("\n", "\n# "), flush=True)
+                    if args.stop_at_oom and result["status"] == "oom":
+                        break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

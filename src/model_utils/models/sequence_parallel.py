@@ -1,0 +1,165 @@
+"""Long sequences: DeepSpeed's Arctic Long Sequence Training (ALST) pieces, through their public API.
+
+- Sequence parallelism (`--sequence_parallel N`): DeepSpeed's `UlyssesSPAttentionHF` wraps the model's attention. Each
+  of N consecutive ranks holds a slice of every sequence; around attention an all-to-all trades the slices of the
+  sequence for slices of the heads, so each rank attends over the whole sequence for 1/N of the heads. Everything else
+  (embeddings, MLPs, norms, the loss) runs on the rank's slice alone.
+- The attention under it sees the whole sequence: FlashAttention-4 with the documents' or examples' boundaries where it
+  runs, else SDPA once per document (`document_sdpa`: causal within each, never a dense mask). It is registered with
+  transformers under its own name without a mask function, so transformers builds no mask for the rank's slice either
+  (a packed slice of 64K tokens would otherwise get a 4 GiB boolean mask that Ulysses throws away).
+- Tiled MLPs (`--tiled_mlp`): DeepSpeed's `TiledMLP` runs each decoder layer's MLP over the sequence in tiles and
+  recomputes it in the backward pass, so the MLP's intermediate activations exist for one tile at a time.
+
+The data side needs no DeepSpeed adapter: every rank of a group reads the same blocks (runtime.distributed.Dist
+.data_rank) and keeps its slice (`shard_inputs`), so the data order and the resume point are those of a run whose data
+parallelism is the number of groups.
+"""
+
+from __future__ import annotations
+
+import math
+
+from model_utils.core.problems import Problem
+from model_utils.patches.flash_attn4 import FA4_NAME, fa4_attention
+
+ULYSSES_NAME = "dslm_ulysses"  # the attention implementation name registered with transformers under Ulysses
+TILED_MLP_MIN_TOKENS = 32768  # --tiled_mlp auto: on where a GPU holds at least this many tokens of a sequence
+
+
+def sequence_parallel_problems(config, sequence_parallel: int, seq_len: int, gpus: int,
+                               attn_implementation: str) -> list[Problem]:
+    """Why `--sequence_parallel` cannot split this model's sequences on `gpus` ranks, each with the fix."""
+    n = sequence_parallel
+    if n == 1:
+        return []
+    problems = []
+    if gpus % n:
+        problems.append(Problem("--sequence_parallel", n, f"does not divide the {gpus} GPUs of the run",
+                                f"use a divisor of {gpus} (data parallelism runs over GPUs / N groups)"))
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % n:
+        fits = [d for d in range(2, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        problems.append(Problem("--sequence_parallel", n, f"does not divide the model's {heads} attention heads "
+                                "(each rank attends with heads / N of them)", f"use one of {fits[:6]}"))
+    elif kv_heads % n and n % kv_heads:
+        problems.append(Problem("--sequence_parallel", n, f"and the model's {kv_heads} key-value heads do not divide "
+                                "one another", f"use a divisor or a multiple of {kv_heads}"))
+    if seq_len % n:
+        problems.append(Problem("--seq_len", seq_len, f"is not a multiple of --sequence_parallel {n} (each rank holds "
+                                "an equal slice)", f"use {seq_len // n * n} or {math.ceil(seq_len / n) * n}"))
+    if attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        problems.append(Problem("--attn_implementation", attn_implementation, "is not supported with "
+                                "--sequence_parallel (Ulysses needs attention that takes no dense mask)",
+                                "use --attn_implementation sdpa (FlashAttention-4 is used where it runs)"))
+    return problems
+
+
+def uses_tiled_mlp(setting: str, seq_len: int, sequence_parallel: int) -> bool:
+    """--tiled_mlp: on, off, or auto (on where a GPU holds TILED_MLP_MIN_TOKENS tokens of a sequence or more)."""
+    if setting == "auto":
+        return seq_len // sequence_parallel >= TILED_MLP_MIN_TOKENS
+    return setting == "on"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Attention over the whole sequence, within documents
+# ----------------------------------------------------------------------------------------------------------------------
+def document_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA causal within each document: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out, as transformers'
+    attention functions. The documents are `cu_seq_lens_q`, their offsets in the flattened rows (FlashAttention's
+    cu_seqlens); without them, causal over each whole row. Each document is one causal SDPA call on its own slice: no
+    mask, so SDPA takes its flash or memory-efficient kernels, and nothing is computed across documents."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("is_causal", None)
+    boundaries = kwargs.pop("cu_seq_lens_q", None)
+    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+        kwargs.pop(name, None)
+    if boundaries is None:
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                      is_causal=True, **kwargs)
+    batch, _, seq, _ = query.shape
+    flat = [t.transpose(0, 1).reshape(t.shape[1], batch * seq, t.shape[3]) for t in (query, key, value)]
+    cuts = boundaries.tolist()
+    outputs = []
+    for start, end in zip(cuts[:-1], cuts[1:]):
+        q, k, v = (t[:, start:end].unsqueeze(0) for t in flat)
+        out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
+                                        **kwargs)
+        outputs.append(out)
+    out = torch.cat(outputs, dim=1)  # (1, batch x seq, heads, dim)
+    return out.view(batch, seq, *out.shape[2:]), None
+
+
+def enable_ulysses(model, sequence_parallel: int, micro_batch: int, log):
+    """Wrap the model's attention in DeepSpeed's Ulysses for groups of `sequence_parallel` ranks and return the
+    parallel-state object (mpu) that deepspeed.initialize takes. Call after the speed options (which pick
+    FlashAttention-4 or SDPA) and before deepspeed.initialize."""
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers import AttentionInterface
+
+    fa4 = getattr(model.config, "_attn_implementation", None) == FA4_NAME
+    # document_sdpa reads the boundaries on the host: it runs outside any compiled graph
+    AttentionInterface.register(ULYSSES_NAME, fa4_attention if fa4 else torch.compiler.disable(document_sdpa))
+    model.config._attn_implementation = ULYSSES_NAME
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation=ULYSSES_NAME, sequence_parallel_size=sequence_parallel,
+        micro_batch_size=micro_batch, seq_length_is_variable=True)
+    log(f"sequence parallelism: each sequence split across {sequence_parallel} GPUs (DeepSpeed Ulysses all-to-all "
+        f"around {'FlashAttention-4' if fa4 else 'SDPA, one call per document'})")
+    return mpu
+
+
+def shard_inputs(batch: dict, rank: int, sequence_parallel: int) -> dict:
+    """This rank's slice of every per-token tensor of the model's inputs (batch, seq): tokens, targets and positions
+    keep the whole sequence's values (targets were shifted before the split, positions count from each document's
+    start), so the slices together are the sequence. The documents' boundaries stay whole: the attention sees the
+    whole sequence."""
+    seq = batch["input_ids"].shape[1]
+    width = seq // sequence_parallel
+    sliced = {}
+    for name, value in batch.items():
+        if name in ("input_ids", "labels", "shift_labels", "position_ids"):
+            value = value[:, rank * width:(rank + 1) * width].contiguous()
+        sliced[name] = value
+    return sliced
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tiled MLPs
+# ----------------------------------------------------------------------------------------------------------------------
+def tile_mlps(model, log) -> int:
+    """Each decoder layer's MLP through DeepSpeed's TiledMLP (tiles of about hidden-size tokens, ALST's choice; the
+    MLP recomputed in the backward pass). Returns the number of MLPs tiled."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    layers = getattr(base, "layers", None) or []
+    hidden = model.config.hidden_size
+    tiled = 0
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            continue
+        mlp.forward = _tiled_forward(mlp, mlp.forward, hidden, TiledMLP)
+        tiled += 1
+    if tiled:
+        log(f"tiled MLP: {tiled} decoder layers' MLPs run in tiles of ~{hidden:,} tokens and recompute in the backward "
+            "pass (DeepSpeed TiledMLP)")
+    return tiled
+
+
+def _tiled_forward(mlp, forward, hidden: int, tiled_mlp):
+    import torch
+
+    params = list(mlp.parameters())
+
+    def tiled(x):
+        tiles = max(1, math.ceil(x.shape[-2] / hidden))
+        return tiled_mlp.apply(lambda module, tile: forward(tile), mlp, x, tiles, params)
+
+    return torch.compiler.disable(tiled)  # an autograd function running a backward inside its backward: eager

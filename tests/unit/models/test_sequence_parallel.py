@@ -1,0 +1,125 @@
+"""The long-sequence pieces on CPU (models/sequence_parallel.py): the attention under Ulysses against transformers'
+dense-mask SDPA, the tiled MLPs against the MLPs, each rank's slice of the inputs, and what --sequence_parallel refuses.
+The split runs themselves (2 gloo ranks) are in tests/distributed/test_sequence_parallel.py."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from model_utils.config.flags import parse_args
+from model_utils.data.blocks import document_boundaries, document_positions
+from model_utils.models import sequence_parallel as sp
+from model_utils.runtime.distributed import Dist
+
+
+def _qkv(batch=2, heads=4, kv_heads=2, seq=24, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda h: torch.randn(batch, h, seq, dim, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    return make(heads), make(kv_heads), make(kv_heads)
+
+
+def _module(heads=4, kv_heads=2):
+    return types.SimpleNamespace(is_causal=True, num_key_value_groups=heads // kv_heads, training=True)
+
+
+def _dense_documents(query, key, value, positions):
+    """transformers' own path: SDPA with the block-diagonal causal mask it builds from restarting positions."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    document = np.cumsum(positions == 0, axis=1)
+    same = document[:, :, None] == document[:, None, :]
+    causal = np.tril(np.ones(same.shape[1:], dtype=bool))
+    mask = torch.from_numpy(same & causal)[:, None]
+    return sdpa_attention_forward(_module(), query, key, value, mask, scaling=query.shape[-1] ** -0.5)[0]
+
+
+def test_attention_within_documents_equals_the_dense_mask_in_outputs_and_gradients():
+    """Two rows of three and two documents (one cut at the row's end): one causal SDPA call per document gives what the
+    dense block-diagonal mask gives, outputs and the gradients of q, k and v, and not what causal attention over the
+    whole row gives."""
+    tokens = np.array([[5, 5, 2, 5, 5, 5, 5, 2, 5] + [5] * 15, [5] * 10 + [2] + [5] * 13])  # 2 ends the documents
+    positions = document_positions(tokens, eos_id=2)
+    boundaries = torch.from_numpy(document_boundaries(positions))
+    assert boundaries.tolist() == [0, 3, 8, 24, 35, 48]
+    q, k, v = _qkv()
+    ours, _ = sp.document_sdpa(_module(), q, k, v, None, scaling=q.shape[-1] ** -0.5, cu_seq_lens_q=boundaries,
+                               cu_seq_lens_k=boundaries, max_length_q=24, position_ids=torch.from_numpy(positions))
+    dense = _dense_documents(q, k, v, positions)
+    assert ours.shape == dense.shape == (2, 24, 4, 8)
+    torch.testing.assert_close(ours, dense, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad((ours * dense.detach().cos()).sum(), (q, k, v))
+    want = torch.autograd.grad((dense * dense.detach().cos()).sum(), (q, k, v))
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    whole, _ = sp.document_sdpa(_module(), q, k, v, None, scaling=q.shape[-1] ** -0.5)
+    assert not torch.allclose(whole, ours)  # without the boundaries: causal over each whole row
+
+
+def test_each_rank_keeps_its_slice_of_every_per_token_input():
+    inputs = {"input_ids": torch.arange(16).view(2, 8), "labels": torch.arange(16).view(2, 8) + 100,
+              "shift_labels": torch.arange(16).view(2, 8) + 200, "position_ids": torch.arange(8).repeat(2, 1),
+              "cu_seq_lens_q": torch.tensor([0, 8, 16]), "max_length_q": 8}
+    first, second = (sp.shard_inputs(inputs, rank, 2) for rank in (0, 1))
+    assert first["input_ids"].tolist() == [[0, 1, 2, 3], [8, 9, 10, 11]]
+    assert second["position_ids"].tolist() == [[4, 5, 6, 7], [4, 5, 6, 7]]  # the whole sequence's positions
+    assert second["shift_labels"].tolist() == [[204, 205, 206, 207], [212, 213, 214, 215]]
+    assert second["cu_seq_lens_q"] is inputs["cu_seq_lens_q"] and second["max_length_q"] == 8  # attention: whole
+    assert all(t.is_contiguous() for t in second.values() if torch.is_tensor(t))
+
+
+def test_a_sequence_parallel_groups_ranks_read_the_same_blocks():
+    ranks = [Dist(r, r, 4, torch.device("cpu"), "gloo", sequence_parallel=2) for r in range(4)]
+    assert [(d.data_rank, d.sequence_rank, d.data_world) for d in ranks] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    alone = Dist(3, 3, 4, torch.device("cpu"), "gloo")
+    assert (alone.data_rank, alone.sequence_rank, alone.data_world) == (3, 0, 4)
+
+
+def test_tiled_mlps_give_the_mlps_outputs_and_gradients():
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.models.build import build_model, model_config
+
+    torch.manual_seed(0)
+    model = build_model("tiny", model_config("tiny", load_tokenizer(None)), torch.float64, "sdpa", False)
+    tokens = torch.randint(0, 500, (2, 600))
+    reference = model(input_ids=tokens, labels=tokens)
+    reference.loss.backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    lines = []
+    assert sp.tile_mlps(model, lines.append) == 4
+    assert "tiles of ~192 tokens" in lines[0]  # the hidden size: 600 tokens in 4 tiles
+    tiled = model(input_ids=tokens, labels=tokens)
+    tiled.loss.backward()
+    torch.testing.assert_close(tiled.loss, reference.loss, rtol=1e-10, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-8, atol=1e-12, msg=name)
+
+
+def test_tiled_mlps_by_default_where_a_gpu_holds_32k_tokens_of_a_sequence():
+    assert not sp.uses_tiled_mlp("auto", 32768, 2) and sp.uses_tiled_mlp("auto", 65536, 2)
+    assert sp.uses_tiled_mlp("on", 256, 1) and not sp.uses_tiled_mlp("off", 10**6, 1)
+
+
+@pytest.mark.parametrize(("split", "seq_len", "gpus", "attn", "says"), [
+    (3, 96, 6, "sdpa", "does not divide the model's 4 attention heads"),
+    (2, 96, 3, "sdpa", "does not divide the 3 GPUs of the run"),
+    (4, 90, 4, "sdpa", "--seq_len = 90: is not a multiple of --sequence_parallel 4"),
+    (2, 96, 2, "eager", "--attn_implementation = eager"),
+])
+def test_sequence_parallel_refuses_what_it_cannot_split(split, seq_len, gpus, attn, says):
+    config = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    problems = sp.sequence_parallel_problems(config, split, seq_len, gpus, attn)
+    assert len(problems) == 1 and says in str(problems[0]), problems
+    assert problems[0].fix
+    assert sp.sequence_parallel_problems(config, 2, 96, 4, "sdpa") == []
+    assert sp.sequence_parallel_problems(config, 1, 91, 3, "eager") == []
+
+
+def test_the_flag_and_its_help():
+    cfg = parse_args(["--sequence_parallel", "2", "--tiled_mlp", "on"])
+    assert (cfg.model.sequence_parallel, cfg.model.tiled_mlp) == (2, "on")
+    assert parse_args([]).model.sequence_parallel == 1
