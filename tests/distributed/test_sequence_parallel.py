@@ -8,7 +8,7 @@ so their fp32 losses agree to float rounding (measured: 1e-7 relative), not bit 
 from __future__ import annotations
 
 import pytest
-from conftest import FAST_ARGS, assert_ok, kill_after_checkpoint_then_resume, run_trainer
+from conftest import FAST_ARGS, Trainer, assert_ok, kill_after_checkpoint_then_resume, run_trainer
 
 from model_utils.checkpoint.protocol import inspect_checkpoint
 
@@ -23,7 +23,7 @@ def _assert_same_training(split, whole, steps):
     assert sorted(got) == sorted(want) == list(range(1, steps + 1))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=RELATIVE), f"step {step}"
-    assert len({round(loss, 3) for loss in want.values()}) > 2  # the weights moved: a loss that stood still proves little
+    assert len({round(loss, 3) for loss in want.values()}) > 2  # the weights moved: a loss standing still proves little
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,8 @@ def test_two_ranks_splitting_each_sequence_train_as_one_rank(split_run, tmp_path
 def test_fine_tuning_examples_split_across_ranks_train_as_one_rank(session_cache, tmp_path):
     """Packed chat examples: attention stays within each example across the slices (positions and boundaries of the
     whole sequence) and the loss is the mean over the step's answer tokens, whichever slice holds them."""
-    split = run_trainer(tmp_path / "split", [*FAST_ARGS, *SFT, *SPLIT])
-    whole = run_trainer(tmp_path / "whole", [*FAST_ARGS, *SFT], nproc=1)
+    started = Trainer(tmp_path / "split", [*FAST_ARGS, *SFT, *SPLIT]), Trainer(tmp_path / "whole", [*FAST_ARGS, *SFT], 1)
+    split, whole = (trainer.wait() for trainer in started)  # side by side: most of each run is its start
     assert_ok(split)
     assert_ok(whole)
     assert "attention: within each example" in split.output

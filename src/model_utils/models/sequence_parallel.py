@@ -18,6 +18,7 @@ parallelism is the number of groups.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 from model_utils.core.problems import Problem
@@ -49,11 +50,27 @@ def sequence_parallel_problems(config, sequence_parallel: int, seq_len: int, gpu
     if seq_len % n:
         problems.append(Problem("--seq_len", seq_len, f"is not a multiple of --sequence_parallel {n} (each rank holds "
                                 "an equal slice)", f"use {seq_len // n * n} or {math.ceil(seq_len / n) * n}"))
+    if not ulysses_takes_a_model():
+        import deepspeed
+
+        problems.append(Problem("--sequence_parallel", n, f"needs a DeepSpeed whose Ulysses takes a loaded model "
+                                f"(0.19.8 does; {deepspeed.__version__} here loads the model's config by hub name)",
+                                "pip install 'deepspeed>=0.19.8'"))
     if attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
         problems.append(Problem("--attn_implementation", attn_implementation, "is not supported with "
                                 "--sequence_parallel (Ulysses needs attention that takes no dense mask)",
                                 "use --attn_implementation sdpa (FlashAttention-4 is used where it runs)"))
     return problems
+
+
+def ulysses_takes_a_model() -> bool:
+    """Whether this DeepSpeed's UlyssesSPAttentionHF.register_with_transformers takes the loaded model (it names the
+    length `seq_length` since then); True where DeepSpeed is not importable here (a login node's preflight)."""
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    except ImportError:
+        return True
+    return "seq_length" in inspect.signature(UlyssesSPAttentionHF.register_with_transformers).parameters
 
 
 def uses_tiled_mlp(setting: str, seq_len: int, sequence_parallel: int) -> bool:
@@ -94,7 +111,7 @@ def document_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.view(batch, seq, *out.shape[2:]), None
 
 
-def enable_ulysses(model, sequence_parallel: int, micro_batch: int, log):
+def enable_ulysses(model, sequence_parallel: int, micro_batch: int, seq_len: int, log):
     """Wrap the model's attention in DeepSpeed's Ulysses for groups of `sequence_parallel` ranks and return the
     parallel-state object (mpu) that deepspeed.initialize takes. Call after the speed options (which pick
     FlashAttention-4 or SDPA) and before deepspeed.initialize."""
@@ -106,9 +123,10 @@ def enable_ulysses(model, sequence_parallel: int, micro_batch: int, log):
     # document_sdpa reads the boundaries on the host: it runs outside any compiled graph
     AttentionInterface.register(ULYSSES_NAME, fa4_attention if fa4 else torch.compiler.disable(document_sdpa))
     model.config._attn_implementation = ULYSSES_NAME
+    # a variable length (evaluation's blocks may be shorter): only the micro-batch shapes Ulysses' checks
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=ULYSSES_NAME, sequence_parallel_size=sequence_parallel,
-        micro_batch_size=micro_batch, seq_length_is_variable=True)
+        micro_batch_size=micro_batch, seq_length=seq_len, seq_length_is_variable=True)
     log(f"sequence parallelism: each sequence split across {sequence_parallel} GPUs (DeepSpeed Ulysses all-to-all "
         f"around {'FlashAttention-4' if fa4 else 'SDPA, one call per document'})")
     return mpu

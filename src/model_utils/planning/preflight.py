@@ -237,9 +237,10 @@ def _check_resume(plan: Plan, report: Report):
         if split > 1:  # DeepSpeed records Ulysses' groups as tensor parallelism, which ds_to_universal then expects
             report.problems.append(Problem(
                 "--resume_from_checkpoint" if cfg.checkpoint.resume_from_checkpoint else "--checkpoint_dir",
-                str(info.path), f"was saved by {m.get('world_size')} GPUs with --sequence_parallel {split} and this run "
-                f"has {plan.ranks}: DeepSpeed's universal conversion (ds_to_universal) cannot read a sequence-parallel "
-                "checkpoint", f"resume on {m.get('world_size')} GPUs (with any --sequence_parallel that divides them)"))
+                str(info.path), f"was saved by {m.get('world_size')} GPUs with --sequence_parallel {split} and this "
+                f"run has {plan.ranks}: DeepSpeed's universal conversion (ds_to_universal) cannot read a "
+                "sequence-parallel checkpoint",
+                f"resume on {m.get('world_size')} GPUs (with any --sequence_parallel that divides them)"))
         else:
             report.notes.append(f"{info.path} was saved by {m.get('world_size')} ranks and this run has {plan.ranks}: "
                                 f"it will be converted to a universal checkpoint ({' '.join(universal_command(info))}) "

@@ -138,7 +138,7 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
                                    compiled=plan.compiled_layers)
     mpu = None
     if dist.sequence_parallel > 1:
-        mpu = enable_ulysses(model, dist.sequence_parallel, plan.batch.micro, log.info)
+        mpu = enable_ulysses(model, dist.sequence_parallel, plan.batch.micro, plan.seq_len, log.info)
     if uses_tiled_mlp(cfg.model.tiled_mlp, plan.seq_len, dist.sequence_parallel):
         in_force["tiled_mlp"] = tile_mlps(model, log.info)
     lora = cfg.model.lora_settings()
