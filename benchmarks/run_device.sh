@@ -408,13 +408,24 @@ EOF
   long-context)  # sequence parallelism on 2 GPUs (benchmarks/long_context.py): the loss of Qwen3-0.6B at 16,384 tokens
     # split across 2 GPUs against one GPU holding them (30 steps each), then the longest llama-1b-shaped sequence one
     # optimizer step trains on 1 GPU and split across 2, activation checkpointing on (~8 min)
-    LC=(benchmarks/long_context.py)
-    run_bench "${LC[@]}" parity 200 --model qwen3-0.6b --seq_len 16384 --sequence_parallel 1 2 --steps 30 --skip 3 \
+    run_bench benchmarks/long_context.py parity 200 --model qwen3-0.6b --seq_len 16384 --sequence_parallel 1 2 --steps 30 --skip 3 \
       --title "Qwen3-0.6B, 16,384 tokens: one GPU against 2 splitting each sequence"
-    run_bench "${LC[@]}" lengths-1gpu 150 --model llama-1b --seq_len 65536 131072 --sequence_parallel 1 --steps 3 \
+    run_bench benchmarks/long_context.py lengths-1gpu 150 --model llama-1b --seq_len 65536 131072 --sequence_parallel 1 --steps 3 \
       --stop-at-oom --timeout 200 --title "llama-1b, one GPU" -- --gradient_checkpointing
-    run_bench "${LC[@]}" lengths-2gpu 150 --model llama-1b --seq_len 131072 --sequence_parallel 2 --steps 3 \
+    run_bench benchmarks/long_context.py lengths-2gpu 150 --model llama-1b --seq_len 131072 --sequence_parallel 2 --steps 3 \
       --stop-at-oom --timeout 200 --title "llama-1b, 2 GPUs splitting each sequence" -- --gradient_checkpointing
+    ;;
+  long-context-memory)  # one GPU at 131,072 tokens (llama-1b shape, checkpointing) with and without the recomputed
+    # layers' inputs offloaded to host memory, then 262,144 tokens (--rope_scaling yarn:2) split across 2 GPUs with
+    # them offloaded; SDPA on all, the layers eager (reentrant checkpointing under torch.compile is not measured) (~7 min)
+    LC=(--model llama-1b --steps 3 --timeout 240)
+    run_bench benchmarks/long_context.py offload-1gpu 120 "${LC[@]}" --seq_len 131072 --sequence_parallel 1 \
+      --title "llama-1b, 131,072, one GPU, inputs offloaded" -- --gradient_checkpointing --offload_activations --compile off
+    run_bench benchmarks/long_context.py kept-1gpu 120 "${LC[@]}" --seq_len 131072 --sequence_parallel 1 \
+      --title "llama-1b, 131,072, one GPU, inputs kept" -- --gradient_checkpointing --compile off
+    run_bench benchmarks/long_context.py offload-2gpu 150 "${LC[@]}" --seq_len 262144 --sequence_parallel 2 \
+      --title "llama-1b, 262,144, 2 GPUs split, inputs offloaded" -- --gradient_checkpointing --offload_activations \
+      --compile off --rope_scaling yarn:2
     ;;
   *) eval "$1" ;;  # a custom plan: shell commands that may call bench()
 esac

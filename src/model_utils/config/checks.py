@@ -34,6 +34,9 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
                                 "add --gradient_checkpointing, or leave --checkpointed_layers at all"))
     elif isinstance(cfg.model.checkpointed_layers, int):
         positive("checkpointed_layers", allow_zero=True)
+    if cfg.model.offload_activations and not cfg.model.gradient_checkpointing:
+        problems.append(Problem("--offload_activations", True, "offloads the inputs of the layers "
+                                "--gradient_checkpointing recomputes, which is off", "add --gradient_checkpointing"))
     positive("global_batch_tokens", optional=True)
     positive("gradient_accumulation_steps", optional=True)
     positive("warmup_steps", allow_zero=True, optional=True)

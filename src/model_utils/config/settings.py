@@ -104,6 +104,16 @@ class ModelConfig:
                                                "with which the run still fits the GPU by the preflight's memory "
                                                "estimate, at the micro-batch all of them allow: the memory left over "
                                                "buys back recomputation); or a count.", parse="layer_count")
+    offload_activations: bool = _f(False, "With --gradient_checkpointing: keep each recomputed layer's input in "
+                                          "pinned host memory instead of on the GPU (ALST's checkpoint offload), "
+                                          "copied back as the backward pass reaches the layer: at long sequences "
+                                          "these inputs (2 bytes x tokens x hidden size per layer) are what remains "
+                                          "on the GPU.")
+    rope_scaling: str | None = _f(None, "Scale the model's rotary position embeddings to train past its "
+                                        "max_position_embeddings: TYPE:FACTOR, TYPE linear or yarn (transformers' "
+                                        "rope types), e.g. yarn:4 makes a 131,072-position model take 524,288. The "
+                                        "positions it allows grow by FACTOR; an export carries the scaling. Default: "
+                                        "the model's own RoPE.", parse="rope_scaling")
     sequence_parallel: int = _f(1, "Sequence parallelism (DeepSpeed's Ulysses, ALST): each sequence split across this "
                                    "many GPUs of a node, attention exchanging heads for sequence by all-to-all; data "
                                    "parallelism (ZeRO) over the GPUs / N groups. 1: off, every GPU holds whole "
@@ -416,4 +426,20 @@ def layer_count(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of layers nor all or auto") from None
 
 
-PARSERS = {"micro_batch": micro_batch, "layer_count": layer_count}
+ROPE_TYPES = ("linear", "yarn")  # transformers' rope types that train (dynamic scales at inference only)
+
+
+def rope_scaling(text: str) -> str:
+    """--rope_scaling: TYPE:FACTOR, TYPE one of ROPE_TYPES and FACTOR a number above 1 (kept as written)."""
+    kind, _, factor = text.partition(":")
+    try:
+        ok = kind in ROPE_TYPES and float(factor) > 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TYPE:FACTOR with TYPE one of {', '.join(ROPE_TYPES)} and "
+                                          "FACTOR above 1 (e.g. yarn:4)")
+    return text
+
+
+PARSERS = {"micro_batch": micro_batch, "layer_count": layer_count, "rope_scaling": rope_scaling}

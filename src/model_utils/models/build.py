@@ -6,6 +6,7 @@ can recompute, its FLOPs per token (MFU), the GPU's peak, and the optimizer's pa
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from model_utils.config.presets import PRESET_ARCHITECTURES, PRESETS, is_preset
@@ -21,13 +22,39 @@ def _round_up(n: int, multiple: int = 64) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def model_config(name: str, tokenizer=None, attention_dropout: float | None = None):
+def model_config(name: str, tokenizer=None, attention_dropout: float | None = None, rope_scaling: str | None = None):
     """The transformers config for a preset, or the config of a pretrained model directory / hub id; with
-    `attention_dropout`, that dropout in place of the model's own."""
+    `attention_dropout`, that dropout in place of the model's own; with `rope_scaling` (--rope_scaling TYPE:FACTOR),
+    its rotary embeddings scaled by FACTOR and its positions as many times more (`rope_problem` says when not)."""
     config = _model_config(name, tokenizer)
     if attention_dropout is not None:
         config.attention_dropout = attention_dropout
+    if rope_scaling is not None and rope_problem(config, rope_scaling) is None:
+        scale_rope(config, rope_scaling)
     return config
+
+
+def scale_rope(config, rope_scaling: str) -> None:
+    """--rope_scaling TYPE:FACTOR on `config` in place: transformers' rope_parameters of that type and factor from the
+    model's own positions and theta, and FACTOR times the positions."""
+    kind, _, factor = rope_scaling.partition(":")
+    original = config.max_position_embeddings
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 1e4))
+    config.rope_parameters = {"rope_type": kind, "factor": float(factor), "rope_theta": theta,
+                              "original_max_position_embeddings": original}
+    config.max_position_embeddings = int(original * float(factor))
+
+
+def rope_problem(config, rope_scaling: str) -> Problem | None:
+    """Why --rope_scaling cannot apply to this model: it scales its RoPE already (Llama 3.1's llama3 type, a YaRN
+    config), which this flag would replace rather than extend."""
+    current = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if current != "default":
+        return Problem("--rope_scaling", rope_scaling, f"the model scales its rotary embeddings already (rope_type "
+                       f"{current!r}, {config.max_position_embeddings:,} positions), which this would replace",
+                       "set rope_parameters in the model's config.json to the scaling wanted, and leave out "
+                       "--rope_scaling")
+    return None
 
 
 def _model_config(name: str, tokenizer=None):
@@ -78,6 +105,21 @@ def build_model(name: str, config, dtype, attn_implementation: str, gradient_che
                 layer.gradient_checkpointing = False  # transformers reads the flag at each call
     model.config.use_cache = False
     return model
+
+
+@contextmanager
+def offloaded_activations(enabled: bool, pin_memory: bool):
+    """While active (a micro-batch's forward), every tensor autograd saves goes to host memory, pinned on GPUs, and
+    comes back in the backward pass (torch.autograd.graph.save_on_cpu): with checkpointing, each recomputed layer's
+    input (torch's checkpoint saves it as a tensor of the graph) and what the parts outside the layers keep; the
+    recomputation in the backward pass runs outside it, on the GPU."""
+    if not enabled:
+        yield
+        return
+    import torch
+
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+        yield
 
 
 def checkpointable_layers(model) -> list:

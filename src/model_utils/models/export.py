@@ -39,7 +39,7 @@ def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str =
     if not model_name:
         raise ResumeError(f"{info.path / 'manifest.json'} does not name the model; it was not written by this project")
     tokenizer = load_tokenizer(tokenizer_source(manifest.get("tokenizer"), model_name))
-    config = model_config(model_name, tokenizer)
+    config = model_config(model_name, tokenizer, rope_scaling=manifest.get("rope_scaling"))
     out = Path(output) if output else RunDir.of(info.path.parent).export
 
     if manifest.get("lora"):

@@ -158,14 +158,15 @@ class AdapterActivations:
 
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
                      chunk_budget: int, compiled: bool = True, checkpointed_layers: int | None = None,
-                     adapters: AdapterActivations | None = None) -> float:
+                     adapters: AdapterActivations | None = None, offloaded: bool = False) -> float:
     """Activations kept for the backward pass (per layer and token: `layer_activation_bytes_per_token` compiled,
     `eager_layer_activation_bytes_per_token` eager, with LoRA's `adapters` added); a recomputed layer keeps only its
     input (2·s·b·h), and recomputing needs one layer's working set at a time. With `checkpointing`, the first
     `checkpointed_layers` layers recompute (None: all) and the rest keep their working sets; the backward pass frees
     those before it reaches a recomputed layer, so the peak holds the kept working sets or the one being recomputed,
     not both (docs/PERFORMANCE.md sets this beside measured peaks). Logits: 16-bit logits, their fp32 upcast and its
-    gradient, unless the fused linear cross-entropy avoids them."""
+    gradient, unless the fused linear cross-entropy avoids them. `offloaded` (--offload_activations): the recomputed
+    layers' inputs are in host memory."""
     h, layers = config.hidden_size, config.num_hidden_layers
     scale = 1 if bf16 else 2
     # Eager layers keep more of their working set than compiled ones; a checkpointed layer's kept input is the same.
@@ -173,7 +174,8 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     working_set = micro * seq_len * (per_token + (adapters.bytes_per_token(compiled) if adapters else 0.0))
     recomputed = min(layers, layers if checkpointed_layers is None else checkpointed_layers) if checkpointing else 0
     kept = layers - recomputed
-    acts = recomputed * 2 * micro * seq_len * h + max(kept, 1 if recomputed else 0) * working_set
+    inputs = 0 if offloaded else recomputed * 2 * micro * seq_len * h
+    acts = inputs + max(kept, 1 if recomputed else 0) * working_set
     # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes). Beside
     # compiled layers, also what the fused loss's forward keeps for the backward: the LM head's 16-bit gradient and 8·h
     # bytes per token (benchmarks/layer_activations.py, exact for Qwen3-0.6B, 4B and 8B); beside eager layers their
@@ -219,7 +221,7 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
                  gpu_optimizer_share: float = 0.0, checkpointed_layers: int | None = None,
                  delayed_prefetch: bool = False, accumulation: int | None = None,
                  frozen_params: int = 0, adapters: AdapterActivations | None = None,
-                 whole_params: bool = False) -> PhaseMemory:
+                 whole_params: bool = False, offloaded_activations: bool = False) -> PhaseMemory:
     """`num_params`: the parameters that train (weight, gradient, optimizer state each); `frozen_params`: those that
     do not (LoRA's frozen model: their 16-bit weight only, partitioned under ZeRO-3); `adapters`: LoRA's, per layer;
     `whole_params`: ZeRO-3 keeps every parameter whole on each GPU (model_state_bytes)."""
@@ -228,7 +230,7 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers,
-                           adapters),
+                           adapters, offloaded_activations),
         evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
         export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
         # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states

@@ -31,6 +31,7 @@ class MemoryModel:
     generation: bool  # the end-of-run sample loads the export beside the engine
     delayed_update_from_step: int
     batch: object  # config.batch.BatchRequest: the accumulation at each micro-batch
+    offload_activations: bool = False  # --offload_activations: the recomputed layers' inputs in host memory
 
     def compiles(self, ds: dict) -> bool:
         """Whether the run compiles its decoder layers (models.speed.use_compile), on the GPUs it trains on."""
@@ -70,7 +71,8 @@ class MemoryModel:
                             gpu_optimizer_share=self.gpu_optimizer_share(ds),
                             checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
                             accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params,
-                            adapters=self.model.adapters, whole_params=self.keeps_whole_parameters(ds))
+                            adapters=self.model.adapters, whole_params=self.keeps_whole_parameters(ds),
+                            offloaded_activations=self.offload_activations)
 
     def peak(self, ds: dict, micro: int, checkpointed_layers: int | None = None, prefetch: bool | None = None) -> float:
         return self.phases(ds, micro, checkpointed_layers, prefetch).peak[1]

@@ -39,7 +39,8 @@ from model_utils.data.errors import DataError
 from model_utils.data.sft.formats import resolve_data_format
 from model_utils.data.sources import resolve_source
 from model_utils.data.tokenizer import load_tokenizer
-from model_utils.models.build import FlopsModel, checkpointable_layers, decay_groups, model_config, tokenizer_source
+from model_utils.models.build import (FlopsModel, checkpointable_layers, decay_groups, model_config, rope_problem,
+                                      scale_rope, tokenizer_source)
 from model_utils.models.lora import LoraError, adapter_activations, meta_model, parameter_counts
 from model_utils.models.memory import GIB, PhaseMemory, choose_micro_batch, resume_host_bytes
 from model_utils.models.sequence_parallel import sequence_parallel_problems
@@ -224,6 +225,10 @@ def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None
         return tokenizer, None, [Problem("--model", cfg.model.model, f"could not be loaded: {e}".split("\n")[0],
                                          f"use a preset ({preset_names()}), a model "
                                          "directory with config.json, or a reachable hub id")]
+    if cfg.model.rope_scaling:
+        if problem := rope_problem(config, cfg.model.rope_scaling):
+            return tokenizer, None, [problem]
+        scale_rope(config, cfg.model.rope_scaling)
     settings = cfg.model.lora_settings()
     try:  # the adapters are sized on the meta device too: trainable vs frozen for the memory
         sized = meta_model(config, settings)
@@ -261,7 +266,7 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     memory_model = None if model is None else MemoryModel(
         model, plan.hardware, plan.ranks, plan.rank_seq_len, cfg.speed, plan.fused_loss,
         cfg.model.gradient_checkpointing, bool(cfg.logging.generate_prompt and cfg.checkpoint.export),
-        cfg.optim.delayed_update_from_step, request)
+        cfg.optim.delayed_update_from_step, request, cfg.model.offload_activations)
     choice = parameters = None
     micro = request.micro
     if memory_model is not None:

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import socket
@@ -89,7 +90,8 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         max_pos = getattr(mconf, "max_position_embeddings", None)
         if max_pos and seq_len > max_pos:
             report.problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings ({max_pos})",
-                                           f"use --seq_len {max_pos} or less"))
+                                           f"use --seq_len {max_pos} or less, or scale its rotary embeddings: "
+                                           f"--rope_scaling yarn:{math.ceil(seq_len / max_pos)}"))
         if cfg.data.document_mask and not masks_documents_by_position(mconf):
             report.problems.append(Problem("--document_mask", True, f"this model ({type(mconf).__name__}) does not build "
                                            "its attention mask with transformers' create_causal_mask, which turns "
@@ -249,6 +251,10 @@ def _check_resume(plan: Plan, report: Report):
         report.problems.append(Problem("--model", cfg.model.model, f"{info.path} holds a checkpoint of {m.get('model')}",
                                        f"use --model {m.get('model')}, or another --checkpoint_dir"))
     report.problems += lora_resume_refusals(m, info.path, cfg.model.lora_settings())
+    if m.get("rope_scaling") != cfg.model.rope_scaling and "rope_scaling" in m:  # the positions the weights learnt
+        report.problems.append(Problem("--rope_scaling", cfg.model.rope_scaling, f"{info.path} was trained with "
+                                       f"--rope_scaling {m['rope_scaling']}", "resume with the same --rope_scaling "
+                                       "(or none where it had none)"))
     # The data position counts blocks of the checkpoint's seq_len in its tokens: another block length or tokenizer
     # would continue at another place (the data themselves are compared when the run has read them).
     identity = {"seq_len": plan.seq_len, "tokenizer": cfg.model.tokenizer}

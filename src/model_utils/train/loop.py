@@ -126,6 +126,7 @@ def save(run: Run, wait: bool = False):
     ctx = SaveContext(run.run_dir.root, run.cfg.checkpoint.keep_last_checkpoints,
                       {"model": run.cfg.model.model, **run.data_identity, "zero_stage": zero_stage(run.ds_config),
                        "ds_config": run.ds_config, "perf": run.cfg.speed.as_dict(),
+                       "rope_scaling": run.cfg.model.rope_scaling,
                        "levers_in_force": run.speed_in_force,
                        "lora": run.lora.as_manifest() if run.lora else None},
                       save_options=checkpoint_options(run)[0])

@@ -1,6 +1,6 @@
-"""The long-sequence pieces on CPU (models/sequence_parallel.py): the attention under Ulysses against transformers'
-dense-mask SDPA, the tiled MLPs against the MLPs, each rank's slice of the inputs, and what --sequence_parallel refuses.
-The split runs themselves (2 gloo ranks) are in tests/distributed/test_sequence_parallel.py."""
+"""The long-sequence pieces on CPU (models/sequence_parallel.py; the offload and RoPE scaling of models/build.py): the
+attention under Ulysses against transformers' dense-mask SDPA, the tiled MLPs against the MLPs, each rank's slice of the
+inputs, what --sequence_parallel refuses, the recomputed layers' inputs offloaded, the scaled RoPE. The split runs (2 gloo ranks) are in tests/distributed/test_sequence_parallel.py."""
 
 from __future__ import annotations
 
@@ -123,3 +123,73 @@ def test_the_flag_and_its_help():
     cfg = parse_args(["--sequence_parallel", "2", "--tiled_mlp", "on"])
     assert (cfg.model.sequence_parallel, cfg.model.tiled_mlp) == (2, "on")
     assert parse_args([]).model.sequence_parallel == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Memory at length: the recomputed layers' inputs in host memory; RoPE past the model's positions
+# ----------------------------------------------------------------------------------------------------------------------
+def test_offloaded_activations_are_the_recomputed_layers_inputs():
+    """What the forward saves for the backward pass goes through torch's saved-tensor hooks, where
+    `offloaded_activations` (torch.autograd.graph.save_on_cpu) moves it to host memory: with --gradient_checkpointing,
+    each decoder layer's input among it (torch's checkpoint saves it as a tensor of the graph), and no layer's
+    working set."""
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.models.build import build_model, checkpointable_layers, model_config, offloaded_activations
+
+    torch.manual_seed(0)
+    model = build_model("tiny", model_config("tiny", load_tokenizer(None)), torch.float32, "sdpa", True)
+    model.train()
+    tokens = torch.randint(0, 500, (2, 32))
+    inputs, saved = [], []
+    for layer in checkpointable_layers(model):
+        layer.register_forward_pre_hook(lambda module, args, kwargs: inputs.append(
+            (args[0] if args else kwargs["hidden_states"]).data_ptr()), with_kwargs=True)
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    first_pass = inputs[:4]  # the backward pass recomputes each layer: those calls come after
+    assert len(first_pass) == 4 and set(first_pass) <= {t.data_ptr() for t in saved}
+    hidden_sized = [t for t in saved if tuple(t.shape) == (2, 32, 192)]
+    assert len(hidden_sized) <= 4 + 3  # the layers' inputs, the final norm's and the head's: no layer's working set
+    with offloaded_activations(True, pin_memory=False):  # the trainer's context: the same loss (on CPU, a copy)
+        again = model(input_ids=tokens, labels=tokens).loss
+    again.backward()
+    assert torch.equal(again, loss)
+
+
+def test_offload_activations_needs_gradient_checkpointing():
+    from model_utils.config.checks import validate_args
+
+    problems = validate_args(parse_args(["--offload_activations"]))
+    assert [p.setting for p in problems] == ["--offload_activations"]
+    assert validate_args(parse_args(["--offload_activations", "--gradient_checkpointing"])) == []
+
+
+def test_rope_scaling_multiplies_the_positions_and_is_recorded_in_the_config():
+    from transformers import LlamaConfig
+
+    from model_utils.models.build import model_config, rope_problem, scale_rope
+
+    config = model_config("llama-1b", rope_scaling="yarn:2")
+    assert config.max_position_embeddings == 262144
+    assert config.rope_parameters == {"rope_type": "yarn", "factor": 2.0, "rope_theta": 500000.0,
+                                      "original_max_position_embeddings": 131072}
+    assert model_config("llama-1b").max_position_embeddings == 131072
+    scaled = LlamaConfig(max_position_embeddings=131072, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    problem = rope_problem(scaled, "linear:2")
+    assert problem is not None and "rope_type 'llama3'" in problem.message and "config.json" in problem.fix
+    with pytest.raises(SystemExit):
+        parse_args(["--rope_scaling", "dynamic:2"])  # scales at inference only
+    with pytest.raises(SystemExit):
+        parse_args(["--rope_scaling", "yarn:1"])
+    assert parse_args(["--rope_scaling", "linear:4"]).model.rope_scaling == "linear:4"
+    plain = LlamaConfig(max_position_embeddings=4096, rope_theta=10000.0)
+    scale_rope(plain, "linear:4")
+    assert plain.max_position_embeddings == 16384 and plain.rope_parameters["factor"] == 4.0
