@@ -186,6 +186,12 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     return acts * scale + logits
 
 
+def offloaded_activation_bytes(config, seq_len: int, micro: int, recomputed_layers: int, bf16: bool) -> float:
+    """Host memory of one rank's offloaded layer inputs (--offload_activations): each recomputed layer's input, micro x
+    seq_len x hidden values in 16-bit (fp32 without bf16)."""
+    return recomputed_layers * micro * seq_len * config.hidden_size * (2 if bf16 else 4)
+
+
 def evaluation_bytes(config, seq_len: int, micro: int, bf16: bool) -> float:
     """Evaluation's working memory beyond the model states (model_utils.models.evaluation): a forward without gradients
     keeps one layer's working set, the final hidden states, and one chunk of logits (16-bit, their fp32 upcast and the

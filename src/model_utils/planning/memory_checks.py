@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # annotations only
 
 def check_host_memory(plan: Plan, report: Report) -> None:
     """Offloaded states live in the node's memory: a node without room for them would be killed minutes into setup."""
+    check_activation_host_memory(plan, report)
     if not plan.memory.host_bytes:
         return
     need, available = plan.memory.host_bytes / GIB, plan.hardware.host_available
@@ -60,6 +61,74 @@ def check_host_memory(plan: Plan, report: Report) -> None:
              if partial else "")
             + "use more GPUs or nodes (ZeRO divides the offloaded states among the ranks), a node with more memory, "
             "or ZeRO-3 without offload on enough GPUs to hold the model states"))
+
+
+def check_activation_host_memory(plan: Plan, report: Report) -> None:
+    """--offload_activations: the recomputed layers' inputs of every rank of a node, in its pinned memory beside the
+    offloaded states; a node without room would be killed in the first forward pass."""
+    need = plan.memory.activation_host_bytes
+    if not need:
+        return
+    available = plan.hardware.host_available
+    report.estimate(f"host memory: ~{need / GIB:.1f} GiB per node for the offloaded layer inputs of "
+                    f"{plan.hardware.ranks_per_node} rank(s) (--offload_activations)"
+                    + (f"; {available / GIB:.0f} GiB available" if available is not None else ""))
+    if available is not None and need + plan.memory.host_bytes > HOST_MEMORY_SHARE * available:
+        report.problems.append(Problem(
+            "--offload_activations", True, f"the layers' inputs need ~{need / GIB:.0f} GiB of host memory per node "
+            f"beside ~{plan.memory.host_bytes / GIB:.0f} GiB of offloaded states, {available / GIB:.0f} GiB are "
+            "available", "split each sequence over more GPUs (--sequence_parallel) or keep the inputs on the GPUs "
+            "(leave out --offload_activations)"))
+
+
+LONG_SEQUENCE = 16384  # from this --seq_len (or with --sequence_parallel) the preflight says the longest that fits
+
+
+def note_long_sequences(plan: Plan, report: Report) -> None:
+    """Long or split sequences: the longest sequence these settings fit on these GPUs by the estimate, and where the
+    run's sequences do not fit, the fewest GPUs per sequence (--sequence_parallel) that would fit them."""
+    memory_model, ds = plan.memory_model, plan.ds_config
+    if memory_model is None or memory_model.budget is None or ds is None or plan.memory is None:
+        return
+    if plan.sequence_parallel == 1 and plan.seq_len < LONG_SEQUENCE:
+        return
+    layers = plan.memory.checkpointed_layers
+    split = plan.sequence_parallel
+    longest = longest_sequence(plan, split, layers)
+    settings = ", ".join([f"--sequence_parallel {split}"] + (["--gradient_checkpointing"] if layers else [])
+                         + (["--offload_activations"] if plan.cfg.model.offload_activations else []))
+    report.estimate(f"long sequences: the longest that fits is ~{longest:,} tokens per sequence at micro-batch 1 "
+                    f"({settings}; {plan.hardware.gpu_memory_gib:.0f} GiB GPUs, by the estimate)")
+
+
+def split_that_fits(plan: Plan) -> int | None:
+    """The fewest GPUs of a node per sequence (--sequence_parallel, more than the plan's) with which the plan's
+    sequences fit at micro-batch 1 by the estimate; None where none does or nothing is known."""
+    memory_model, ds = plan.memory_model, plan.ds_config
+    if memory_model is None or memory_model.budget is None or ds is None or plan.memory is None:
+        return None
+    heads, gpus = plan.model.config.num_attention_heads, plan.hardware.ranks_per_node
+    for n in range(plan.sequence_parallel + 1, gpus + 1):
+        if gpus % n == 0 and heads % n == 0 and plan.seq_len % n == 0:
+            if longest_sequence(plan, n, plan.memory.checkpointed_layers) >= plan.seq_len:
+                return n
+    return None
+
+
+def longest_sequence(plan: Plan, split: int, layers: int | None) -> int:
+    """The longest sequence (a multiple of split x 1,024 tokens) whose training step at micro-batch 1 fits the GPU
+    budget by the memory model, each GPU holding 1/split of it; 0 where none does."""
+    memory_model, ds, step = plan.memory_model, plan.ds_config, split * 1024
+
+    def fits(tokens: int) -> bool:
+        model = dataclasses.replace(memory_model, seq_len=tokens // split)
+        return model.phases(ds, 1, layers).train <= memory_model.budget
+
+    low, high = 0, 1 << 15  # in steps: up to 32M x split tokens
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle * step) else (low, middle - 1)
+    return low * step
 
 
 def note_offload_accumulation(plan: Plan, report: Report) -> None:
@@ -253,10 +322,12 @@ def check_memory(plan: Plan, report: Report) -> None:
             f"~{total / GIB:.0f} GiB per GPU beside the engine, more than the {memory:.0f} GiB available",
             "drop --generate_prompt and run `python -m model_utils.generate --model EXPORT_DIR` after the run"))
     elif memory and total > memory * GIB:
+        split = split_that_fits(plan) if micro == 1 else None
         report.problems.append(Problem(
             "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
             f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
-            cheapest_fit(plan.model.trainable_params, mconf, plan.world, plan.seq_len, micro, bf16, plan.fused_loss,
+            (f"split each sequence across {split} GPUs: --sequence_parallel {split} (by the estimate); or "
+             if split else "") + cheapest_fit(plan.model.trainable_params, mconf, plan.ranks, plan.rank_seq_len, micro, bf16, plan.fused_loss,
                          chunk, memory, ds.get("zero_optimization", {}),
                          speed.use_compile(plan.hardware.gpus, False, plan.cfg.speed), plan.hardware.host_available,
                          plan.hardware.ranks_per_node, adapters=plan.model.adapters,

@@ -42,7 +42,8 @@ from model_utils.data.tokenizer import load_tokenizer
 from model_utils.models.build import (FlopsModel, checkpointable_layers, decay_groups, model_config, rope_problem,
                                       scale_rope, tokenizer_source)
 from model_utils.models.lora import LoraError, adapter_activations, meta_model, parameter_counts
-from model_utils.models.memory import GIB, PhaseMemory, choose_micro_batch, resume_host_bytes
+from model_utils.models.memory import (GIB, PhaseMemory, choose_micro_batch, offloaded_activation_bytes,
+                                       resume_host_bytes)
 from model_utils.models.sequence_parallel import sequence_parallel_problems
 from model_utils.models.speed import use_fused_kernels
 from model_utils.planning.memory_model import (Hardware, MemoryModel, ModelPlan, choose_checkpointed_layers,
@@ -60,6 +61,7 @@ class MemoryEstimate:
     delayed_prefetch_choice: str | None  # how --delayed_update_prefetch auto chose; None where it was not asked
     host_bytes: float  # host memory per node for the offloaded states (0 without offload)
     resume_host_bytes: float  # what a node needs beyond host_bytes while it loads a checkpoint
+    activation_host_bytes: float = 0.0  # host memory per node for the layers' inputs --offload_activations moves
 
 
 @dataclass(frozen=True)
@@ -297,14 +299,17 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
     memory_model, ds, batch, model = plan.memory_model, plan.ds_config, plan.batch, plan.model
     layers, layers_choice, problems = choose_checkpointed_layers(plan.cfg, memory_model, ds, batch.micro)
     prefetch, prefetch_choice = choose_prefetch(plan.cfg.speed, memory_model, ds, batch.micro, layers)
+    bf16 = dsc.precision(ds) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
+    offloaded = layers and plan.cfg.model.offload_activations  # layers None: no layer recomputes
     memory = MemoryEstimate(
         phases=memory_model.phases(ds, batch.micro, layers, prefetch),
         checkpointed_layers=layers, checkpointed_layers_choice=layers_choice,
         delayed_prefetch=prefetch, delayed_prefetch_choice=prefetch_choice,
         host_bytes=memory_model.host_bytes(ds),
         resume_host_bytes=resume_host_bytes(model.trainable_params, plan.ranks, plan.hardware.ranks_per_node,
-                                            dsc.offloads(ds)[0], memory_model.gpu_optimizer_share(ds)))
-    bf16 = dsc.precision(ds) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
+                                            dsc.offloads(ds)[0], memory_model.gpu_optimizer_share(ds)),
+        activation_host_bytes=plan.hardware.ranks_per_node * offloaded_activation_bytes(
+            model.config, plan.rank_seq_len, batch.micro, layers, bf16) if offloaded else 0.0)
     checkpoint_bytes = model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05  # LoRA: no frozen weight
     writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,
                                     any(dsc.offloads(ds)), plan.hardware, plan.ranks)

@@ -32,7 +32,7 @@ from model_utils.models.lora import lora_resume_problems
 from model_utils.models.memory import GIB, choose_micro_batch
 from model_utils.models.speed import fused_kernels_problem
 from model_utils.planning.memory_checks import (check_host_memory, check_memory, estimate_offload_update,
-                                                note_faster_zero3_setup, note_offload_accumulation,
+                                                note_faster_zero3_setup, note_long_sequences, note_offload_accumulation,
                                                 note_parameter_fetches, note_parameters_fit_on_the_gpu)
 from model_utils.planning.plan import Plan, make_plan
 from model_utils.planning.report import Report
@@ -130,6 +130,7 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         note_faster_zero3_setup(plan, report)
         estimate_offload_update(plan, report)
         check_host_memory(plan, report)
+        note_long_sequences(plan, report)
         if check_disk:
             _check_checkpoint_dir(cfg, plan.checkpoints.bytes, report)
         report.estimate(f"checkpoint writes: {plan.checkpoints.description}")

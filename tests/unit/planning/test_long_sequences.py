@@ -1,0 +1,78 @@
+"""The preflight on long sequences (planning/memory_checks.py): the longest sequence a setup fits, the split that fits a
+requested length, and the host memory of the offloaded layer inputs. The GPU's size comes through GPU_MEMORY_GIB (no
+GPU here) and Liger counts as installed on the GPU nodes; nothing else is stood in for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from model_utils.config.flags import parse_args
+from model_utils.models.memory import GIB, offloaded_activation_bytes
+from model_utils.planning.report import Report
+
+
+def _plan(monkeypatch, world, *flags, host_gib=None):
+    from model_utils.models import speed
+    from model_utils.planning import plan as plan_module
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "80")
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
+    cfg = parse_args(["--model", "llama-1b", "--micro_batch_size", "1", "--dummy_data", "64", "--gradient_checkpointing",
+                      "--checkpoint_dir", "/nonexistent/ckpt", "--no-export", *flags])
+    plan = plan_module.make_plan(cfg, world, decides=False)
+    if host_gib is not None:  # a GPU node's free memory, as its own start measures it
+        plan = dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, host_available=host_gib * GIB))
+    return plan
+
+
+def test_the_longest_sequence_grows_with_the_split_and_fits_the_estimate(monkeypatch, session_cache):
+    from model_utils.planning.memory_checks import longest_sequence, note_long_sequences
+
+    plan = _plan(monkeypatch, 4, "--seq_len", "262144", "--sequence_parallel", "2", "--rope_scaling", "yarn:4")
+    layers = plan.memory.checkpointed_layers
+    one, two, four = (longest_sequence(plan, n, layers) for n in (1, 2, 4))
+    assert 0 < one < two < four and two % 2048 == 0
+    budget = plan.memory_model.budget
+    at = lambda tokens, n: dataclasses.replace(plan.memory_model, seq_len=tokens // n).phases(  # noqa: E731
+        plan.ds_config, 1, layers).train
+    assert at(two, 2) <= budget < at(two + 2048, 2)  # the longest: one step of 1,024 tokens per GPU more does not fit
+    report = Report(plan)
+    note_long_sequences(plan, report)
+    assert f"the longest that fits is ~{two:,} tokens per sequence" in report.estimates[-1]
+    assert "--sequence_parallel 2, --gradient_checkpointing" in report.estimates[-1]
+
+
+def test_a_sequence_that_does_not_fit_gets_the_split_that_fits(monkeypatch, session_cache):
+    from model_utils.planning.memory_checks import check_memory, longest_sequence, split_that_fits
+
+    plan = _plan(monkeypatch, 4, "--seq_len", "1048576", "--rope_scaling", "yarn:8")
+    assert longest_sequence(plan, 1, plan.memory.checkpointed_layers) < 1048576
+    split = split_that_fits(plan)
+    assert split in (2, 4) and longest_sequence(plan, split, plan.memory.checkpointed_layers) >= 1048576
+    report = Report(plan)
+    check_memory(plan, report)
+    assert len(report.problems) == 1
+    assert report.problems[0].fix.startswith(f"split each sequence across {split} GPUs: --sequence_parallel {split}")
+
+
+def test_offloaded_layer_inputs_count_in_the_nodes_host_memory(monkeypatch, session_cache):
+    from model_utils.planning.memory_checks import check_host_memory
+
+    flags = ("--seq_len", "262144", "--rope_scaling", "yarn:2", "--offload_activations")
+    plan = _plan(monkeypatch, 2, *flags, host_gib=1000)
+    config = plan.model.config
+    want = 2 * offloaded_activation_bytes(config, 262144, 1, config.num_hidden_layers, True)  # 2 ranks, 16 layers
+    assert plan.memory.activation_host_bytes == pytest.approx(want) == pytest.approx(2 * 16 * 262144 * 2048 * 2)
+    kept = _plan(monkeypatch, 2, "--seq_len", "262144", "--rope_scaling", "yarn:2", host_gib=1000)
+    assert kept.memory.activation_host_bytes == 0
+    assert plan.memory.phases.train == pytest.approx(kept.memory.phases.train - 16 * 262144 * 2048 * 2)
+    report = Report(plan)
+    check_host_memory(plan, report)
+    assert not report.problems and "offloaded layer inputs of 2 rank(s)" in report.estimates[0]
+    small = _plan(monkeypatch, 2, *flags, host_gib=20)  # 32 GiB of inputs do not fit a node with 20 GiB free
+    report = Report(small)
+    check_host_memory(small, report)
+    assert [p.setting for p in report.problems] == ["--offload_activations"]
+    assert "--sequence_parallel" in report.problems[0].fix
