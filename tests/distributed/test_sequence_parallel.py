@@ -7,6 +7,8 @@ so their fp32 losses agree to float rounding (measured: 1e-7 relative), not bit 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from conftest import FAST_ARGS, Trainer, assert_ok, kill_after_checkpoint_then_resume, run_trainer
 
@@ -63,19 +65,22 @@ def test_a_split_run_killed_after_a_checkpoint_resumes_bitwise(split_run, tmp_pa
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
 
 
-def test_a_split_runs_checkpoint_resumes_on_its_gpus_without_the_split_and_is_refused_on_others(split_run, tmp_path):
+def test_a_split_runs_checkpoint_resumes_on_its_gpus_without_the_split_and_on_one_through_the_universal_path(
+        split_run, tmp_path):
     """2 ranks that split each sequence saved step 4. The same 2 GPUs as 2 data-parallel ranks of one block each (the
     same 2 blocks per step) resume it and train on as the split run did: ZeRO partitioned the states over both GPUs
-    either way. One GPU is refused before anything starts: DeepSpeed's universal conversion, the way to another
-    number of GPUs, cannot read a sequence-parallel checkpoint (it records Ulysses' groups as tensor parallelism)."""
-    source = split_run.checkpoint_dir / "step-00000004"
+    either way. One GPU resumes it through DeepSpeed's universal conversion, which reads a view of it that records
+    no tensor parallelism (patches.deepspeed_checkpoint: DeepSpeed records Ulysses' group as tensor parallelism)."""
+    source = tmp_path / "source" / "step-00000004"  # the conversion writes beside the checkpoint: a copy of it
+    shutil.copytree(split_run.checkpoint_dir / "step-00000004", source)
     run = run_trainer(tmp_path / "ckpt", [*ARGS, "--micro_batch_size", "1", "--resume_from_checkpoint", str(source)])
-    assert_ok(run)
-    want, got = split_run.losses_by_step(), run.losses_by_step()
-    for step in range(5, 9):
-        assert got[step] == pytest.approx(want[step], rel=RELATIVE), f"step {step}"
-    refused = run_trainer(tmp_path / "one", [*ARGS, "--resume_from_checkpoint", str(source)], nproc=1)
-    assert refused.returncode == 2
-    assert "--sequence_parallel 2 and this run has 1" in refused.output
-    assert "fix: resume on 2 GPUs (with any --sequence_parallel that divides them)" in refused.output
-    assert not (source.parent / "step-00000004-universal").exists()
+    one = run_trainer(tmp_path / "one", [*ARGS, "--resume_from_checkpoint", str(source)], nproc=1)
+    want = split_run.losses_by_step()
+    for resumed in (run, one):
+        assert_ok(resumed)
+        got = resumed.losses_by_step()
+        for step in range(5, 9):
+            assert got[step] == pytest.approx(want[step], rel=RELATIVE), f"step {step}"
+    assert "converting it to a universal checkpoint" in one.output and "step-00000004-view" in one.output
+    assert (source.parent / "step-00000004-universal" / "converted").exists()
+    assert not (source.parent / "step-00000004-view").exists()  # the view goes once the conversion is done

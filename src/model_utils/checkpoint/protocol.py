@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pathlib import Path
 from model_utils.core.problems import Problem
 from model_utils.core.repo import REPO_ROOT
 from model_utils.core.run_dir import CHECKPOINT_NAME, INCOMPLETE, LATEST, MANIFEST
+from model_utils.patches.deepspeed_checkpoint import data_parallel_view
 
 
 def _fsync_dir(path: Path):
@@ -246,9 +248,20 @@ def needs_universal(info: CheckpointInfo, world_size: int, zero_stage: int) -> b
     return world_size_changed(info, world_size) and zero_stage > 0
 
 
+def sequence_parallel_of(info: CheckpointInfo) -> int:
+    """The --sequence_parallel a checkpoint was saved with (its resolved DeepSpeed config's sequence_parallel_size)."""
+    return int((info.manifest.get("ds_config") or {}).get("sequence_parallel_size", 1))
+
+
+def universal_source(info: CheckpointInfo) -> Path:
+    """What the conversion reads: the checkpoint, or for a sequence-parallel one the view of it that records no
+    tensor parallelism (patches.deepspeed_checkpoint), written beside it while the conversion runs."""
+    return info.path.with_name(f"{info.path.name}-view") if sequence_parallel_of(info) > 1 else info.path
+
+
 def universal_command(info: CheckpointInfo) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(info.path),
-            "--output_folder", str(universal_dir(info.path))]
+    return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+            str(universal_source(info)), "--output_folder", str(universal_dir(info.path))]
 
 
 def convert_to_universal(info: CheckpointInfo, dist, log) -> str:
@@ -258,7 +271,14 @@ def convert_to_universal(info: CheckpointInfo, dist, log) -> str:
     if dist.is_main and not (target / "converted").exists():
         log(f"resume: {info.path.name} was saved by {info.manifest.get('world_size')} ranks, this run has "
             f"{dist.world_size}; converting it to a universal checkpoint: {' '.join(command)}")
-        proc = subprocess.run(command, capture_output=True, text=True)
+        source = universal_source(info)
+        if source != info.path:
+            data_parallel_view(info.path, source)
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True)
+        finally:
+            if source != info.path:
+                shutil.rmtree(source, ignore_errors=True)
         if proc.returncode != 0:
             error = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
         else:

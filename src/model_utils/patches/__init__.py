@@ -10,6 +10,7 @@ project, so every layer may use it.
     deepspeed_zero   the ZeRO-1/2 step's overflow check through the gradient norm, and its verdict on the GPU
     deepspeed_offload  ZeRO's CPU-offloaded update run beside the next step (the delayed parameter update)
     deepspeed_zero3  ZeRO-3 checkpoints of a partial optimizer offload that hold the GPU part's state too
+    deepspeed_checkpoint  the universal conversion of a sequence-parallel checkpoint
     liger            the chunking of Liger's fused linear cross-entropy
     flash_attn4      FlashAttention-4's kernels as a torch custom op and a transformers attention implementation
     torch_compile    torch.compile's recompile limits and activation memory budget for the compiled layers

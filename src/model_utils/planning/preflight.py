@@ -18,7 +18,8 @@ import os
 import shutil
 import socket
 
-from model_utils.checkpoint.protocol import data_position_problems, list_checkpoints, needs_universal, universal_command
+from model_utils.checkpoint.protocol import (data_position_problems, list_checkpoints, needs_universal,
+                                             sequence_parallel_of, universal_command)
 from model_utils.config import deepspeed as dsc
 from model_utils.config.batch import BATCH_SETTINGS, Batch, BatchRequest, settle_batch, with_batch
 from model_utils.config.checks import validate_args
@@ -31,6 +32,7 @@ from model_utils.models.build import check_vocab_covers_tokenizer, masks_documen
 from model_utils.models.lora import lora_resume_problems
 from model_utils.models.memory import GIB, choose_micro_batch
 from model_utils.models.speed import fused_kernels_problem
+from model_utils.patches.deepspeed_checkpoint import converts_sequence_parallel
 from model_utils.planning.memory_checks import (check_host_memory, check_memory, estimate_offload_update,
                                                 note_faster_zero3_setup, note_long_sequences, note_offload_accumulation,
                                                 note_parameter_fetches, note_parameters_fit_on_the_gpu)
@@ -236,8 +238,8 @@ def _check_resume(plan: Plan, report: Report):
     m = info.manifest
     report.lines.append(f"resume: from {info.path} (step {m['step']})")
     if plan.ds_config is not None and needs_universal(info, plan.ranks, dsc.zero_stage(plan.ds_config)):
-        split = (m.get("ds_config") or {}).get("sequence_parallel_size", 1)
-        if split > 1:  # DeepSpeed records Ulysses' groups as tensor parallelism, which ds_to_universal then expects
+        split = sequence_parallel_of(info)
+        if split > 1 and not converts_sequence_parallel():  # (patches.deepspeed_checkpoint)
             report.problems.append(Problem(
                 "--resume_from_checkpoint" if cfg.checkpoint.resume_from_checkpoint else "--checkpoint_dir",
                 str(info.path), f"was saved by {m.get('world_size')} GPUs with --sequence_parallel {split} and this "

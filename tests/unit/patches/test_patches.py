@@ -24,6 +24,7 @@ def test_every_patch_names_tests_that_exist():
     assert set(records) == {"deepspeed_zero.NORM_OVERFLOW_CHECK", "deepspeed_zero.DEVICE_OVERFLOW_SKIP",
                             "deepspeed_offload.DELAYED_UPDATE", "deepspeed_offload.DELAYED_UPDATE_ZERO3",
                             "deepspeed_zero3.PARTIAL_OFFLOAD_STATE", "flash_attn4.FA4_KERNELS",
+                            "deepspeed_checkpoint.SEQUENCE_PARALLEL_UNIVERSAL",
                             "liger.FLCE_CHUNK_BUDGET", "torch_compile.COMPILE_SETTINGS"}
     for name, patch in records.items():
         assert patch.gain and patch.replaces and patch.tests, name
@@ -243,3 +244,31 @@ def test_fa4_attention_takes_documents_as_boundaries(monkeypatch):
     out32, _ = flash_attn4.fa4_attention(module, q, k, v, mask, scaling=0.25, **documents)
     assert len(varlen) == 1 and not dense
     assert torch.allclose(out32, sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0], atol=1e-5)
+
+
+def test_the_data_parallel_view_of_a_split_checkpoint_records_no_tensor_parallelism(tmp_path):
+    """A checkpoint as a --sequence_parallel 2 run writes it (DeepSpeed records the Ulysses group as tensor parallelism
+    2 in its one model-state file): the view links every other file and writes the model state again with tensor
+    parallelism 1, everything else in it unchanged; the checkpoint itself is not touched."""
+    import torch
+    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE
+
+    from model_utils.patches.deepspeed_checkpoint import data_parallel_view
+
+    checkpoint = tmp_path / "step-00000004"
+    checkpoint.mkdir()
+    state = {"module": {"w": torch.arange(4.0)}, CHECKPOINT_PARALLEL_DIMS: {CHECKPOINT_PP_DEGREE: 1,
+                                                                           CHECKPOINT_TP_DEGREE: 2}}
+    torch.save(state, checkpoint / "mp_rank_00_model_states.pt")
+    for rank in range(2):
+        (checkpoint / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"partition %d" % rank)
+    (checkpoint / "manifest.json").write_text("{}")
+    view = data_parallel_view(checkpoint, tmp_path / "step-00000004-view")
+    assert sorted(p.name for p in view.iterdir()) == sorted(p.name for p in checkpoint.iterdir())
+    assert (view / "zero_pp_rank_1_mp_rank_00_optim_states.pt").read_bytes() == b"partition 1"
+    assert (view / "manifest.json").is_symlink()
+    rewritten = torch.load(view / "mp_rank_00_model_states.pt", weights_only=False)
+    assert rewritten[CHECKPOINT_PARALLEL_DIMS] == {CHECKPOINT_PP_DEGREE: 1, CHECKPOINT_TP_DEGREE: 1}
+    assert torch.equal(rewritten["module"]["w"], torch.arange(4.0))
+    original = torch.load(checkpoint / "mp_rank_00_model_states.pt", weights_only=False)
+    assert original[CHECKPOINT_PARALLEL_DIMS][CHECKPOINT_TP_DEGREE] == 2
