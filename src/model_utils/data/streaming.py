@@ -287,7 +287,8 @@ def open_stream(cfg, source: DataSource, tokenizer, seq_len: int, dist, log=prin
     """This rank's stream of training blocks, and the validation blocks (rank 0 reads them, every rank holds them)."""
     from datasets.distributed import split_dataset_by_node
 
-    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    # the ranks of a sequence-parallel group read one stream (each keeps its slice of every sequence)
+    rank, world = (dist.data_rank, dist.data_world) if dist is not None else (0, 1)
     train_split, validation_split = _train_split(cfg, source), _validation_split(cfg, source)
     fraction = 0.0 if validation_split else cfg.validation_fraction
     first = _load(cfg, source, train_split)
