@@ -122,7 +122,7 @@ def enable_ulysses(model, sequence_parallel: int, micro_batch: int, seq_len: int
     fa4 = getattr(model.config, "_attn_implementation", None) == FA4_NAME
     # document_sdpa reads the boundaries on the host: it runs outside any compiled graph
     AttentionInterface.register(ULYSSES_NAME, fa4_attention if fa4 else torch.compiler.disable(document_sdpa))
-    model.config._attn_implementation = ULYSSES_NAME
+    model.set_attn_implementation(ULYSSES_NAME)  # transformers' public setter: the model and every submodule
     # a variable length (evaluation's blocks may be shorter): only the micro-batch shapes Ulysses' checks
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=ULYSSES_NAME, sequence_parallel_size=sequence_parallel,
