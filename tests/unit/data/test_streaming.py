@@ -32,6 +32,14 @@ class OneProcessRanks:
     world_size: int
     is_main: bool = True
 
+    @property
+    def data_rank(self) -> int:  # no sequence parallelism: each rank reads its own share
+        return self.rank
+
+    @property
+    def data_world(self) -> int:
+        return self.world_size
+
     def broadcast_object(self, obj):
         return obj
 
