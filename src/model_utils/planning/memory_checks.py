@@ -16,6 +16,7 @@ from model_utils.core.problems import Problem
 from model_utils.core.repo import REPO_ROOT
 from model_utils.models import speed
 from model_utils.models.memory import AUTO_MEMORY_SHARE, GIB, activation_bytes, cheapest_fit
+from model_utils.models.sequence_parallel import sequence_parallel_problems
 from model_utils.planning.report import Report
 
 if TYPE_CHECKING:  # annotations only
@@ -107,9 +108,9 @@ def split_that_fits(plan: Plan) -> int | None:
     memory_model, ds = plan.memory_model, plan.ds_config
     if memory_model is None or memory_model.budget is None or ds is None or plan.memory is None:
         return None
-    heads, gpus = plan.model.config.num_attention_heads, plan.hardware.ranks_per_node
+    gpus = plan.hardware.ranks_per_node
     for n in range(plan.sequence_parallel + 1, gpus + 1):
-        if gpus % n == 0 and heads % n == 0 and plan.seq_len % n == 0:
+        if not sequence_parallel_problems(plan.model.config, n, plan.seq_len, gpus, plan.cfg.model.attn_implementation):
             if longest_sequence(plan, n, plan.memory.checkpointed_layers) >= plan.seq_len:
                 return n
     return None
