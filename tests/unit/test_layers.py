@@ -74,3 +74,13 @@ def test_the_imports_make_no_circle():
     for module in sorted(modules):
         if module not in state:
             assert (circle := visit(module, [module])) is None, " -> ".join(circle)
+
+
+def test_test_files_have_unique_names():
+    """The tiers are folders without __init__.py, so pytest imports each test file by its bare name: two files of one
+    name in different tiers pass when each tier runs alone and stop `python -m pytest` (all tiers) at collection."""
+    tests = Path(__file__).resolve().parents[1]
+    by_name: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}

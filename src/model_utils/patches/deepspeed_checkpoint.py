@@ -26,7 +26,7 @@ SEQUENCE_PARALLEL_UNIVERSAL = Patch(
     "state's model-parallel size)",
     "correctness, not speed: without it a --sequence_parallel checkpoint cannot resume on another number of GPUs "
     "(ds_to_universal stops on the tensor parallelism it reads)",
-    ("tests/distributed/test_sequence_parallel.py::"
+    ("tests/distributed/test_sequence_parallel_runs.py::"
      "test_a_split_runs_checkpoint_resumes_on_its_gpus_without_the_split_and_on_one_through_the_universal_path",
      "tests/unit/patches/test_patches.py::test_the_data_parallel_view_of_a_split_checkpoint_records_no_tensor_parallelism"))
 

@@ -1,6 +1,6 @@
 """The long-sequence pieces on CPU (models/sequence_parallel.py; the offload and RoPE scaling of models/build.py): the
 attention under Ulysses against transformers' dense-mask SDPA, the tiled MLPs against the MLPs, each rank's slice of the
-inputs, what --sequence_parallel refuses, the recomputed layers' inputs offloaded, the scaled RoPE. The split runs (2 gloo ranks) are in tests/distributed/test_sequence_parallel.py."""
+inputs, what --sequence_parallel refuses, the recomputed layers' inputs offloaded, the scaled RoPE. The split runs (2 gloo ranks) are in tests/distributed/test_sequence_parallel_runs.py."""
 
 from __future__ import annotations
 
