@@ -14,7 +14,7 @@ import torch
 from conftest import FAST_ARGS, SRC, Trainer, assert_ok, run_trainer
 from inputs import png_shape
 
-MON_ARGS = [*FAST_ARGS, "--max_steps", "8", "--log_interval", "2", "--eval_interval", "4", "--warmup_steps", "3",
+MON_ARGS = [*FAST_ARGS, "--max_steps", "8", "--log_interval", "1", "--eval_interval", "4", "--warmup_steps", "3",
             "--no-export"]
 
 
@@ -50,7 +50,7 @@ def _resolved_ds_config(output: str) -> dict:
 
 def test_metrics_have_every_key_and_sane_values(monitored):
     records = monitored.train_records()
-    assert [r["step"] for r in records] == [2, 4, 6, 8]
+    assert [r["step"] for r in records] == list(range(1, 9))
     for r in records:
         assert TRAIN_KEYS <= r.keys(), TRAIN_KEYS - r.keys()
         assert r["tokens_seen"] == r["step"] * TOKENS_PER_STEP  # packed blocks: every token is a real target
@@ -65,7 +65,8 @@ def test_metrics_have_every_key_and_sane_values(monitored):
 
 
 def test_learning_rate_follows_the_schedule(monitored):
-    """The lr logged at step s is the one step s used: the scheduler's value after s-1 updates."""
+    """The lr logged at step s is the one step s trained with: the schedule's iteration s - 1, so exactly one step
+    (the first) at the warm-up floor and the last at the cosine's end."""
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
     ds = _resolved_ds_config(monitored.output)
@@ -74,16 +75,17 @@ def test_learning_rate_follows_the_schedule(monitored):
     sched = WarmupCosineLR(opt, **ds["scheduler"]["params"])
     expected = {}
     for step in range(1, 9):
+        sched.step(step - 1)
         expected[step] = opt.param_groups[0]["lr"]
-        sched.step()
     got = {r["step"]: r["lr"] for r in monitored.train_records()}
     assert got == pytest.approx({s: expected[s] for s in got}, rel=1e-9)
-    # The same by hand: step s uses scheduler iteration s - 2 (DeepSpeed's scheduler starts at -1, at lr 0);
-    # linear warmup over 3 iterations, then cosine from the peak to 0.1 x peak over the 5 remaining steps.
+    # The same by hand: linear warm-up over iterations 0-2 (steps 1-3), then cosine from the peak to 0.1 x peak over
+    # the 5 remaining steps, the last step at its end.
     peak = ds["optimizer"]["params"]["lr"]
-    assert got[2] == 0.0 and got[4] == pytest.approx(peak * 2 / 3)
-    for step in (6, 8):
-        assert got[step] == pytest.approx(peak * (0.1 + 0.9 * (1 + math.cos(math.pi * (step - 4) / 5)) / 2))
+    assert [got[s] for s in (1, 2, 3)] == pytest.approx([0.0, peak / 3, peak * 2 / 3])
+    for step in range(4, 9):
+        assert got[step] == pytest.approx(peak * (0.1 + 0.9 * (1 + math.cos(math.pi * (step - 3) / 5)) / 2))
+    assert got[8] == pytest.approx(peak * 0.1)
 
 
 def test_tensorboard_events_read_back_equal_the_metrics(monitored):
@@ -116,8 +118,8 @@ def test_summary_matches_the_metrics(monitored):
     evals = [r for r in monitored.metrics() if "eval_loss" in r]
     assert summary["status"] == "completed"
     assert (summary["steps"], summary["tokens"]) == (8, 8 * TOKENS_PER_STEP)
-    assert summary["mean_tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in records[1:]) / 3)
-    assert summary["mean_step_time_s"] == pytest.approx(sum(r["step_time_s"] for r in records[1:]) / 3)
+    assert summary["mean_tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in records[1:]) / 7)
+    assert summary["mean_step_time_s"] == pytest.approx(sum(r["step_time_s"] for r in records[1:]) / 7)
     assert summary["host_peak_mem_gib"] == max(r["host_peak_mem_gib"] for r in records)
     assert summary["mean_mfu"] is None and summary["peak_mem_gib"] is None  # CPU
     assert (summary["final_loss"], summary["final_eval_loss"]) == (records[-1]["loss"], evals[-1]["eval_loss"])

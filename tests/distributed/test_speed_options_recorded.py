@@ -34,16 +34,16 @@ def test_options_are_recorded_and_a_changed_option_is_named_on_resume(session_ca
     assert ("the optimisation differs from the checkpoint's run (scheduler.params.total_num_steps: 2 -> 3 "
             "(--max_steps))") in same.output
     # Recomputing the first of the tiny model's 4 layers changes memory, not the numbers: resumed without a word.
-    changed = run_trainer(ckpt, [*args, "--max_steps", "4", "--flce_chunk_budget", "4", "--overflow_check", "norm",
+    changed = run_trainer(ckpt, [*args, "--max_steps", "6", "--flce_chunk_budget", "4", "--overflow_check", "norm",
                                  "--gradient_checkpointing", "--checkpointed_layers", "1"])
     assert_ok(changed)
     assert "activation checkpointing: 1 of 4 decoder layers recompute" in changed.output
     assert ("speed options that change the numerics differ from the checkpoint's (flce_chunk_budget: 8 -> 4)"
             in changed.output)  # the overflow check skips the same steps in every mode: not named
     assert json.loads((ckpt / "step-00000004" / "manifest.json").read_text())["perf"]["flce_chunk_budget"] == 4
-    # Its first step trains at the 4-step schedule's rate, as a 4-step run from the start does, not at the rate the
-    # 3-step schedule ended with (the checkpoint's optimizer holds that one).
-    whole = run_trainer(tmp_path / "whole", [*args, "--max_steps", "4"])
+    # Its first step trains at the 6-step schedule's rate, as a 6-step run from the start does, not at the rate the
+    # 3-step schedule ended with (the checkpoint's optimizer holds that one: its floor).
+    whole = run_trainer(tmp_path / "whole", [*args, "--max_steps", "6"])
     assert_ok(whole)
     rates = [{line["step"]: line["lr"] for line in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
               if "lr" in line} for d in (ckpt, tmp_path / "whole")]

@@ -149,6 +149,7 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds, mpu=mpu)
+    start_schedule(engine)
     in_force.update(streamline_zero_step(engine, cfg.speed, log.info))
     from_step = cfg.optim.delayed_update_from_step
     delayed = delay_offload_updates(engine, from_step, log.info,  # ZeRO, optimizer offloaded
@@ -161,6 +162,17 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     if plan.checkpoints.background:
         saves = BackgroundSaves(install(engine, log.info), dist, log.info)
     return model, engine, in_force, saves
+
+
+def start_schedule(engine) -> None:
+    """Step 1 trains at the schedule's first rate. DeepSpeed's schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR)
+    are built at iteration -1, whose rate is 0.0, and step after each update: step 1 would train at 0.0 and step 2 at
+    iteration 0's warm-up floor, two updates at zero where the schedule names one. Moving to iteration 0 here, as
+    torch's schedulers do when built, makes step s train at iteration s - 1. A resume loads the scheduler's own
+    iteration from the checkpoint after this."""
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and getattr(scheduler, "last_batch_iteration", None) == -1:
+        scheduler.step(0)
 
 
 def gpu_peak(dist: Dist) -> float | None:
