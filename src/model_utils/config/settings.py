@@ -147,17 +147,23 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """What the model reads: the dataset, how it is tokenized and cached, and how blocks are formed."""
-    dataset: str | None = _f(None, "A save_to_disk directory, a text/JSONL/Parquet file or directory, or a hub dataset "
-                                   "name; `embedded` (the text corpus built offline from the Python standard library) "
-                                   "or `embedded-chat` (chats about the standard library's functions, built offline, "
-                                   "for fine-tuning). Default: `embedded` for a preset; a pretrained model needs one.")
-    data_format: str = _f("auto", "What the rows hold (docs/FINE-TUNING.md): chat (messages), prompt_completion, "
-                                  "alpaca (instruction/input/output), tokens (input_ids, optional labels), text "
-                                  "(examples kept apart, loss on all). Fine-tuning formats are packed as examples "
-                                  "with loss on the answers. auto (the default): chat, prompt_completion or alpaca "
-                                  "from the columns, tokens where a labels column is there, else pretraining text "
+    dataset: str | None = _f(None, "What to train on (docs/DATA-PREPARATION.md): a text, JSONL/JSON, Parquet, CSV or "
+                                   "Arrow file or a directory of one kind; a save_to_disk directory; a directory "
+                                   "prepared by `python -m model_utils.prepare` (its manifest.json); token files "
+                                   "(`tokens.npy` or a directory of .npy); a mixture (`a:0.7,b:0.3`, or a JSON file "
+                                   "listing parts and weights); a hub dataset name; `embedded` (the text corpus built "
+                                   "offline from the Python standard library) or `embedded-chat` (chats about its "
+                                   "functions, for fine-tuning). Rows of chat, ShareGPT, prompt/completion, Alpaca or "
+                                   "token formats fine-tune (--data_format). Default: `embedded` for a preset; a "
+                                   "pretrained model needs one.")
+    data_format: str = _f("auto", "What the rows hold (docs/FINE-TUNING.md): chat (messages), sharegpt "
+                                  "(conversations of from/value), prompt_completion, alpaca "
+                                  "(instruction/input/output), tokens (input_ids, optional labels), text (examples "
+                                  "kept apart, loss on all). Fine-tuning formats are packed as examples with loss on "
+                                  "the answers. auto (the default): chat, sharegpt, prompt_completion or alpaca from "
+                                  "the columns, tokens where a labels column is there, else pretraining text "
                                   "(documents concatenated into blocks).",
-                          choices=("auto", "text", "chat", "prompt_completion", "alpaca", "tokens"))
+                          choices=("auto", "text", "chat", "sharegpt", "prompt_completion", "alpaca", "tokens"))
     train_on_prompts: bool = _f(False, "Fine-tuning formats: loss on every token, prompts included. Default off: "
                                        "only the answers (assistant messages, completions, outputs) carry loss.")
     dataset_config_name: str | None = _f(None, "Hub dataset configuration name (e.g. 'en' for allenai/c4).")

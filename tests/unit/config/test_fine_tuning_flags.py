@@ -48,6 +48,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 
 @pytest.mark.parametrize("row, requested, resolved", [
     (CHAT, "auto", "chat"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}, "auto", "sharegpt"),
     ({"prompt": "a", "completion": "b"}, "auto", "prompt_completion"),
     ({"instruction": "a", "output": "b"}, "auto", "alpaca"),
     ({"input_ids": [1, 2], "labels": [-100, 2]}, "auto", "tokens"),
@@ -74,6 +75,23 @@ def test_an_explicit_format_without_its_columns_names_the_file_and_columns(tmp_p
     with pytest.raises(DataError) as raised:
         resolve_data_format(cfg, resolve_source(cfg))
     assert str(path) in str(raised.value.problem.value) and "columns: text" in raised.value.problem.message
+
+
+def test_rows_of_no_format_and_no_text_name_the_text_column_and_every_format(tmp_path):
+    from model_utils.data.errors import DataError
+    from model_utils.data.sft.formats import resolve_data_format
+    from model_utils.data.sources import resolve_source
+
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "2+2?", "answer": "4"}])
+    cfg = TrainConfig.from_flags(dataset=str(path)).data
+    with pytest.raises(DataError) as raised:
+        resolve_data_format(cfg, resolve_source(cfg))
+    problem = raised.value.problem
+    assert (problem.setting, problem.value) == ("--text_column", "text")
+    assert str(path) in problem.message and "columns: question, answer" in problem.message
+    for columns in ("chat: messages", "sharegpt: conversations", "prompt_completion: prompt + completion",
+                    "alpaca: instruction + output", "tokens: input_ids"):
+        assert columns in problem.fix
 
 
 def test_fine_tuning_defaults_apply_to_a_pretrained_model_only(tmp_path):
@@ -136,3 +154,28 @@ def test_the_fine_tuning_defaults_are_not_reported_as_the_users_overrides(tmp_pa
     assert mine.fine_tuning.filled == ("warmup_steps",)
     assert [note for note in mine.notes if "overrides" in note] == [
         "--learning_rate 0.001 overrides optimizer.params.lr=0.0003 from the DeepSpeed config"]
+
+
+def test_the_help_of_dataset_names_every_form_it_takes():
+    """--help is where a user looks first: every kind of source data.sources.resolve_source reads is named there, and
+    every fine-tuning format under --data_format."""
+    import re
+
+    from model_utils.config.flags import build_parser
+    from model_utils.data.sft.formats import FORMATS
+    from model_utils.data.sources import FILE_BUILDERS
+
+    text = build_parser().format_help()
+    help_text = " ".join(text[text.index("\n\n"):].split())  # after the usage lines: each flag and its help
+
+    def flag_help(flag):
+        return re.search(rf"{flag} \S+\s+(.*?)(?= --[a-z_]+ |$)", help_text).group(1)
+
+    dataset = flag_help("--dataset")
+    builders = {"text", "JSONL", "Parquet", "CSV", "Arrow"}
+    assert len(set(FILE_BUILDERS.values())) == len(builders) and all(b in dataset for b in builders)
+    for form in ("save_to_disk directory", "prepared by `python -m model_utils.prepare`", ".npy", "a:0.7,b:0.3",
+                 "hub dataset name", "`embedded`", "`embedded-chat`"):
+        assert form in dataset, form
+    data_format = flag_help("--data_format")
+    assert all(fmt in data_format for fmt in FORMATS)

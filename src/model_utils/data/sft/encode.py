@@ -11,7 +11,8 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from model_utils.data.sft.formats import GENERATION_BLOCK, IGNORE_INDEX, check_row, resolve_chat_template, row_problem
+from model_utils.data.sft.formats import (GENERATION_BLOCK, IGNORE_INDEX, check_row, resolve_chat_template, row_problem,
+                                          sharegpt_messages)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -45,7 +46,7 @@ class ExampleEncoder:
         self.text_prefix = [i for i in tokenizer("", add_special_tokens=True)["input_ids"] if i == bos][:1]
 
     def describe(self) -> str:
-        if self.fmt not in ("chat", "alpaca", "prompt_completion"):
+        if self.fmt not in ("chat", "sharegpt", "alpaca", "prompt_completion"):
             return self.fmt
         template = "default ChatML-like template (the tokenizer has none)" if self.default_template else \
             "the tokenizer's chat template"
@@ -55,6 +56,8 @@ class ExampleEncoder:
     def encode(self, row: dict, number: int) -> Example:
         if self.fmt == "chat":
             return self.encode_chat(row["messages"], number)
+        if self.fmt == "sharegpt":
+            return self.encode_chat(sharegpt_messages(row["conversations"]), number)
         if self.fmt == "alpaca":
             user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
             return self.encode_chat([{"role": "user", "content": user},

@@ -1,9 +1,12 @@
-"""Fine-tuning rows: their formats (chat, prompt_completion, alpaca, tokens, text), detected from the columns or named by
---data_format, each row checked with a Problem naming the row and the fix, and the chat template chats are rendered
-with (the tokenizer's own, else DEFAULT_CHAT_TEMPLATE).
+"""Fine-tuning rows: their formats (chat, sharegpt, prompt_completion, alpaca, tokens, text), detected from the
+columns or named by --data_format, each row checked with a Problem naming the row and the fix, and the chat template
+chats are rendered with (the tokenizer's own, else DEFAULT_CHAT_TEMPLATE).
 
 Formats (one per dataset; `--data_format auto` takes it from the columns, in this order of precedence):
   chat               `messages`: a list of {"role", "content"}; loss on the assistant messages.
+  sharegpt           `conversations`: a list of {"from", "value"} (ShareGPT's rows, as axolotl and many hub
+                     datasets hold chats), from human, gpt or system (user, assistant, tool also read); read as a
+                     chat, loss on the gpt turns.
   prompt_completion  `prompt` and `completion`: two strings (plain text, EOS appended), or two lists of messages
                      (rendered as one chat; loss on the completion's assistant messages).
   alpaca             `instruction`, `output`, optional `input`: rendered as a user turn (instruction, a blank line,
@@ -26,15 +29,16 @@ from model_utils.data.loading import load_problem, load_splits, stream_documents
 IGNORE_INDEX = -100  # the label transformers' and Liger's cross-entropy skip
 
 
-FORMATS = ("text", "chat", "prompt_completion", "alpaca", "tokens")
+FORMATS = ("text", "chat", "sharegpt", "prompt_completion", "alpaca", "tokens")
 
 
 DATA_FORMAT_CHOICES = ("auto", *FORMATS)
 
 
 # The columns that make a row one format, in the order `auto` tries them (a row with `messages` and `text` is a chat).
-REQUIRED_COLUMNS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"),
-                    "alpaca": ("instruction", "output"), "tokens": ("input_ids",), "text": ("text",)}
+REQUIRED_COLUMNS = {"chat": ("messages",), "sharegpt": ("conversations",),
+                    "prompt_completion": ("prompt", "completion"), "alpaca": ("instruction", "output"),
+                    "tokens": ("input_ids",), "text": ("text",)}
 
 
 OPTIONAL_COLUMNS = {"alpaca": ("input",), "tokens": ("labels",)}
@@ -111,6 +115,32 @@ def _is_messages(value) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value))
 
 
+# ShareGPT's speakers and the chat roles they are rendered as (human/gpt/system are ShareGPT's own; the others are
+# what datasets converted from chats write in `from`).
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant",
+                  "tool": "tool"}
+
+
+def sharegpt_messages(turns: list[dict]) -> list[dict]:
+    """A checked ShareGPT conversation as chat messages ({from, value} -> {role, content})."""
+    return [{"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]} for turn in turns]
+
+
+def _sharegpt_problem(turns) -> tuple[str, str] | None:
+    """(what is wrong, the fix) for a `conversations` value that is not a ShareGPT conversation, else None."""
+    shape = '[{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]'
+    if not isinstance(turns, list) or not turns or not all(
+            isinstance(t, dict) and isinstance(t.get("from"), str) and isinstance(t.get("value"), str) for t in turns):
+        return "`conversations` is not a list of {from, value} with string values", f"write it as {shape}"
+    unknown = sorted({t["from"] for t in turns} - SHAREGPT_ROLES.keys())
+    if unknown:
+        return (f"`conversations` has speakers ShareGPT does not name: {', '.join(unknown)}",
+                f"use {', '.join(SHAREGPT_ROLES)} in `from` (gpt turns carry the loss)")
+    if not any(SHAREGPT_ROLES[t["from"]] == "assistant" for t in turns):
+        return "has no gpt turn, so no token would carry loss", "add the answer as a gpt turn, or remove the row"
+    return None
+
+
 def check_row(row: dict, fmt: str, number: int, source: str) -> None:
     """Raise DataError when row `number` (1-based) of `source` does not hold format `fmt`: another format (a mixed
     dataset), missing columns, or values of the wrong type."""
@@ -130,6 +160,10 @@ def check_row(row: dict, fmt: str, number: int, source: str) -> None:
         if not any(m["role"] == "assistant" for m in messages):
             raise row_problem(source, number, "has no assistant message, so no token would carry loss",
                                "add the assistant's answer, or remove the row")
+    elif fmt == "sharegpt":
+        problem = _sharegpt_problem(row["conversations"])
+        if problem:
+            raise row_problem(source, number, *problem)
     elif fmt == "prompt_completion":
         prompt, completion = row["prompt"], row["completion"]
         plain = isinstance(prompt, str) and isinstance(completion, str)
@@ -251,7 +285,13 @@ def resolve_data_format(cfg, source) -> str:
     columns = source_columns(source, cfg)
     if cfg.data_format == "auto":
         fmt = next((name for name, required in REQUIRED_COLUMNS.items() if all(c in columns for c in required)), None)
-        if fmt in ("chat", "prompt_completion", "alpaca") or (fmt == "tokens" and "labels" in columns):
+        if fmt in ("chat", "sharegpt", "prompt_completion", "alpaca") or (fmt == "tokens" and "labels" in columns):
             return fmt
+        if fmt is None and cfg.text_column not in columns and "input_ids" not in columns:
+            raise DataError(Problem("--text_column", cfg.text_column, f"{source.location} has no such column for "
+                                    "pretraining text, and its rows hold no fine-tuning format's columns (columns: "
+                                    f"{', '.join(columns) or 'none'})", "pass --text_column with the column that "
+                                    "holds the text, or give the rows the columns of one fine-tuning format "
+                                    f"({_format_list()}; docs/FINE-TUNING.md)"))
         return PRETRAINING
     return detect_format(columns, cfg.data_format, source.location)

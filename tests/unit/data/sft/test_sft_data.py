@@ -44,7 +44,7 @@ def loss_text(tokenizer, example: Example) -> str:
 
 # ---- formats --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("columns, expected", [
-    (["messages"], "chat"), (["prompt", "completion"], "prompt_completion"),
+    (["messages"], "chat"), (["conversations", "id"], "sharegpt"), (["prompt", "completion"], "prompt_completion"),
     (["instruction", "input", "output"], "alpaca"), (["input_ids", "labels"], "tokens"), (["text"], "text"),
     (["text", "messages", "id"], "chat"),  # a rendered copy beside the messages: the messages win
 ])
@@ -64,7 +64,9 @@ def test_a_requested_format_needs_its_columns():
     assert detect_format(["text", "messages"], "text", "d.jsonl") == "text"
     with pytest.raises(DataError, match="no column completion for --data_format prompt_completion"):
         detect_format(["prompt", "text"], "prompt_completion", "d.jsonl")
-    with pytest.raises(DataError, match="--data_format = sharegpt"):
+    with pytest.raises(DataError, match="--data_format = oasst"):
+        detect_format(["messages"], "oasst", "d.jsonl")
+    with pytest.raises(DataError, match="no column conversations for --data_format sharegpt"):
         detect_format(["messages"], "sharegpt", "d.jsonl")
 
 
@@ -87,6 +89,10 @@ def test_a_row_of_another_format_names_the_row_and_its_columns(tokenizer):
     ("prompt_completion", {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}, "not both strings"),
     ("tokens", {"input_ids": [1, 2, 3], "labels": [1, 2]}, "3 ids, 2 labels"),
     ("text", {"text": 7}, "`text` is int"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "hi"}]}, "no gpt turn"),
+    ("sharegpt", {"conversations": [{"role": "user", "content": "hi"}]}, "not a list of {from, value}"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "yo"}]},
+     "speakers ShareGPT does not name: bot"),
 ])
 def test_bad_values_in_a_row_are_named(fmt, row, message):
     with pytest.raises(DataError, match=message) as error:
@@ -146,6 +152,18 @@ def test_conversational_prompt_completion_keeps_the_prompts_answers_out_of_the_l
     row = {"prompt": CHAT[:4], "completion": [{"role": "assistant", "content": "Six."}]}
     example = ExampleEncoder(tokenizer, "prompt_completion").encode(row, 1)
     assert loss_text(tokenizer, example) == f"Six.{tokenizer.eos_token}"  # not the few-shot "Four."
+
+
+def test_sharegpt_rows_are_the_chats_they_name(tokenizer):
+    """ShareGPT's {from, value} turns encode token for token as the chat of {role, content} they stand for: system,
+    human -> user, gpt -> assistant, the loss on the gpt turns."""
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    row = {"conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in CHAT]}
+    check_row(row, "sharegpt", 1, "share.jsonl")
+    shared = ExampleEncoder(tokenizer, "sharegpt").encode(row, 1)
+    chat = ExampleEncoder(tokenizer, "chat").encode({"messages": CHAT}, 1)
+    assert (shared.ids, shared.labels) == (chat.ids, chat.labels)
+    assert loss_text(tokenizer, shared) == f"Four.{tokenizer.eos_token}Six, of course.{tokenizer.eos_token}"
 
 
 def test_alpaca_rows_become_a_user_and_an_assistant_turn(tokenizer):
@@ -265,6 +283,30 @@ def test_a_jsonl_file_is_packed_into_the_cache_and_opened_as_packed_data(tokeniz
     batch = packed.train.batch(packed.train_ids[:2])
     assert batch.input_ids.shape == (2, 64) and batch.loss_tokens > 0
     assert set(batch.position_ids[:, 0].tolist()) == {0}
+
+
+def test_a_sharegpt_file_packs_into_the_blocks_of_its_chats(tokenizer, tmp_path):
+    """A ShareGPT JSONL file, its format found from the columns, packs into the same blocks (ids, targets, positions)
+    as the same conversations written as messages."""
+    from model_utils.config.settings import DataConfig
+    from model_utils.data.sft.cache import ensure_sft_cache
+
+    chats = [[{"role": "system", "content": "Count."}, {"role": "user", "content": f"Count to {n}."},
+              {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}] for n in range(1, 31)]
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    (tmp_path / "share.jsonl").write_text("".join(json.dumps(
+        {"id": n, "conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in chat]}) + "\n"
+        for n, chat in enumerate(chats)))
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
+    packed = {}
+    for name in ("share", "chat"):
+        cfg = DataConfig(dataset=str(tmp_path / f"{name}.jsonl"), data_cache_dir=str(tmp_path / "cache"))
+        packed[name] = open_sft(ensure_sft_cache(cfg, tokenizer, SFTSettings(seq_len=64), log=lambda *_: None))
+    assert "fine-tuning data (sharegpt" in packed["share"].description
+    share, chat = (packed[name].train.batch(np.arange(packed[name].train.num_blocks)) for name in ("share", "chat"))
+    assert share.loss_tokens == chat.loss_tokens > 0
+    for field in ("input_ids", "targets", "position_ids"):
+        np.testing.assert_array_equal(getattr(share, field), getattr(chat, field))
 
 
 def test_the_cache_entry_is_built_once_per_dataset_and_settings(tokenizer, tmp_path):
