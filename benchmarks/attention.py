@@ -5,14 +5,16 @@ through the project's own wrapper (src/model_utils/patches/flash_attn4.py: custo
     python benchmarks/attention.py                       # Qwen3-0.6B at seq 4096, micro-batch 8 (bf16, causal, GQA)
     python benchmarks/attention.py --batch 2 --heads 32 --kv_heads 8
     python benchmarks/attention.py --document_length 1000  # --document_mask: documents of ~1,000 tokens per row
+    python benchmarks/attention.py --batch 5 --heads 32 --kv_heads 32 --document_length 600  # the 7B SFT journey
 
 Prints, per kernel: ms per forward (with autograd's saved state, as in training), per backward (the difference) and
 per forward+backward, TFLOP/s counting the causal half of the 4·B·H·T²·D forward matmul
 FLOPs (x3.5 for forward+backward, FlashAttention's convention), and the largest difference of the output and the
 gradients from SDPA's flash kernel (bf16). With --document_length, attention stays within documents of that mean
 length (geometric, cut by the row's end, as packing cuts them): SDPA with the dense per-document mask transformers
-builds against FA4's variable-length kernels given the documents' boundaries; FLOPs count the causal half of each
-document's square, and the reference is SDPA's memory-efficient kernel with the mask.
+builds against FA4's variable-length kernels, PyTorch's varlen_attn and SDPA once per document (the paths without
+FlashAttention-4), each given the documents' boundaries; FLOPs count the causal half of each document's square, and
+the reference is SDPA's memory-efficient kernel with the mask.
 """
 
 from __future__ import annotations
@@ -130,6 +132,19 @@ def main(argv=None) -> int:
         kernels[f"{kind} (project op, compiled)"] = run_with(torch.compile(fa4, fullgraph=True))
     else:
         print(f"FlashAttention-4 not measured: {reason}")
+    if documents:  # the paths without FlashAttention-4 (src/model_utils/models/document_attention.py)
+        from model_utils.models import document_attention
+
+        def per_document(fn):
+            return lambda q, k, v: fn(module, q, k, v, None, scaling=d ** -0.5, **documents)[0]
+
+        if (varlen_reason := document_attention.varlen_unavailable_reason()) is None:
+            kernels["varlen_attn (project path)"] = run_with(per_document(document_attention.varlen_documents))
+            kernels["varlen_attn (project path, compiled)"] = run_with(
+                torch.compile(per_document(document_attention.varlen_documents)))
+        else:
+            print(f"PyTorch's varlen not measured: {varlen_reason}")
+        kernels["sdpa once per document"] = run_with(per_document(document_attention.document_sdpa))
 
     reference = next(iter(kernels.values()))()
     print(f"shape: batch {b}, seq {t}, heads {h}, kv heads {kv}, head_dim {d}, bf16, causal"

@@ -427,6 +427,13 @@ EOF
       --title "llama-1b, 262,144, 2 GPUs split, inputs offloaded" -- --gradient_checkpointing --offload_activations \
       --compile off --rope_scaling yarn:2
     ;;
+  document-attention)  # attention within documents alone (benchmarks/attention.py): the dense mask, FlashAttention-4's
+    # variable-length kernels, PyTorch's varlen_attn and SDPA once per document, outputs and gradients against the
+    # mask's, at the 7B fine-tuning journey's shape (examples of ~600 tokens) and Qwen3-0.6B's (~2 min)
+    python3 benchmarks/attention.py --batch 5 --heads 32 --kv_heads 32 --document_length 600 | tee "$OUT/attn-sft-7b.txt"
+    python3 benchmarks/attention.py --batch 8 --heads 16 --kv_heads 8 --document_length 1000 \
+      | tee "$OUT/attn-qwen3-0.6b.txt"
+    ;;
   *) eval "$1" ;;  # a custom plan: shell commands that may call bench()
 esac
 }

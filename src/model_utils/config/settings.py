@@ -50,9 +50,12 @@ class SpeedConfig:
                                        "what they would save for the backward pass that they keep (the cheapest rest "
                                        "is recomputed). 1.0 recomputes nothing.", numerics=False)
     attention_kernel: str = _f("auto", "fa4: FlashAttention-4 (package flash-attn-4) for causal attention on "
-                                       "Hopper/Blackwell GPUs, SDPA for anything it does not cover; sdpa: SDPA only; "
-                                       "auto: fa4 where it is installed, the GPU supports it and a setup probe passes.",
-                               choices=("auto", "fa4", "sdpa"), numerics=True)
+                                       "Hopper/Blackwell GPUs, SDPA for anything it does not cover; varlen: documents "
+                                       "and packed examples through PyTorch's variable-length FlashAttention (Ampere "
+                                       "on), no dense mask; sdpa: SDPA only (transformers' mask for documents); auto: "
+                                       "fa4 where it is installed, the GPU supports it and a setup probe passes, else "
+                                       "for documents varlen where it runs, else SDPA once per document on a GPU.",
+                               choices=("auto", "fa4", "varlen", "sdpa"), numerics=True)
     sdpa_backend: str = _f("auto", "SDPA kernel tried first (the others stay as fall-backs): cudnn, flash, efficient, "
                                    "math; auto keeps PyTorch's order.",
                            choices=("auto", "cudnn", "flash", "efficient", "math"), numerics=True)

@@ -5,7 +5,8 @@
   sequence for slices of the heads, so each rank attends over the whole sequence for 1/N of the heads. Everything else
   (embeddings, MLPs, norms, the loss) runs on the rank's slice alone.
 - The attention under it sees the whole sequence: FlashAttention-4 with the documents' or examples' boundaries where it
-  runs, else SDPA once per document (`document_sdpa`: causal within each, never a dense mask). It is registered with
+  runs, else PyTorch's variable-length FlashAttention (from Ampere on) or SDPA once per document
+  (models.document_attention: causal within each, never a dense mask). It is registered with
   transformers under its own name without a mask function, so transformers builds no mask for the rank's slice either
   (a packed slice of 64K tokens would otherwise get a 4 GiB boolean mask that Ulysses throws away).
 - Tiled MLPs (`--tiled_mlp`): DeepSpeed's `TiledMLP` runs each decoder layer's MLP over the sequence in tiles and
@@ -22,6 +23,7 @@ import inspect
 import math
 
 from model_utils.core.problems import Problem
+from model_utils.models.document_attention import document_sdpa, varlen_documents, varlen_unavailable_reason
 from model_utils.patches.flash_attn4 import FA4_NAME, fa4_attention
 
 ULYSSES_NAME = "dslm_ulysses"  # the attention implementation name registered with transformers under Ulysses
@@ -83,34 +85,6 @@ def uses_tiled_mlp(setting: str, seq_len: int, sequence_parallel: int) -> bool:
 # ----------------------------------------------------------------------------------------------------------------------
 # Attention over the whole sequence, within documents
 # ----------------------------------------------------------------------------------------------------------------------
-def document_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA causal within each document: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out, as transformers'
-    attention functions. The documents are `cu_seq_lens_q`, their offsets in the flattened rows (FlashAttention's
-    cu_seqlens); without them, causal over each whole row. Each document is one causal SDPA call on its own slice: no
-    mask, so SDPA takes its flash or memory-efficient kernels, and nothing is computed across documents."""
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    kwargs.pop("is_causal", None)
-    boundaries = kwargs.pop("cu_seq_lens_q", None)
-    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
-        kwargs.pop(name, None)
-    if boundaries is None:
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
-                                      is_causal=True, **kwargs)
-    batch, _, seq, _ = query.shape
-    flat = [t.transpose(0, 1).reshape(t.shape[1], batch * seq, t.shape[3]) for t in (query, key, value)]
-    cuts = boundaries.tolist()
-    outputs = []
-    for start, end in zip(cuts[:-1], cuts[1:]):
-        q, k, v = (t[:, start:end].unsqueeze(0) for t in flat)
-        out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
-                                        **kwargs)
-        outputs.append(out)
-    out = torch.cat(outputs, dim=1)  # (1, batch x seq, heads, dim)
-    return out.view(batch, seq, *out.shape[2:]), None
-
-
 def enable_ulysses(model, sequence_parallel: int, micro_batch: int, seq_len: int, log):
     """Wrap the model's attention in DeepSpeed's Ulysses for groups of `sequence_parallel` ranks and return the
     parallel-state object (mpu) that deepspeed.initialize takes. Call after the speed options (which pick
@@ -120,8 +94,13 @@ def enable_ulysses(model, sequence_parallel: int, micro_batch: int, seq_len: int
     from transformers import AttentionInterface
 
     fa4 = getattr(model.config, "_attn_implementation", None) == FA4_NAME
-    # document_sdpa reads the boundaries on the host: it runs outside any compiled graph
-    AttentionInterface.register(ULYSSES_NAME, fa4_attention if fa4 else torch.compiler.disable(document_sdpa))
+    if fa4:
+        core = fa4_attention
+    elif varlen_unavailable_reason() is None:
+        core = varlen_documents
+    else:  # document_sdpa reads the boundaries on the host: it runs outside any compiled graph
+        core = torch.compiler.disable(document_sdpa)
+    AttentionInterface.register(ULYSSES_NAME, core)
     model.set_attn_implementation(ULYSSES_NAME)  # transformers' public setter: the model and every submodule
     # a variable length (evaluation's blocks may be shorter): only the micro-batch shapes Ulysses' checks
     mpu = UlyssesSPAttentionHF.register_with_transformers(

@@ -6,6 +6,10 @@ with.
 Under ZeRO-3 the LM head weight is partitioned and Liger's fused loss reads it outside `lm_head.forward`; it is
 registered as an external parameter of the top-level module so ZeRO gathers it for the whole forward/backward.
 
+Attention: FlashAttention-4 where it runs; otherwise, for documents and packed examples on a GPU, PyTorch's
+variable-length FlashAttention (from Ampere on) or SDPA once per document (models.document_attention), no dense mask;
+SDPA for the rest.
+
 Under ZeRO-3 without offload, each decoder layer is a ZeRO-3 leaf module (DeepSpeed's public
 `set_z3_leaf_modules`): its parameters are gathered and released together by hooks on the layer alone, which run
 eagerly around the layer's compiled `forward`, so the graph sees whole weights and no hook inside it.
@@ -20,6 +24,8 @@ import inspect
 from model_utils.config.settings import SpeedConfig
 from model_utils.core.problems import Problem
 from model_utils.models.build import head_dim
+from model_utils.models.document_attention import (enable_document_attention, mask_needed_reason,
+                                                   varlen_unavailable_reason)
 from model_utils.patches import deepspeed_zero, flash_attn4, liger, torch_compile
 
 
@@ -40,6 +46,11 @@ def fused_kernels_problem(speed: SpeedConfig, cuda: bool) -> Problem | None:
         if reason:
             return Problem("--attention_kernel", "fa4", reason, "pip install flash-attn-4 on a Hopper/Blackwell GPU, "
                            "or use --attention_kernel auto (SDPA where FA4 cannot run)")
+    if speed.attention_kernel == "varlen" and cuda:
+        reason = varlen_unavailable_reason()
+        if reason:
+            return Problem("--attention_kernel", "varlen", reason, "use --attention_kernel auto (SDPA once per "
+                           "document where PyTorch's varlen cannot run)")
     return None
 
 
@@ -72,15 +83,16 @@ def use_fa4(cuda: bool, model, speed: SpeedConfig) -> bool:
 
 
 def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, documents: bool = False,
-                       fused: bool | None = None, compiled: bool | None = None) -> dict:
+                       fused: bool | None = None, compiled: bool | None = None, seq_len: int | None = None) -> dict:
     """Patch `model` in place with the options that apply; return what is in force (recorded in the checkpoint's
     manifest and summary.json). `log` reports what was applied (rank 0 is enough: every rank applies the same, except
     that a rank whose FlashAttention-4 probe fails keeps SDPA); `warn` (default `log`) reports that failure, from the
-    rank it happened on. `documents`: the run masks attention to documents (--document_mask), so FlashAttention-4's
-    probe covers its variable-length kernels. `fused`: the run's plan's decision on the fused loss
-    (planning.plan.fused_loss, which its memory estimate assumed); None decides here, as the plan does. `compiled`: the
-    plan's decision on the compiled layers (plan.compiled_layers); None decides here, as the plan does for parameters on
-    the GPUs."""
+    rank it happened on. `documents`: the run attends within documents or examples (--document_mask, packed examples), so
+    FlashAttention-4's probe covers its variable-length kernels, and without FlashAttention-4 the documents go to
+    models.document_attention (on sequences of `seq_len`). `fused`: the run's plan's decision on the fused loss
+    (planning.plan.fused_loss, which its memory estimate assumed); None decides here, as the plan does. `compiled`:
+    the plan's decision on the compiled layers (plan.compiled_layers); None decides here, as the plan does for
+    parameters on the GPUs."""
     warn = warn or log
     zero3 = _is_zero3(model)
     if compiled is None:
@@ -119,7 +131,24 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
     elif (speed.attention_kernel == "auto" and cuda and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
           and (reason := flash_attn4.fa4_unavailable_reason())):
         log(f"attention: SDPA ({reason}; on Hopper/Blackwell `pip install .[fa4]` adds FlashAttention-4)")
+    if documents and applied["attention_kernel"] == "sdpa" and use_document_attention(cuda, model, speed, seq_len, log):
+        applied["attention_kernel"] = enable_document_attention(model, log, "varlen" if speed.attention_kernel ==
+                                                                "varlen" else None)
     return applied
+
+
+def use_document_attention(cuda: bool, model, speed: SpeedConfig, seq_len: int | None, log) -> bool:
+    """Documents' boundaries instead of transformers' dense mask where FlashAttention-4 is not in force: on a GPU, for
+    the SDPA model, unless its attention needs the mask (the log says why)."""
+    if speed.attention_kernel not in ("auto", "varlen") or not cuda:
+        return False
+    if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+        return False
+    reason = mask_needed_reason(model.config, seq_len or 0)
+    if reason:
+        log(f"attention: transformers masks the documents for SDPA ({reason}, which the variable-length paths do "
+            "not take)")
+    return reason is None
 
 
 def streamline_zero_step(engine, speed: SpeedConfig, log) -> dict:

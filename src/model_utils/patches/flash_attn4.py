@@ -173,12 +173,6 @@ def _register_fa4() -> None:
     AttentionMaskInterface.register(FA4_NAME, sdpa_mask)
 
 
-def takes_document_boundaries(model) -> bool:
-    """Whether the model's attention takes documents as boundaries (cu_seq_lens_q: FlashAttention-4) rather than as the
-    dense mask transformers builds from position ids that restart at each document (SDPA, eager)."""
-    return getattr(model.config, "_attn_implementation", None) == FA4_NAME
-
-
 def enable_fa4(model, log) -> None:
     _register_fa4()
     model.config._attn_implementation = FA4_NAME

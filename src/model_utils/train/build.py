@@ -24,12 +24,12 @@ from model_utils.data.sft.packing import PackedExamples
 from model_utils.data.streaming import identity_entry, is_streamed
 from model_utils.data.tokens import token_fingerprint, tokenizer_identity
 from model_utils.models.build import build_model, decay_groups, gpu_peak_tflops
+from model_utils.models.document_attention import KERNEL_LABELS, takes_document_boundaries
 from model_utils.models.lora import LoraError, apply_lora, summary
 from model_utils.models.sequence_parallel import enable_ulysses, tile_mlps, uses_tiled_mlp
 from model_utils.models.speed import apply_speed_options, streamline_zero_step
 from model_utils.patches.deepspeed_offload import delay_offload_updates
 from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
-from model_utils.patches.flash_attn4 import takes_document_boundaries
 from model_utils.planning.plan import Plan
 from model_utils.runtime.distributed import Dist
 from model_utils.runtime.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
@@ -135,7 +135,7 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     in_force = apply_speed_options(model, cfg.speed, dist.device.type == "cuda", log.info,
                                    warn=lambda message: log.warn(message, all_ranks=True),
                                    documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss,
-                                   compiled=plan.compiled_layers)
+                                   compiled=plan.compiled_layers, seq_len=plan.seq_len)
     mpu = None
     if dist.sequence_parallel > 1:
         mpu = enable_ulysses(model, dist.sequence_parallel, plan.batch.micro, plan.seq_len, log.info)
@@ -183,8 +183,10 @@ def gpu_peak(dist: Dist) -> float | None:
 def describe_run(run: Run, plan: Plan, length) -> None:
     """The header lines of a built run: attention, model, batch, recomputed layers."""
     cfg, log, batch, ds = run.cfg, run.log, run.batch, run.ds_config
-    # the documents' boundaries go to FlashAttention-4, or under sequence parallelism to SDPA once per document
-    kernel = "FlashAttention-4" if run.speed_in_force.get("attention_kernel") == "fa4" else "SDPA (one call each)"
+    # the documents' boundaries go to the kernel in force (under sequence parallelism: SDPA once per document where
+    # neither FlashAttention-4 nor PyTorch's varlen runs)
+    in_force = run.speed_in_force.get("attention_kernel", "sdpa")
+    kernel = KERNEL_LABELS["sdpa-documents" if in_force == "sdpa" else in_force]
     if run.examples:
         log.info("attention: within each example (positions restart at every example, "
                  + (f"{kernel} takes the examples' boundaries)" if run.document_boundaries

@@ -1,62 +1,19 @@
 """The long-sequence pieces on CPU (models/sequence_parallel.py; the offload and RoPE scaling of models/build.py): the
-attention under Ulysses against transformers' dense-mask SDPA, the tiled MLPs against the MLPs, each rank's slice of the
-inputs, what --sequence_parallel refuses, the recomputed layers' inputs offloaded, the scaled RoPE. The split runs (2 gloo ranks) are in tests/distributed/test_sequence_parallel_runs.py."""
+tiled MLPs against the MLPs, each rank's slice of the inputs, what --sequence_parallel refuses, the recomputed layers'
+inputs offloaded, the scaled RoPE. The attention under Ulysses (models/document_attention.py) is held against
+transformers' dense-mask SDPA in test_document_attention.py; the split runs (2 gloo ranks) are in
+tests/distributed/test_sequence_parallel_runs.py."""
 
 from __future__ import annotations
 
 import types
 
-import numpy as np
 import pytest
 import torch
 
 from model_utils.config.flags import parse_args
-from model_utils.data.blocks import document_boundaries, document_positions
 from model_utils.models import sequence_parallel as sp
 from model_utils.runtime.distributed import Dist
-
-
-def _qkv(batch=2, heads=4, kv_heads=2, seq=24, dim=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda h: torch.randn(batch, h, seq, dim, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
-    return make(heads), make(kv_heads), make(kv_heads)
-
-
-def _module(heads=4, kv_heads=2):
-    return types.SimpleNamespace(is_causal=True, num_key_value_groups=heads // kv_heads, training=True)
-
-
-def _dense_documents(query, key, value, positions):
-    """transformers' own path: SDPA with the block-diagonal causal mask it builds from restarting positions."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    document = np.cumsum(positions == 0, axis=1)
-    same = document[:, :, None] == document[:, None, :]
-    causal = np.tril(np.ones(same.shape[1:], dtype=bool))
-    mask = torch.from_numpy(same & causal)[:, None]
-    return sdpa_attention_forward(_module(), query, key, value, mask, scaling=query.shape[-1] ** -0.5)[0]
-
-
-def test_attention_within_documents_equals_the_dense_mask_in_outputs_and_gradients():
-    """Two rows of three and two documents (one cut at the row's end): one causal SDPA call per document gives what the
-    dense block-diagonal mask gives, outputs and the gradients of q, k and v, and not what causal attention over the
-    whole row gives."""
-    tokens = np.array([[5, 5, 2, 5, 5, 5, 5, 2, 5] + [5] * 15, [5] * 10 + [2] + [5] * 13])  # 2 ends the documents
-    positions = document_positions(tokens, eos_id=2)
-    boundaries = torch.from_numpy(document_boundaries(positions))
-    assert boundaries.tolist() == [0, 3, 8, 24, 35, 48]
-    q, k, v = _qkv()
-    ours, _ = sp.document_sdpa(_module(), q, k, v, None, scaling=q.shape[-1] ** -0.5, cu_seq_lens_q=boundaries,
-                               cu_seq_lens_k=boundaries, max_length_q=24, position_ids=torch.from_numpy(positions))
-    dense = _dense_documents(q, k, v, positions)
-    assert ours.shape == dense.shape == (2, 24, 4, 8)
-    torch.testing.assert_close(ours, dense, rtol=1e-12, atol=1e-12)
-    grads = torch.autograd.grad((ours * dense.detach().cos()).sum(), (q, k, v))
-    want = torch.autograd.grad((dense * dense.detach().cos()).sum(), (q, k, v))
-    for got, expected in zip(grads, want):
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    whole, _ = sp.document_sdpa(_module(), q, k, v, None, scaling=q.shape[-1] ** -0.5)
-    assert not torch.allclose(whole, ours)  # without the boundaries: causal over each whole row
 
 
 def test_each_rank_keeps_its_slice_of_every_per_token_input():

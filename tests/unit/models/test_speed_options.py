@@ -140,6 +140,42 @@ def test_auto_attention_falls_back_to_sdpa_when_fa4_fails_its_probe(monkeypatch)
     assert model.config._attn_implementation == flash_attn4.FA4_NAME
 
 
+def test_documents_without_fa4_take_the_variable_length_paths_on_a_gpu(monkeypatch):
+    """Documents or packed examples where FlashAttention-4 is not in force: PyTorch's varlen where it runs, else SDPA
+    once per document, no mask function registered (so transformers builds none); `sdpa` by name and models whose
+    attention needs the mask keep transformers' mask, the log saying why. No GPU here: `cuda=True` stands for one, and
+    whether varlen runs is set by hand (the kernels themselves are held equal in test_document_attention.py)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from model_utils.models import document_attention
+
+    monkeypatch.setattr(flash_attn4, "fa4_unavailable_reason", lambda: "no Hopper here")
+    options = SpeedConfig(fused_kernels="off", compile="off")
+    for varlen_reason, kernel, name in ((None, "varlen", document_attention.VARLEN_NAME),
+                                        ("an Ada-less T4", "sdpa-documents", document_attention.SDPA_DOCUMENTS_NAME)):
+        monkeypatch.setattr(document_attention, "varlen_unavailable_reason", lambda reason=varlen_reason: reason)
+        logs, model = [], _tiny_model()
+        applied = speed.apply_speed_options(model, options, cuda=True, log=logs.append, documents=True, seq_len=64)
+        assert applied["attention_kernel"] == kernel and model.config._attn_implementation == name
+        assert document_attention.takes_document_boundaries(model)
+        assert name not in ALL_MASK_ATTENTION_FUNCTIONS and any("within documents, no dense mask" in x for x in logs)
+    for kept, cuda, documents, seq_len in ((SpeedConfig(fused_kernels="off", compile="off", attention_kernel="sdpa"),
+                                            True, True, 64), (options, False, True, 64), (options, True, False, 64)):
+        model = _tiny_model()
+        applied = speed.apply_speed_options(model, kept, cuda=cuda, log=lambda _: None, documents=documents,
+                                            seq_len=seq_len)
+        assert applied["attention_kernel"] == "sdpa" and model.config._attn_implementation == "sdpa"
+    logs, model = [], _tiny_model()
+    model.config.sliding_window, model.config.layer_types = 32, ["sliding_attention"] * model.config.num_hidden_layers
+    applied = speed.apply_speed_options(model, options, cuda=True, log=logs.append, documents=True, seq_len=64)
+    assert applied["attention_kernel"] == "sdpa"
+    assert any("transformers masks the documents for SDPA (its attention has a sliding window of 32" in x for x in logs)
+    monkeypatch.setattr(document_attention, "varlen_unavailable_reason", lambda: "torch 2.9 has no varlen")
+    monkeypatch.setattr(speed, "varlen_unavailable_reason", lambda: "torch 2.9 has no varlen")
+    problem = speed.fused_kernels_problem(SpeedConfig(attention_kernel="varlen"), cuda=True)
+    assert problem.setting == "--attention_kernel" and problem.value == "varlen" and "2.9" in problem.message
+
+
 def test_compile_only_with_cuda_and_not_where_zero3_keeps_eager_layers():
     auto = SpeedConfig()
     assert speed.use_compile(cuda=True, zero3_eager=False, speed=auto)
