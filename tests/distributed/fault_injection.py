@@ -15,6 +15,8 @@ POINT is where the rank RANK acts at step STEP:
   manifest-disk-full     (rank 0) writing that step's manifest fails with ENOSPC (its files are all written)
   fill-disk              before that step's save, fill the filesystem of --checkpoint_dir but 256 KiB (a file
                          `filler` there): the save's writes then meet a real full disk
+  slow-write             its background writes of that step's checkpoint hold its last file until the next save (or
+                         the run's end) begins, then take 1 s more: a disk slower than the interval between saves
 The points are found by the checkpoint's step (its directory's name), so they act alike whether the files are written
 in the background (--background_checkpoint, the default) or not. FAULT is read by this test program only; the trainer
 has no such switch.
@@ -121,6 +123,24 @@ elif point == "fill-disk":
         return original_save(engine, ctx, at_step, *args, **kwargs)
 
     loop.save_checkpoint = save_checkpoint
+elif point == "slow-write":
+    import threading
+
+    next_save = threading.Event()
+    original_finish = background_save.BackgroundSaves.finish
+
+    def finish(self):  # the loop finishes the checkpoint in flight before the next save, and at the end
+        if self.pending is not None and self.pending.path.name == tag:
+            next_save.set()
+        return original_finish(self)
+
+    def hold(path):
+        if path.name.startswith("rng_state"):  # the rank's last file
+            next_save.wait(timeout=120)
+            time.sleep(1.0)
+
+    background_save.BackgroundSaves.finish = finish
+    on_fsync(hold)
 elif point == "usr1-in-eval":
     original_loss = loop.evaluation_loss
     evaluated = {"done": False}

@@ -87,6 +87,27 @@ def test_background_files_equal_a_synchronous_save(session_cache, tmp_path, ds_c
     assert len(stalls) == 2
 
 
+def test_a_save_that_waits_for_the_previous_writes_is_told_with_the_time(session_cache, tmp_path):
+    """Rank 1's writes of step 2 last until the save of step 4 begins and a second more (a disk slower than the save
+    interval, injected): step 4's save says how long it waited for step 2's writes and what to change; the metrics
+    hold the wait and each checkpoint's background write, and the run summary adds them up."""
+    ckpt = tmp_path / "ckpt"
+    run = run_with_fault(ckpt, [*RESUME_ARGS, "--checkpoint_freq", "2", "--max_steps", "4"], "slow-write:1:2")
+    assert run.returncodes == [0, 0], run.outputs[0][-3000:]
+    out = run.outputs[0]
+    assert "checkpoint: step 4 waited " in out and "s for step 2's writes (they took " in out
+    assert "save less often (--checkpoint_freq, --checkpoint_minutes) or to a faster filesystem" in out
+    records = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    waits = {r["step"]: r["checkpoint_wait_s"] for r in records if "checkpoint_wait_s" in r}
+    writes = {r["step"]: r["checkpoint_write_s"] for r in records if "checkpoint_write_s" in r}
+    assert waits[2] < 0.5 <= 1.0 <= waits[4] and set(writes) == {2, 4} and writes[2] >= 1.0
+    summary = json.loads((ckpt / "summary.json").read_text())
+    assert summary["checkpoint_wait_s_total"] == pytest.approx(waits[2] + waits[4])
+    assert summary["checkpoint_write_s_max"] == pytest.approx(max(writes.values()))
+    assert "s of it waiting for previous writes; background writes " in out
+    assert (ckpt / "latest").read_text() == "step-00000004"
+
+
 def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoint(session_cache, tmp_path):
     """Rank 1's writes of step 6 fail (ENOSPC, injected): every rank learns it at the next step's collective and
     exits 1 with the reason; step 3 stays `latest`, step 6 never gets a manifest, and a new run resumes from 3."""

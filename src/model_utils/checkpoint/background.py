@@ -172,9 +172,11 @@ def install(engine, log) -> HostCopyWriter | None:
 class BackgroundSaves:
     """At most one checkpoint in flight; it is committed (manifest, `latest`) once all ranks have written it."""
 
-    def __init__(self, writer: HostCopyWriter, dist, log):
+    def __init__(self, writer: HostCopyWriter, dist, log, metrics=None):
         self.writer, self.dist, self.log = writer, dist, log
+        self.metrics = metrics or (lambda record: None)  # the run's metrics.jsonl (rank 0 writes)
         self.pending = None  # the checkpoint.save.PendingSave in flight
+        self.last_write_s: float | None = None  # how long the last committed checkpoint took from start to complete
 
     def local_state(self) -> float:
         return self.writer.state() if self.pending is not None else IDLE
@@ -205,8 +207,9 @@ class BackgroundSaves:
     def _commit(self):
         pending, self.pending = self.pending, None
         commit_everywhere(pending, self.dist, self.log)
-        self.log(f"checkpoint: {pending.path.name} complete, written in the background in "
-                 f"{time.perf_counter() - pending.started:.1f}s")
+        self.last_write_s = time.perf_counter() - pending.started
+        self.log(f"checkpoint: {pending.path.name} complete, written in the background in {self.last_write_s:.1f}s")
+        self.metrics({"step": pending.step, "checkpoint_write_s": self.last_write_s})
 
     def _fail(self):
         cause, fix = (self.writer.error, self.writer.fix) if self.writer.error else ANOTHER_RANKS_WRITE

@@ -17,6 +17,8 @@ import math
 import os
 import shutil
 import socket
+import time
+from pathlib import Path
 
 from model_utils.checkpoint.protocol import (data_position_problems, list_checkpoints, needs_universal,
                                              sequence_parallel_of, universal_command)
@@ -197,6 +199,8 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
     free = shutil.disk_usage(probe).free
     report.estimate(f"checkpoints: ~{ckpt_bytes / GIB:.2f} GiB each, {count} on disk at most"
                     + (f" ({there} there already)" if there else "") + f"; {free / GIB:,.0f} GiB free in {probe}")
+    if periodic:
+        _state_the_shortest_save_interval(cfg, ckpt_bytes, probe, report)
     if need > free:
         shortfall = f"{new} more checkpoint(s) need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free"
         if periodic:
@@ -205,6 +209,44 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
         else:  # the last step's checkpoint alone does not fit: keeping fewer would not help
             report.problems.append(Problem("--checkpoint_dir", cfg.checkpoint.checkpoint_dir, shortfall,
                                            "free space there or use another --checkpoint_dir"))
+
+
+WRITE_PROBE_BYTES = 32 << 20
+
+
+def disk_write_rate(directory: Path, nbytes: int = WRITE_PROBE_BYTES) -> float | None:
+    """Bytes per second one process writes and fsyncs into `directory` (a probe file, removed), or None where it
+    cannot write there."""
+    probe = directory / f".dslm-write-probe-{os.getpid()}"
+    data = os.urandom(nbytes)  # incompressible: a filesystem that compresses would flatter zeros
+    try:
+        start = time.perf_counter()
+        with open(probe, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return nbytes / max(time.perf_counter() - start, 1e-6)
+    except OSError:
+        return None
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _state_the_shortest_save_interval(cfg: TrainConfig, ckpt_bytes: float, directory: Path, report: Report):
+    """A periodic save waits for the previous one's writes: the checkpoint's size over the filesystem's write rate is
+    the shortest interval between saves that costs training nothing beyond the host copy."""
+    rate = disk_write_rate(directory)
+    if rate is None:
+        return
+    seconds = ckpt_bytes / rate
+    report.estimate(f"checkpoint disk: {directory} takes {rate / 1e6:,.0f} MB/s from one writer (fsynced): a "
+                    f"checkpoint is written in the background in up to ~{seconds:,.{1 if seconds < 10 else 0}f} s "
+                    "(less where the ranks' writes add up), the shortest interval between saves that does not wait "
+                    "for the previous one's writes")
+    minutes = cfg.checkpoint.checkpoint_minutes
+    if minutes and minutes * 60 < seconds:
+        report.notes.append(f"--checkpoint_minutes {minutes:g} is shorter than a checkpoint's write here (~"
+                            f"{seconds:,.0f} s): each save will wait for the previous one; save less often")
 
 
 def print_report(report: Report, stream=None) -> int:

@@ -32,6 +32,7 @@ TAGS = {
     "mem_gib": "memory/mem_gib", "peak_mem_gib": "memory/peak_mem_gib",
     "host_mem_gib": "memory/host_mem_gib", "host_peak_mem_gib": "memory/host_peak_mem_gib",
     "eval_loss": "eval/loss", "eval_ppl": "eval/ppl", "checkpoint_s": "checkpoint/save_s",
+    "checkpoint_wait_s": "checkpoint/wait_s", "checkpoint_write_s": "checkpoint/write_s",
 }
 
 
@@ -278,19 +279,25 @@ def read_metrics(path) -> tuple[list[dict], list[dict]]:
 
 
 def _save_stalls(metrics_path) -> dict:
-    """How many checkpoints were saved and how long training stood still for them (the `checkpoint_s` records)."""
+    """How many checkpoints were saved and how long training stood still for them (the `checkpoint_s` records), of
+    which how long it waited for a previous checkpoint's writes (`checkpoint_wait_s`), and how long the background
+    writes took (`checkpoint_write_s`, from the save's start to the checkpoint complete)."""
     path = Path(metrics_path)
     path = path / METRICS if path.is_dir() else path
-    stalls = []
+    found = {"checkpoint_s": [], "checkpoint_wait_s": [], "checkpoint_write_s": []}
     for line in (path.read_text(encoding="utf-8").splitlines() if path.exists() else []):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if "checkpoint_s" in record:
-            stalls.append(record["checkpoint_s"])
+        for key, values in found.items():
+            if key in record:
+                values.append(record[key])
+    stalls, waits, writes = found.values()
     return {"checkpoint_saves": len(stalls), "checkpoint_s_mean": _mean(stalls),
-            "checkpoint_s_max": max(stalls) if stalls else None}
+            "checkpoint_s_max": max(stalls) if stalls else None,
+            "checkpoint_wait_s_total": sum(waits) if waits else None,
+            "checkpoint_write_s_mean": _mean(writes), "checkpoint_write_s_max": max(writes) if writes else None}
 
 
 def _mean(values):
@@ -364,7 +371,12 @@ def format_summary(s: dict) -> list[str]:
                        f"(perplexity {num(s['final_eval_ppl'], '.2f')})"),
         ("checkpoint", (s.get("checkpoint") or "none") + (
             f" ({s['checkpoint_saves']} saves, training stood still {s['checkpoint_s_mean']:.1f} s per save, "
-            f"{s['checkpoint_s_max']:.1f} s at most)" if s.get("checkpoint_saves") else "")),
+            f"{s['checkpoint_s_max']:.1f} s at most" + (
+                f", {s['checkpoint_wait_s_total']:.1f} s of it waiting for previous writes"
+                if s.get("checkpoint_wait_s_total") else "") + (
+                f"; background writes {s['checkpoint_write_s_mean']:.1f} s per save, "
+                f"{s['checkpoint_write_s_max']:.1f} s at most" if s.get("checkpoint_write_s_mean") is not None
+                else "") + ")" if s.get("checkpoint_saves") else "")),
         ("export", s.get("export") or "none"),
     ]
     if s.get("incomplete_checkpoints_moved"):  # a save cut short before this start: kept, never resumed from

@@ -160,7 +160,7 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     keep_partial_offload_state(engine.optimizer, log.info)  # ZeRO-3 with offload_optimizer.ratio < 1
     saves = None
     if plan.checkpoints.background:
-        saves = BackgroundSaves(install(engine, log.info), dist, log.info)
+        saves = BackgroundSaves(install(engine, log.info), dist, log.info, metrics=log.metrics)
     return model, engine, in_force, saves
 
 

@@ -31,6 +31,8 @@ from model_utils.train.run import Run
 from model_utils.train.step import agree_after_step, model_inputs, train_step
 from model_utils.train.tracking import DataTrace, Interval, NonfiniteSteps, SaveSchedule
 
+SAVE_WAIT_TOLD_S = 0.5  # a save that waits longer than this for the previous one's writes is told, with the fix
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The loop
@@ -138,14 +140,19 @@ def save(run: Run, wait: bool = False):
     if run.saves is None:
         save_checkpoint(run.engine, ctx, run.step, client, rank_state, run.dist, run.log.info)
     else:
+        in_flight = run.saves.pending
         run.saves.finish()  # one checkpoint in flight at a time
         waited = time.perf_counter() - t0
+        if in_flight is not None and waited >= SAVE_WAIT_TOLD_S:
+            run.log.warn(f"checkpoint: step {run.step} waited {waited:.1f}s for step {in_flight.step}'s writes (they "
+                         f"took {run.saves.last_write_s:.1f}s, longer than the interval between the saves): save "
+                         "less often (--checkpoint_freq, --checkpoint_minutes) or to a faster filesystem")
         run.saves.started(save_checkpoint(run.engine, ctx, run.step, client, rank_state, run.dist, run.log.info,
                                           run.saves.writer))
         run.log.info(f"checkpoint: step {run.step} in host memory after {time.perf_counter() - t0:.1f}s"
-                     + (f" ({waited:.1f}s waiting for the previous save)" if waited >= 0.05 else "")
                      + ("; waiting for its writes (the last step, or a stop)" if wait else
                         "; writing it in the background"))
+        run.log.metrics({"step": run.step, "checkpoint_wait_s": waited})
         if wait:
             run.saves.finish()
     run.log.metrics({"step": run.step, "checkpoint_s": time.perf_counter() - t0})  # how long training stood still
