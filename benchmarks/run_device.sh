@@ -45,8 +45,8 @@ Q4B_ZERO3=(--model qwen3-4b --ds_config configs/zero3-offload.json --global_batc
 # blocks, 65,536 block tokens per optimizer step, each side at its micro-batches; the model is written once per machine.
 SFT_MODEL=${SFT_MODEL:-qwen3-1.7b}; SFT_MODES=${SFT_MODES:-full}
 read -r -a SFT_MODE_LIST <<<"$SFT_MODES"
-SFT_ARGS=(--model "$SFT_MODEL" --modes "${SFT_MODE_LIST[@]}" --seq_len 2048 --global_batch_tokens 65536 --steps 4 --warmup 2
-          --workdir /tmp/sft-work)
+SFT_ARGS=(--model "$SFT_MODEL" --modes "${SFT_MODE_LIST[@]}" --seq_len 2048 --global_batch_tokens 65536 --steps 20
+          --warmup 2 --workdir /tmp/sft-work)
 run_plan() {
 case "$1" in
   h100)  # the issue's one-H100 table: each side at micro-batch 8, 12, 14, 16, both HF peers, one invocation (~6-7 min)
@@ -121,6 +121,19 @@ case "$1" in
     # 1, 2 and 4 (padding-free: a micro-batch's bins are one row, whose SDPA mask grows with its square) (~8 min a mode)
     sft "sft-$SFT_MODEL-${SFT_MODES// /-}" 300 "${SFT_ARGS[@]}" --micro_batch_size 4 8 --peer-micro-batch-size 1 2 4 \
       --timeout 240 --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU: ours against TRL SFTTrainer"
+    ;;
+  sft-fa4)  # the fine-tuning headline: both sides at their best with FlashAttention-4 (TRL's padding-free rows are
+    # supported with FlashAttention only), TRL at micro-batch 4, 8 and 16, ours at 8 and 16, 20 timed steps each
+    sft "sft-fa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 8 16 --peer-micro-batch-size 4 8 16 \
+      --peer-attn flash_attention_4 --timeout 300 \
+      --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 on both sides: ours against TRL"
+    ;;
+  sft-no-fa4)  # the same with FlashAttention-4 off on both sides: ours on PyTorch's varlen attention, TRL on its best
+    # path without it (transformers' flash_attention_2 kernels where installed, else SDPA)
+    sft "sft-nofa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 8 16 --peer-micro-batch-size 4 8 16 \
+      --peer-attn "${SFT_PEER_ATTN:-sdpa}" --timeout 300 \
+      --attention_kernel varlen \
+      --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 off on both: ours (varlen) against TRL"
     ;;
   gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch
     echo "=== gpu-tests ($(($(date +%s) - START))s)"

@@ -115,6 +115,17 @@ def figures(config, num_params: int, seq_len: int, tokens: int, area: int, loss_
             **throughput(per_gpu_step, times, f12, f6, peak)}
 
 
+def liger_applied(model) -> bool:
+    """Whether Liger's kernels are in `model`: Trainer's use_liger_kernel swaps modules for Liger's classes or their
+    forward for Liger's functions, and leaves the model as it was where Liger does not know its family."""
+    for module in model.modules():
+        forward = getattr(type(module), "forward", None)
+        bound = getattr(module, "forward", None)
+        if any(getattr(x, "__module__", "").startswith("liger_kernel") for x in (type(module), forward, bound)):
+            return True
+    return False
+
+
 def all_ranks_sum(values: list[float], device) -> list[float]:
     """`values` summed over the ranks (as they are without a process group)."""
     import torch
@@ -148,7 +159,8 @@ def trainer_argv(job: dict, workdir: Path) -> list[str]:
             "--max_steps", str(job["steps"] + job["warmup"]),
             "--ds_config", str(ds_config_for(job, workdir / "ds_config.json")),
             "--checkpoint_dir", str(workdir / "ckpt"), "--resume", "never", "--eval_interval", "0",
-            "--checkpoint_freq", "0", "--no-export", "--log_interval", str(10**6), "--seed", str(job["seed"])]
+            "--checkpoint_freq", "0", "--no-export", "--log_interval", str(10**6), "--seed", str(job["seed"]),
+            "--attention_kernel", job.get("attention_kernel", "auto")]
     if job.get("gradient_checkpointing"):
         argv.append("--gradient_checkpointing")
     if job["mode"] == "lora":
@@ -210,7 +222,9 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
            "micro_batch_size": run.batch.micro, "gradient_accumulation_steps": run.batch.accumulation,
            "seq_len": run.batch.seq_len, "blocks_per_step": run.batch.micro * run.batch.accumulation * dist.world_size,
            "num_params": base_parameters(run.engine.module), "timed_steps": len(times),
-           "attention": "FlashAttention-4" if run.document_boundaries else cfg.model.attn_implementation,
+           # the kernels that ran: the attention over the examples and Liger's, as the run resolved them
+           "attention": run.speed_in_force.get("attention_kernel", cfg.model.attn_implementation),
+           "liger": run.speed_in_force.get("fused_kernels", "off"),
            **figures(run.engine.module.config, base_parameters(run.engine.module), run.batch.seq_len, int(tokens),
                      int(area), int(loss_tokens), times, dist.world_size), **peak_memory(), **gpu}
     if "peak_mem_gib" in out:
@@ -267,7 +281,8 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
         adam_beta2=betas[1], adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=raw.get("gradient_clipping", 1.0),
         warmup_steps=warmup_steps, bf16=cuda, deepspeed=trainer_ds_config(raw), use_liger_kernel=liger,
         max_length=seq_len, packing=True, packing_strategy="bfd", padding_free=True, assistant_only_loss=True,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=job["seed"],
+        logging_steps=1, logging_nan_inf_filter=False, save_strategy="no", report_to="none", disable_tqdm=True,
+        seed=job["seed"],
         dataloader_num_workers=2 if cuda else 0, use_cpu=not cuda)
     model = build_model(job["model"], plan.model.config, torch.float32, job.get("peer_attn", "sdpa"), False)
     lora = cfg.model.lora_settings()
@@ -302,7 +317,9 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
            "losses": timer.losses,
            "micro_batch_size": mb, "gradient_accumulation_steps": accumulation, "seq_len": seq_len,
            "blocks_per_step": mb * accumulation * world, "num_params": num_params, "timed_steps": len(times),
-           "liger": liger, "attention": job.get("peer_attn", "sdpa"),
+           # the kernels that ran: the model's attention implementation as Trainer left it, Liger where applied
+           "liger": liger and liger_applied(trainer.model),
+           "attention": getattr(trainer.model.config, "_attn_implementation", job.get("peer_attn", "sdpa")),
            **figures(plan.model.config, num_params, seq_len, int(tokens), int(area), int(loss_tokens), times, world),
            **peak_memory(), **gpu}
     if "peak_mem_gib" in out:
@@ -422,7 +439,7 @@ def make_jobs(a, model: Path, rows: Path, data_cache: Path, global_tokens: int) 
             "ds_config": a.ds_config, "zero_stage": a.zero_stage, "ds_set": a.ds_set,
             "gradient_checkpointing": a.gradient_checkpointing, "lora_rank": a.lora_rank, "lora_alpha": a.lora_alpha,
             "lora_target_modules": a.lora_target_modules, "peer_liger": a.peer_liger == "on",
-            "peer_attn": a.peer_attn}
+            "peer_attn": a.peer_attn, "attention_kernel": a.attention_kernel}
     jobs = []
     for mode in a.modes:
         for side, micro_batches in (("ours", a.micro_batch_size), ("trl", a.peer_micro_batch_size)):
@@ -443,13 +460,13 @@ def row(job: dict, r: dict) -> str:
     losses = r.get("losses") or []
     return (f"| {job['name']} | {SIDES[job['side']]} | {r['micro_batch_size']} x {r['gradient_accumulation_steps']} | "
             f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | {mem} | "
-            f"{1e3 * r['step_s_median']:.0f} | {r['tokens_per_step_per_gpu']:,.0f} | "
+            f"{1e3 * r['step_s_mean']:.0f} / {1e3 * r['step_s_median']:.0f} | {r['tokens_per_step_per_gpu']:,.0f} | "
             f"{r['loss_tokens_per_step_per_gpu']:,.0f} | {statistics.fmean(losses) if losses else float('nan'):.4f} |")
 
 
 def table(jobs: list[dict], results: list[dict]) -> str:
     lines = ["| run | side | micro-batch x accumulation | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT / 6·LHQT) | "
-             "peak GiB | step ms | tokens/step/GPU | loss tokens/step/GPU | mean loss |",
+             "peak GiB | step ms mean / median | tokens/step/GPU | loss tokens/step/GPU | mean loss |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [row(j, r) for j, r in zip(jobs, results)])
 
@@ -479,13 +496,21 @@ def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[st
         if not ours or not peer:
             lines.append(f"{mode}: no pair ran")
             continue
-        ratio = ours[1]["tokens_per_s_per_gpu"] / peer[1]["tokens_per_s_per_gpu"]
+        ratio = ours[1]["tokens_per_s_per_gpu"] / peer[1]["tokens_per_s_per_gpu"]  # by mean step time
+        # the same tokens per step on both sides: the ratio of median step times, which a stall does not move
+        median_ratio = peer[1]["step_s_median"] / ours[1]["step_s_median"] if ours[1].get("step_s_median") else None
         losses = compare_losses(ours[1].get("losses", []), peer[1].get("losses", []))
-        record[mode] = {"ours": ours[0]["name"], "peer": peer[0]["name"], "ratio": ratio, "losses": losses,
+        record[mode] = {"ours": ours[0]["name"], "peer": peer[0]["name"], "ratio": ratio,
+                        "ratio_by_median_step": median_ratio, "losses": losses,
+                        "kernels": {side: {"attention": r.get("attention"), "liger": r.get("liger")}
+                                    for side, r in (("ours", ours[1]), ("peer", peer[1]))},
                         "data_loss_tokens": {"ours": ours[1]["data_loss_tokens"], "peer": peer[1]["data_loss_tokens"]}}
         lines.append(f"{mode}, best micro-batch each: ours {ours[1]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU at "
                      f"{ours[0]['micro_batch_size']}, TRL {peer[1]['tokens_per_s_per_gpu']:,.0f} at "
-                     f"{peer[0]['micro_batch_size']}: {ratio:.2f}x")
+                     f"{peer[0]['micro_batch_size']}: {ratio:.2f}x by mean step time"
+                     + (f", {median_ratio:.2f}x by median" if median_ratio else "")
+                     + f" (attention: ours {ours[1].get('attention')}, TRL {peer[1].get('attention')}; Liger: ours "
+                       f"{ours[1].get('liger')}, TRL {peer[1].get('liger')})")
         lines.append(f"{mode}, tokens carrying loss in the whole data: ours {ours[1]['data_loss_tokens']:,}, TRL "
                      f"{peer[1]['data_loss_tokens']:,} (equal where both mask the same tokens and truncate nothing)")
         if losses:
@@ -513,7 +538,7 @@ def main(argv=None) -> int:
     p.add_argument("--lora_alpha", type=float, default=32.0)
     p.add_argument("--lora_target_modules", default=None, help="comma-separated (default: the trainer's for the "
                                                                "architecture)")
-    p.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps (enough to include stalls)")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ds_config", default="ds_config.json")
@@ -523,6 +548,9 @@ def main(argv=None) -> int:
     p.add_argument("--gradient_checkpointing", action="store_true", help="both sides")
     p.add_argument("--peer-attn", dest="peer_attn", default="sdpa",
                    help="TRL side's attn_implementation (e.g. flash_attention_4 where flash-attn-4 is installed)")
+    p.add_argument("--attention_kernel", default="auto", choices=("auto", "fa4", "varlen", "sdpa"),
+                   help="our side's --attention_kernel (varlen: FlashAttention-4 off, PyTorch's variable-length "
+                        "attention)")
     p.add_argument("--peer-liger", dest="peer_liger", default="on", choices=("on", "off"),
                    help="TRL side's use_liger_kernel (on CUDA only)")
     p.add_argument("--skip", nargs="*", default=[], choices=list(SIDES), help="sides not to run")

@@ -43,6 +43,9 @@ def test_sft_bench_runs_both_sides_full_and_lora_on_the_same_rows(tmp_path):
     assert len({r["num_params"] for r in runs.values()}) == 1
     summary = next(line["summary"] for line in lines if "summary" in line)
     assert set(summary) == {"full", "lora"} and summary["full"]["losses"]["steps"] == 3
+    # The kernels each side ran, as they resolved them: on CPU, SDPA with transformers' mask and no Liger on both.
+    assert summary["full"]["kernels"] == {"ours": {"attention": "sdpa", "liger": "off"},
+                                          "peer": {"attention": "sdpa", "liger": False}}
     doc = (tmp_path / "sft.md").read_text()
     assert "| trl-lora-mb1-ga2 | TRL SFTTrainer | 1 x 2 |" in doc and "lora, best micro-batch each" in doc
     assert (tmp_path / "logs" / "trl-full-mb1-ga2.log").exists()

@@ -33,7 +33,8 @@ def bench_args(**overrides) -> Namespace:
     values = dict(micro_batch_size=[2, 4], peer_micro_batch_size=[1, 3], nproc=1, seq_len=1024,
                   global_batch_tokens=None, modes=["full", "lora"], skip=[], steps=3, warmup=1, seed=5,
                   ds_config="ds_config.json", zero_stage=None, ds_set=[], gradient_checkpointing=False, lora_rank=16,
-                  lora_alpha=32.0, lora_target_modules=None, peer_liger="on", peer_attn="sdpa")
+                  lora_alpha=32.0, lora_target_modules=None, peer_liger="on", peer_attn="sdpa",
+                  attention_kernel="varlen")
     return Namespace(**{**values, **overrides})
 
 
@@ -60,6 +61,7 @@ def test_jobs_per_mode_each_side_at_its_micro_batches_with_the_same_global_batch
     argv = sft_bench.trainer_argv(lora, Path("/tmp"))
     assert argv[argv.index("--lora_rank") + 1] == "16" and argv[argv.index("--data_format") + 1] == "chat"
     assert argv[argv.index("--global_batch_tokens") + 1] == str(12 * 1024)
+    assert argv[argv.index("--attention_kernel") + 1] == "varlen"  # our side's kernel, as asked
 
 
 def test_losses_compared_over_the_same_steps():
@@ -69,6 +71,42 @@ def test_losses_compared_over_the_same_steps():
     assert compared["steps"] == 3 and compared["ours_first"] == [10.0, 9.0, 8.0]
     assert compared["mean_diff"] == pytest.approx(-0.5)
     assert sft_bench.compare_losses([], [1.0]) == {}
+
+
+def test_the_summary_gives_both_ratios_and_the_kernels_each_side_ran():
+    """The headline ratio is by mean step time (tokens/s over the timed steps), beside the ratio of the median steps,
+    which a stall does not move; each side's attention and Liger are the ones recorded from the runs."""
+    import sft_bench
+
+    jobs = [{"name": f"{side}-{mb}", "side": side, "mode": "full", "micro_batch_size": mb}
+            for side, mb in (("ours", 8), ("trl", 4), ("trl", 8))]
+    run = {"data_loss_tokens": 100, "losses": [2.0, 1.5]}
+    results = [{**run, "tokens_per_s_per_gpu": 300.0, "step_s_median": 1.0, "attention": "varlen", "liger": "flce"},
+               {**run, "tokens_per_s_per_gpu": 150.0, "step_s_median": 1.6, "attention": "sdpa", "liger": True},
+               {**run, "tokens_per_s_per_gpu": 100.0, "step_s_median": 1.2, "attention": "sdpa", "liger": True}]
+    text, record = sft_bench.summary(jobs, results, ["full"])
+    assert record["full"]["peer"] == "trl-4" and record["full"]["ratio"] == pytest.approx(2.0)
+    assert record["full"]["ratio_by_median_step"] == pytest.approx(1.6)
+    assert record["full"]["kernels"] == {"ours": {"attention": "varlen", "liger": "flce"},
+                                         "peer": {"attention": "sdpa", "liger": True}}
+    assert "2.00x by mean step time, 1.60x by median (attention: ours varlen, TRL sdpa" in text
+
+
+def test_liger_is_found_where_trainer_put_it():
+    import types
+
+    import sft_bench
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    assert not sft_bench.liger_applied(model)
+    norm = types.new_class("LigerRMSNorm", (torch.nn.Module,))
+    norm.__module__ = "liger_kernel.transformers.rms_norm"  # a module swapped for Liger's class
+    assert sft_bench.liger_applied(torch.nn.Sequential(torch.nn.Linear(2, 2), norm()))
+    forward = types.FunctionType(compile("def lce_forward(self, x): return x", "liger", "exec").co_consts[0],
+                                 {"__name__": "liger_kernel.transformers.model.llama"})
+    model[0].forward = types.MethodType(forward, model[0])  # a forward swapped for Liger's function
+    assert sft_bench.liger_applied(model)
 
 
 def test_llama_1b_preset_is_llama_3_2_1b_in_transformers_llama_architecture():
