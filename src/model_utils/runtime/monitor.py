@@ -373,7 +373,7 @@ def format_summary(s: dict) -> list[str]:
             f" ({s['checkpoint_saves']} saves, training stood still {s['checkpoint_s_mean']:.1f} s per save, "
             f"{s['checkpoint_s_max']:.1f} s at most" + (
                 f", {s['checkpoint_wait_s_total']:.1f} s of it waiting for previous writes"
-                if s.get("checkpoint_wait_s_total") else "") + (
+                if (s.get("checkpoint_wait_s_total") or 0) >= 0.05 else "") + (
                 f"; background writes {s['checkpoint_write_s_mean']:.1f} s per save, "
                 f"{s['checkpoint_write_s_max']:.1f} s at most" if s.get("checkpoint_write_s_mean") is not None
                 else "") + ")" if s.get("checkpoint_saves") else "")),
