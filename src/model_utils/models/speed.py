@@ -184,7 +184,9 @@ def _compile_layers(model, budget: float, log, zero3: bool = False) -> bool:
             layer.compile()
     log(f"compile: torch.compile on each of the {len(layers)} decoder layers"
         + (f" (activation memory budget {budget})" if budget_set else "")
-        + ("; ZeRO-3 gathers each layer's parameters at once (leaf modules), outside the graph" if zero3 else ""))
+        + ("; ZeRO-3 gathers each layer's parameters at once (leaf modules), outside the graph" if zero3 else "")
+        + "; the first step compiles them (a minute or more at 7B), a cost paid once: the run summary's means leave "
+          "that first interval out")
     return True
 
 

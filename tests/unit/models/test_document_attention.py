@@ -72,8 +72,8 @@ def test_sdpa_per_document_equals_the_dense_mask_in_outputs_and_gradients():
 # ---- torch's varlen_attn, through a stand-in for its CUDA kernel ------------------------------------------------------
 def _stand_in_varlen(signature: str, calls: list):
     """A CPU stand-in for torch.nn.attention.varlen.varlen_attn (a CUDA-only kernel): exact causal attention within
-    each [cu[i], cu[i+1]) of the flattened tokens, with the keywords of torch 2.10 ("is_causal") or of later releases
-    ("window_size", "scale", "enable_gqa"). It records what it was given."""
+    each [cu[i], cu[i+1]) of the flattened tokens, with the keywords of torch 2.10 ("is_causal"), 2.11 ("scale",
+    "window_size") or 2.14 (also "enable_gqa"). It records what it was given."""
 
     def attend(query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, gqa):
         assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k and causal
@@ -89,9 +89,14 @@ def _stand_in_varlen(signature: str, calls: list):
         calls.append({"query": tuple(query.shape), "key": tuple(key.shape), "scale": scale, "gqa": gqa})
         return torch.cat(out)
 
-    if signature == "is_causal":
+    if signature == "torch-2.10":
         def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
             return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, None, False)
+    elif signature == "torch-2.11":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1)):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0), scale,
+                          False)
     else:
         def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                         window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
@@ -100,7 +105,7 @@ def _stand_in_varlen(signature: str, calls: list):
     return varlen_attn
 
 
-@pytest.mark.parametrize("signature", ["is_causal", "window_size"])
+@pytest.mark.parametrize("signature", ["torch-2.10", "torch-2.11", "torch-2.14"])
 @pytest.mark.parametrize("scaling", [None, 0.2], ids=["default-scale", "model-scale"])
 def test_varlen_documents_equals_the_dense_mask_in_outputs_and_gradients(monkeypatch, signature, scaling):
     import inspect
@@ -114,10 +119,11 @@ def test_varlen_documents_equals_the_dense_mask_in_outputs_and_gradients(monkeyp
                                   cu_seq_lens_k=boundaries, max_length_q=24, max_length_k=24, is_causal=True,
                                   position_ids=torch.from_numpy(positions))
     _assert_same_outputs_and_gradients(ours, _dense_documents(q, k, v, positions, scaling), (q, k, v))
-    # Keys and values of 2 heads for 4 query heads: the later kernel shares them itself, the older gets them repeated.
-    later = signature == "window_size"
+    # Keys and values of 2 heads for 4 query heads: torch 2.14's kernel shares them itself, the older ones get them
+    # repeated; the model's scale goes to the kernel where it takes one, else into the queries.
     assert calls[0]["query"] == (48, 4, 8) and calls[0]["key"] == (48, 4, 8)
-    assert calls[0]["gqa"] == later and calls[0]["scale"] == (scaling if later and scaling is not None else None)
+    assert calls[0]["gqa"] == (signature == "torch-2.14")
+    assert calls[0]["scale"] == (None if signature == "torch-2.10" else scaling)
     whole, _ = da.varlen_documents(_module(), q, k, v, None, scaling=scaling)  # no boundaries: causal rows, SDPA
     assert len(calls) == 1 and not torch.allclose(whole, ours)
 
