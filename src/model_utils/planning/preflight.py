@@ -66,7 +66,7 @@ def checked_plan(cfg: TrainConfig, dist, log) -> Plan:
     data are checked while the run tokenizes them."""
     plan = make_plan(cfg, dist.world_size, on_training_hardware=True, decides=dist.is_main,
                      move_incomplete=dist.is_main)
-    report = check_plan(plan, check_data=False)
+    report = check_plan(plan, check_data=False, measure_disk=dist.is_main)
     report.problems = merge_rank_problems(dist.all_gather_object((socket.gethostname(), report.problems)))
     raise_on_problems(report)
     for note in report.notes:
@@ -77,10 +77,11 @@ def checked_plan(cfg: TrainConfig, dist, log) -> Plan:
     return dataclasses.replace(plan, resume=resume, data_source=source, data_format=data_format)
 
 
-def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> Report:
+def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True, measure_disk: bool = True) -> Report:
     """Every check of a plan, and the lines that describe it. Nothing here is built or resolved: the run builds from the
     same plan. `check_data` False leaves the data to the run (which checks it while tokenizing); `check_disk` False is
-    for a caller that never saves (the benchmark), whose checkpoint directory needs no room."""
+    for a caller that never saves (the benchmark), whose checkpoint directory needs no room; `measure_disk` False
+    skips the write-rate probe (a run's ranks but the first: one probe per job on the shared filesystem)."""
     import torch
 
     from model_utils.planning.data_checks import check_plan_data  # numpy, datasets: loaded here, not at --help
@@ -136,7 +137,7 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True) -> 
         check_host_memory(plan, report)
         note_long_sequences(plan, report)
         if check_disk:
-            _check_checkpoint_dir(cfg, plan.checkpoints.bytes, report)
+            _check_checkpoint_dir(cfg, plan.checkpoints.bytes, report, measure_disk)
         report.estimate(f"checkpoint writes: {plan.checkpoints.description}")
     if ds is not None and check_data:
         check_plan_data(plan, report)
@@ -168,7 +169,7 @@ def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> R
     return report
 
 
-def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
+def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report, measure_disk: bool = True):
     path = cfg.checkpoint.run_dir.root
     probe = path
     while not probe.exists() and probe != probe.parent:
@@ -199,7 +200,7 @@ def _check_checkpoint_dir(cfg: TrainConfig, ckpt_bytes: float, report: Report):
     free = shutil.disk_usage(probe).free
     report.estimate(f"checkpoints: ~{ckpt_bytes / GIB:.2f} GiB each, {count} on disk at most"
                     + (f" ({there} there already)" if there else "") + f"; {free / GIB:,.0f} GiB free in {probe}")
-    if periodic:
+    if periodic and measure_disk:
         _state_the_shortest_save_interval(cfg, ckpt_bytes, probe, report)
     if need > free:
         shortfall = f"{new} more checkpoint(s) need ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB are free"

@@ -996,6 +996,11 @@ def test_a_caller_that_never_saves_skips_the_disk_check(tmp_path, monkeypatch):
     assert [p.setting for p in saving.problems] == ["--keep_last_checkpoints"], saving.problems
     never = check_plan(plan, check_data=False, check_disk=False)
     assert never.problems == [] and not any(line.startswith("checkpoints:") for line in never.estimates)
+    # A run's ranks but the first check the disk without writing the probe: one probe per job on the shared disk.
+    assert any(line.startswith("checkpoint disk:") for line in saving.estimates)
+    unprobed = check_plan(plan, check_data=False, measure_disk=False)
+    assert [p.setting for p in unprobed.problems] == ["--keep_last_checkpoints"]
+    assert not any(line.startswith("checkpoint disk:") for line in unprobed.estimates)
 
 
 def test_background_checkpoint_writes_need_room_for_a_host_copy(tmp_path, session_cache, monkeypatch, capsys):
