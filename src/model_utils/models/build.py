@@ -24,12 +24,13 @@ def _round_up(n: int, multiple: int = 64) -> int:
 
 def model_config(name: str, tokenizer=None, attention_dropout: float | None = None, rope_scaling: str | None = None):
     """The transformers config for a preset, or the config of a pretrained model directory / hub id; with
-    `attention_dropout`, that dropout in place of the model's own; with `rope_scaling` (--rope_scaling TYPE:FACTOR),
-    its rotary embeddings scaled by FACTOR and its positions as many times more (`rope_problem` says when not)."""
+    `attention_dropout`, that dropout in place of the model's own; with `rope_scaling` (--rope_scaling TYPE:FACTOR,
+    as a checkpoint's manifest records it once the plan accepted it by `rope_problem`), its rotary embeddings scaled
+    by FACTOR and its positions as many times more."""
     config = _model_config(name, tokenizer)
     if attention_dropout is not None:
         config.attention_dropout = attention_dropout
-    if rope_scaling is not None and rope_problem(config, rope_scaling) is None:
+    if rope_scaling is not None:
         scale_rope(config, rope_scaling)
     return config
 

@@ -67,17 +67,23 @@ def takes_document_boundaries(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) in (FA4_NAME, VARLEN_NAME, SDPA_DOCUMENTS_NAME)
 
 
-def enable_document_attention(model, log, kernel: str | None = None) -> str:
-    """Register and set the path for documents: `kernel` ("varlen" or "sdpa-documents"), or varlen where it runs,
-    else SDPA per document. Returns the kernel in force."""
+def document_attention_function(kernel: str | None = None):
+    """(kernel, its transformers attention function) for attention within documents: `kernel` ("varlen" or
+    "sdpa-documents"), or varlen where it runs, else SDPA once per document. Also the core under Ulysses."""
     import torch
-    from transformers import AttentionInterface
 
     if kernel is None:
         kernel = "varlen" if varlen_unavailable_reason() is None else "sdpa-documents"
     # document_sdpa reads the boundaries on the host: it runs outside any compiled graph
-    AttentionInterface.register(VARLEN_NAME, varlen_documents)
-    AttentionInterface.register(SDPA_DOCUMENTS_NAME, torch.compiler.disable(document_sdpa))
+    return kernel, varlen_documents if kernel == "varlen" else torch.compiler.disable(document_sdpa)
+
+
+def enable_document_attention(model, log, kernel: str | None = None) -> str:
+    """Register and set the path for documents (document_attention_function); returns the kernel in force."""
+    from transformers import AttentionInterface
+
+    kernel, function = document_attention_function(kernel)
+    AttentionInterface.register(KERNEL_NAMES[kernel], function)
     model.set_attn_implementation(KERNEL_NAMES[kernel])  # transformers' public setter: every submodule
     log(f"attention: {KERNEL_LABELS[kernel]} within documents, no dense mask")
     return kernel

@@ -23,7 +23,7 @@ import inspect
 import math
 
 from model_utils.core.problems import Problem
-from model_utils.models.document_attention import document_sdpa, varlen_documents, varlen_unavailable_reason
+from model_utils.models.document_attention import KERNEL_LABELS, document_attention_function
 from model_utils.patches.flash_attn4 import FA4_NAME, fa4_attention
 
 ULYSSES_NAME = "dslm_ulysses"  # the attention implementation name registered with transformers under Ulysses
@@ -89,17 +89,13 @@ def enable_ulysses(model, sequence_parallel: int, micro_batch: int, seq_len: int
     """Wrap the model's attention in DeepSpeed's Ulysses for groups of `sequence_parallel` ranks and return the
     parallel-state object (mpu) that deepspeed.initialize takes. Call after the speed options (which pick
     FlashAttention-4 or SDPA) and before deepspeed.initialize."""
-    import torch
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers import AttentionInterface
 
-    fa4 = getattr(model.config, "_attn_implementation", None) == FA4_NAME
-    if fa4:
-        core = fa4_attention
-    elif varlen_unavailable_reason() is None:
-        core = varlen_documents
-    else:  # document_sdpa reads the boundaries on the host: it runs outside any compiled graph
-        core = torch.compiler.disable(document_sdpa)
+    if getattr(model.config, "_attn_implementation", None) == FA4_NAME:
+        kernel, core = "fa4", fa4_attention
+    else:
+        kernel, core = document_attention_function()
     AttentionInterface.register(ULYSSES_NAME, core)
     model.set_attn_implementation(ULYSSES_NAME)  # transformers' public setter: the model and every submodule
     # a variable length (evaluation's blocks may be shorter): only the micro-batch shapes Ulysses' checks
@@ -107,7 +103,7 @@ def enable_ulysses(model, sequence_parallel: int, micro_batch: int, seq_len: int
         model_name_or_path=model, core_attn_implementation=ULYSSES_NAME, sequence_parallel_size=sequence_parallel,
         micro_batch_size=micro_batch, seq_length=seq_len, seq_length_is_variable=True)
     log(f"sequence parallelism: each sequence split across {sequence_parallel} GPUs (DeepSpeed Ulysses all-to-all "
-        f"around {'FlashAttention-4' if fa4 else 'SDPA, one call per document'})")
+        f"around {KERNEL_LABELS[kernel]})")
     return mpu
 
 

@@ -85,13 +85,16 @@ def check_activation_host_memory(plan: Plan, report: Report) -> None:
 LONG_SEQUENCE = 16384  # from this --seq_len (or with --sequence_parallel) the preflight says the longest that fits
 
 
+def _sized(plan: Plan) -> bool:
+    """Whether the plan has what sizing a sequence needs: a memory model with a GPU budget, a config, the estimate."""
+    return not (plan.memory_model is None or plan.memory_model.budget is None or plan.ds_config is None
+                or plan.memory is None)
+
+
 def note_long_sequences(plan: Plan, report: Report) -> None:
     """Long or split sequences: the longest sequence these settings fit on these GPUs by the estimate, and where the
     run's sequences do not fit, the fewest GPUs per sequence (--sequence_parallel) that would fit them."""
-    memory_model, ds = plan.memory_model, plan.ds_config
-    if memory_model is None or memory_model.budget is None or ds is None or plan.memory is None:
-        return
-    if plan.sequence_parallel == 1 and plan.seq_len < LONG_SEQUENCE:
+    if not _sized(plan) or (plan.sequence_parallel == 1 and plan.seq_len < LONG_SEQUENCE):
         return
     layers = plan.memory.checkpointed_layers
     split = plan.sequence_parallel
@@ -105,8 +108,7 @@ def note_long_sequences(plan: Plan, report: Report) -> None:
 def split_that_fits(plan: Plan) -> int | None:
     """The fewest GPUs of a node per sequence (--sequence_parallel, more than the plan's) with which the plan's
     sequences fit at micro-batch 1 by the estimate; None where none does or nothing is known."""
-    memory_model, ds = plan.memory_model, plan.ds_config
-    if memory_model is None or memory_model.budget is None or ds is None or plan.memory is None:
+    if not _sized(plan):
         return None
     gpus = plan.hardware.ranks_per_node
     for n in range(plan.sequence_parallel + 1, gpus + 1):
@@ -324,15 +326,16 @@ def check_memory(plan: Plan, report: Report) -> None:
             "drop --generate_prompt and run `python -m model_utils.generate --model EXPORT_DIR` after the run"))
     elif memory and total > memory * GIB:
         split = split_that_fits(plan) if micro == 1 else None
+        fits = cheapest_fit(plan.model.trainable_params, mconf, plan.ranks, plan.rank_seq_len, micro, bf16,
+                            plan.fused_loss, chunk, memory, ds.get("zero_optimization", {}),
+                            speed.use_compile(plan.hardware.gpus, False, plan.cfg.speed), plan.hardware.host_available,
+                            plan.hardware.ranks_per_node, adapters=plan.model.adapters,
+                            frozen_params=plan.model.frozen_params)
         report.problems.append(Problem(
             "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
             f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
             (f"split each sequence across {split} GPUs: --sequence_parallel {split} (by the estimate); or "
-             if split else "") + cheapest_fit(plan.model.trainable_params, mconf, plan.ranks, plan.rank_seq_len, micro, bf16, plan.fused_loss,
-                         chunk, memory, ds.get("zero_optimization", {}),
-                         speed.use_compile(plan.hardware.gpus, False, plan.cfg.speed), plan.hardware.host_available,
-                         plan.hardware.ranks_per_node, adapters=plan.model.adapters,
-                         frozen_params=plan.model.frozen_params)))
+             if split else "") + fits))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

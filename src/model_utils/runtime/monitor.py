@@ -346,6 +346,21 @@ def _hms(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def _saves(s: dict) -> str:
+    """The checkpoint row's figures: how long training stood still per save (and waited for previous writes), and how
+    long the background writes took."""
+    if not s.get("checkpoint_saves"):
+        return ""
+    text = (f" ({s['checkpoint_saves']} saves, training stood still {s['checkpoint_s_mean']:.1f} s per save, "
+            f"{s['checkpoint_s_max']:.1f} s at most")
+    if (s.get("checkpoint_wait_s_total") or 0) >= 0.05:
+        text += f", {s['checkpoint_wait_s_total']:.1f} s of it waiting for previous writes"
+    if s.get("checkpoint_write_s_mean") is not None:
+        text += (f"; background writes {s['checkpoint_write_s_mean']:.1f} s per save, "
+                 f"{s['checkpoint_write_s_max']:.1f} s at most")
+    return text + ")"
+
+
 def format_summary(s: dict) -> list[str]:
     def num(v, fmt):
         return format(v, fmt) if v is not None else "n/a"
@@ -369,14 +384,7 @@ def format_summary(s: dict) -> list[str]:
          if s.get("skipped_steps") is not None else "n/a"),
         ("final loss", f"train {num(s['final_loss'], '.4f')}, validation {num(s['final_eval_loss'], '.4f')} "
                        f"(perplexity {num(s['final_eval_ppl'], '.2f')})"),
-        ("checkpoint", (s.get("checkpoint") or "none") + (
-            f" ({s['checkpoint_saves']} saves, training stood still {s['checkpoint_s_mean']:.1f} s per save, "
-            f"{s['checkpoint_s_max']:.1f} s at most" + (
-                f", {s['checkpoint_wait_s_total']:.1f} s of it waiting for previous writes"
-                if (s.get("checkpoint_wait_s_total") or 0) >= 0.05 else "") + (
-                f"; background writes {s['checkpoint_write_s_mean']:.1f} s per save, "
-                f"{s['checkpoint_write_s_max']:.1f} s at most" if s.get("checkpoint_write_s_mean") is not None
-                else "") + ")" if s.get("checkpoint_saves") else "")),
+        ("checkpoint", (s.get("checkpoint") or "none") + _saves(s)),
         ("export", s.get("export") or "none"),
     ]
     if s.get("incomplete_checkpoints_moved"):  # a save cut short before this start: kept, never resumed from
