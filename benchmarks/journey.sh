@@ -36,6 +36,11 @@
 #   sft-lora-resume  the same run resumed to step 8, then the merged export prompted through
 #               `python -m model_utils.generate --chat`, and the adapter loaded by peft on the base model beside the
 #               merged model (their logits' largest difference printed)
+#   seeds-speed the seeds' shape at speed: JOURNEY_SEEDS_MODEL fine-tuned on the embedded chats with configs/zero3.json
+#               on every GPU, once per --attention_kernel of JOURNEY_SEEDS_KERNELS (varlen: FlashAttention-4 off, the
+#               stand-in for GPUs before Hopper; fa4), JOURNEY_SEEDS_STEPS steps and the last step's checkpoint, killed
+#               (SIGKILL) once its host copy is done (the training stall), before its writes end: the steady tokens/s
+#               and MFU, the stall (a 128 GiB disk holds one 7B checkpoint: no periodic saves)
 #   fp16        benchmarks/fp16_check.py on the first GPU: the tiny preset in fp16, its loss scale logged, overflows
 #               skipped and counted, a kill -9 and resume continuing the scale and the losses exactly
 #
@@ -52,6 +57,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_LARGE_MODEL:=qwen3-4b}" # saves-large: configs/zero2-offload.json, micro-batch 1, activation checkpointing
 : "${JOURNEY_RESUME_ROOT:=$JOURNEY_DIR}" # holds the *-large-resume journeys' checkpoint directories (room for one more)
 : "${JOURNEY_SEEDS_MODEL:=llama-7b}" # seeds-large: a preset written as a Hugging Face model, or a model directory
+: "${JOURNEY_SEEDS_KERNELS:=varlen fa4}" # seeds-speed: the attention kernels, one run each
+: "${JOURNEY_SEEDS_STEPS:=16}" # seeds-speed: steps before its checkpoint
+: "${JOURNEY_MEASURE_SECONDS:=300}" # seeds-speed: a run not at its pattern by then is killed
 : "${JOURNEY_SFT_MODEL:=llama-1b}" # sft-lora: a preset written as a Hugging Face model, or a model directory
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
@@ -168,6 +176,62 @@ if steps and resumed and steps[-1]["step"] > int(resumed[-1]):
     parts += [f"step {r['step']} loss {r['loss']:.4f}", f"{r['tokens_per_s']:,.0f} tokens/s",
               f"peak {r.get('peak_mem_gib') or 0:.1f} GiB", f"host peak {r.get('host_peak_mem_gib') or 0:.1f} GiB"]
 print(" | ".join(parts))
+EOF
+    [[ $status == killed ]] || failed=1
+}
+
+# measure NAME CHECKPOINT_DIR PATTERN ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: `crash`'s kill once the log shows
+# PATTERN (or JOURNEY_MEASURE_SECONDS have passed), then one line of the speed it trained at: the mean tokens/s and MFU of the steps after the second, the
+# save's stall and host copy, the attention in force, the memory estimate against the peak.
+measure() {
+    local name=$1 dir=$2 pattern=$3 start pid status=killed
+    shift 3
+    start=$(date +%s)
+    launch detached "$name" "$dir" "$@"
+    pid=$launched_pid
+    until grep -qE "$pattern" "$JOURNEY_DIR/$name.log"; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            wait "$pid" && status="exit 0 before the kill" || status="exit $? before the kill"
+            break
+        fi
+        if (($(date +%s) - start > JOURNEY_MEASURE_SECONDS)); then
+            status="killed after ${JOURNEY_MEASURE_SECONDS}s without its pattern"
+            kill -KILL -- "-$pid" 2>/dev/null || true
+            break
+        fi
+        sleep 1
+    done
+    if [[ $status == killed ]]; then
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    fi
+    python3 - "$name" "$status" "$(($(date +%s) - start))" "$dir" "$JOURNEY_DIR/$name.log" <<'EOF' | tee -a "$JOURNEY_DIR/journey.txt"
+import json, re, statistics, sys
+from pathlib import Path
+
+name, status, wall, ckpt, log = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5])
+text = log.read_text(errors="replace")
+records = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()] \
+    if (ckpt / "metrics.jsonl").exists() else []
+steps = [r for r in records if "tokens_per_s" in r and "loss" in r and r["step"] > 2]
+parts = [f"journey {name}: {'SIGKILL after its pattern, as planned' if status == 'killed' else status}",
+         f"wall {wall}s"]
+if steps:
+    mfu = [r["mfu"] for r in steps if r.get("mfu")]
+    parts += [f"steps 3-{steps[-1]['step']}: {statistics.fmean(r['tokens_per_s'] for r in steps):,.0f} tokens/s",
+              f"MFU {100 * statistics.fmean(mfu):.1f}%" if mfu else "MFU n/a",
+              f"peak {max(r.get('peak_mem_gib') or 0 for r in steps):.1f} GiB", f"last loss {steps[-1]['loss']:.4f}"]
+copies = re.findall(r"in host memory after ([\d.]+)s", text)  # the training stall of each save
+parts.append(f"save stalls (host copies) {', '.join(copies)} s" if copies else "no save")
+for label, pattern in (("attention", r"attention: ([^;\n]+)"), ("estimate", r"memory: ~([\d.]+ GiB) per GPU"),
+                       ("micro-batch", r"micro-batch (\d+ x \d+)")):
+    found = re.findall(pattern, text)
+    if found:
+        parts.append(f"{label} {found[-1].strip()[:120]}")
+if status != "killed":
+    found = re.findall(r"(?m)^.*(?:[Ee]rror|Traceback).*$", text)
+    parts.append("last error: " + (found[-1][:200] if found else "see log"))
+print(" | ".join(p for p in parts if p))
 EOF
     [[ $status == killed ]] || failed=1
 }
@@ -318,6 +382,16 @@ if wanted seeds-large || wanted seeds-large-resume; then
         echo "${command[*]}"
         (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
     fi
+fi
+if wanted seeds-speed; then
+    seeds_model=$(hf_model "$JOURNEY_SEEDS_MODEL")
+    for kernel in $JOURNEY_SEEDS_KERNELS; do
+        measure "seeds-speed-$kernel" "$JOURNEY_DIR/seeds-speed" "in host memory after" MODEL="$seeds_model" \
+            DATASET=embedded-chat DS_CONFIG=configs/zero3.json MAX_STEPS="$JOURNEY_SEEDS_STEPS" -- \
+            --attention_kernel "$kernel" --log_interval 1 --checkpoint_freq 0 --keep_last_checkpoints 1 \
+            --eval_interval 0 --no-export
+        rm -rf "$JOURNEY_DIR/seeds-speed"  # the next kernel's run starts fresh; a 7B checkpoint leaves room for no other
+    done
 fi
 if wanted fp16; then
     "$python" benchmarks/fp16_check.py --out "$JOURNEY_DIR/fp16" | tee -a "$JOURNEY_DIR/journey.txt" || failed=1

@@ -44,9 +44,12 @@ Q4B_ZERO3=(--model qwen3-4b --ds_config configs/zero3-offload.json --global_batc
 # Supervised fine-tuning on chat data (sft_bench.py): one model (SFT_MODEL) and its modes (SFT_MODES) per call, 2048-token
 # blocks, 65,536 block tokens per optimizer step, each side at its micro-batches; the model is written once per machine.
 SFT_MODEL=${SFT_MODEL:-qwen3-1.7b}; SFT_MODES=${SFT_MODES:-full}
-read -r -a SFT_MODE_LIST <<<"$SFT_MODES"
-SFT_ARGS=(--model "$SFT_MODEL" --modes "${SFT_MODE_LIST[@]}" --seq_len 2048 --global_batch_tokens 65536 --steps 20
-          --warmup 2 --workdir /tmp/sft-work)
+sft_args() {  # SFT_ARGS for SFT_MODES as it is now (a per-GPU subshell of the parallel plan sets its own)
+  read -r -a SFT_MODE_LIST <<<"$SFT_MODES"
+  SFT_ARGS=(--model "$SFT_MODEL" --modes "${SFT_MODE_LIST[@]}" --seq_len 2048 --global_batch_tokens 65536 --steps 20
+            --warmup 2 --workdir "/tmp/sft-work-${CUDA_VISIBLE_DEVICES:-all}")
+}
+sft_args
 run_plan() {
 case "$1" in
   h100)  # the issue's one-H100 table: each side at micro-batch 8, 12, 14, 16, both HF peers, one invocation (~6-7 min)
@@ -123,21 +126,25 @@ case "$1" in
       --timeout 240 --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU: ours against TRL SFTTrainer"
     ;;
   sft-fa4)  # the fine-tuning headline: both sides at their best with FlashAttention-4 (TRL's padding-free rows are
-    # supported with FlashAttention only), TRL at micro-batch 4, 8 and 16, ours at 8 and 16, 20 timed steps each
-    sft "sft-fa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 8 16 --peer-micro-batch-size 4 8 16 \
+    # supported with FlashAttention only), TRL at micro-batch 2, 4 and 8 (4 its fastest before), ours at 8 and 16, 20
+    # timed steps each
+    sft "sft-fa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 8 16 --peer-micro-batch-size 2 4 8 \
       --peer-attn flash_attention_4 --timeout 300 \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 on both sides: ours against TRL"
     ;;
-  sft-no-fa4)  # the same with FlashAttention-4 off on both sides: ours on PyTorch's varlen attention, TRL on its best
-    # path without it (transformers' flash_attention_2 kernels where installed, else SDPA)
-    sft "sft-nofa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 8 16 --peer-micro-batch-size 4 8 16 \
-      --peer-attn "${SFT_PEER_ATTN:-sdpa}" --timeout 300 \
+  sft-no-fa4)  # the same with FlashAttention-4 off on both sides: ours on PyTorch's varlen attention, TRL on its path
+    # for SDPA (padding-free rows are supported with FlashAttention only): examples padded per micro-batch, grouped by
+    # length, 8, 16 and 32 examples (~600 tokens each) per micro-batch
+    sft "sft-nofa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 8 16 --peer-micro-batch-size 8 16 32 \
+      --peer-attn "${SFT_PEER_ATTN:-sdpa}" --peer-packing grouped --timeout 300 \
       --attention_kernel varlen \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 off on both: ours (varlen) against TRL"
     ;;
-  gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch
+  gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch, the pinned
+    # buffers of background saves
     echo "=== gpu-tests ($(($(date +%s) - START))s)"
-    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_delayed_update.py -k prefetch 2>&1 \
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_delayed_update.py -k prefetch \
+      "tests/distributed/test_background_save.py::test_registered_buffers_are_pinned_and_copy_from_the_gpu_exactly" 2>&1 \
       | tail -15 | tee "$OUT/gpu-tests.txt"
     ;;
   delayed-losses)  # Qwen3-0.6B, offload preset: 50 steps of the delayed update against the synchronous one
@@ -446,6 +453,39 @@ EOF
     python3 benchmarks/attention.py --batch 5 --heads 32 --kv_heads 32 --document_length 600 | tee "$OUT/attn-sft-7b.txt"
     python3 benchmarks/attention.py --batch 8 --heads 16 --kv_heads 8 --document_length 1000 \
       | tee "$OUT/attn-qwen3-0.6b.txt"
+    ;;
+  save-stall)  # one rank's host copy of a 7B ZeRO-3 state (4 GPUs' share, then 2 GPUs'), first and second save, by
+    # each way of pinning (benchmarks/save_stall.py, ~2 min)
+    for gpus in 4 2; do
+      python3 benchmarks/save_stall.py --gpus "$gpus" --json "$OUT/save-stall.jsonl" 2>&1 | tee -a "$OUT/save-stall.txt"
+    done
+    ;;
+  host-memory)  # touch HOST_MEMORY_GIB (default 180) of host memory on 16 threads, then free it: a machine whose memory
+    # grows as it is used (KINDS.md: MemTotal starts at 31 GiB) then shows its room to the preflight's MemAvailable
+    grep -E "MemTotal|MemAvailable" /proc/meminfo
+    python3 - "${HOST_MEMORY_GIB:-180}" <<'EOF'
+import sys, time
+from concurrent.futures import ThreadPoolExecutor
+import torch
+gib = int(sys.argv[1]); t = time.perf_counter()
+with ThreadPoolExecutor(16) as pool:
+    chunks = list(pool.map(lambda _: torch.ones(2**30, dtype=torch.uint8), range(gib)))
+print(f"touched {gib} GiB in {time.perf_counter() - t:.1f}s")
+EOF
+    grep -E "MemTotal|MemAvailable" /proc/meminfo
+    ;;
+  parallel)  # GPU0_PLANS on the first GPU beside GPU1_PLANS on the second, each in turn, SFT modes GPU0_SFT_MODES and
+    # GPU1_SFT_MODES: two one-GPU measurements at once on a 2-GPU machine (each side-by-side pair stays on one GPU)
+    for gpu in 0 1; do
+      plans_var="GPU${gpu}_PLANS" modes_var="GPU${gpu}_SFT_MODES"
+      (
+        export CUDA_VISIBLE_DEVICES=$gpu SFT_MODES=${!modes_var:-$SFT_MODES}
+        sft_args
+        for plan in ${!plans_var:-}; do run_plan "$plan"; done
+      ) >"$OUT/gpu$gpu.txt" 2>&1 &
+    done
+    wait
+    cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
     ;;
   *) eval "$1" ;;  # a custom plan: shell commands that may call bench()
 esac

@@ -25,6 +25,11 @@ step), with the same DeepSpeed config and the same optimizer and schedule:
   betas, epsilon, weight decay, clipping and warm-up of our plan, and for the LoRA row
   `peft_config=models.lora.lora_config(...)`: the LoraConfig our run builds (rank, alpha, dropout, targets). Timed by a
   TrainerCallback over whole optimizer steps with CUDA synchronised, as hf_peer.py does.
+  TRL documents padding-free rows as supported with FlashAttention only; `--peer-packing none` runs TRL's path for the
+  other attention kernels instead: no packing, each micro-batch of --peer-micro-batch-size examples padded to its
+  longest (`grouped`: the same with `train_sampling_strategy="group_by_length"`, Trainer's sampler of examples of
+  like length, which pads less), as many examples per optimizer step as ours packs into its blocks (the block tokens
+  per step over the examples' mean length).
 
 What differs by design, each side as its library does it: TRL packs the tokenized conversations (n tokens each) into
 bins of --seq_len by its own best-fit decreasing and flattens a micro-batch's bins into one row without padding
@@ -259,7 +264,7 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
     steps, warmup, mb, seq_len = job["steps"], job["warmup"], job["micro_batch_size"], job["seq_len"]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    accumulation = job["global_batch_tokens"] // (mb * world * seq_len)
+    packing = job.get("peer_packing", "bfd")
     # Our plan for the same flags: its resolved DeepSpeed config (optimizer, schedule, clipping), LoRA settings and
     # tokenizer, so the peer trains with what our run trains with.
     cfg = parse_args(trainer_argv(job, workdir))
@@ -271,6 +276,10 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
     tokenizer = plan.tokenizer
     tokenizer.chat_template, _ = resolve_chat_template(tokenizer)  # the template ours renders chats with
     rows = datasets.Dataset.from_list([{"messages": row["messages"]} for row in read_rows(job["rows"])])
+    accumulation = job["global_batch_tokens"] // (mb * world * seq_len)  # bins of seq_len per micro-batch
+    if packing != "bfd":  # examples per micro-batch: as many per step as ours packs into its blocks
+        accumulation = examples_accumulation(job["global_batch_tokens"], mean_example_tokens(tokenizer, rows, seq_len),
+                                             mb * world)
     cuda = torch.cuda.is_available()
     liger = bool(job.get("peer_liger")) and cuda  # Liger's kernels are Triton: CUDA only
     args = SFTConfig(
@@ -280,7 +289,9 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
         learning_rate=opt.get("lr", 3e-4), weight_decay=opt.get("weight_decay", 0.0), adam_beta1=betas[0],
         adam_beta2=betas[1], adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=raw.get("gradient_clipping", 1.0),
         warmup_steps=warmup_steps, bf16=cuda, deepspeed=trainer_ds_config(raw), use_liger_kernel=liger,
-        max_length=seq_len, packing=True, packing_strategy="bfd", padding_free=True, assistant_only_loss=True,
+        max_length=seq_len, packing=packing == "bfd", padding_free=packing == "bfd", assistant_only_loss=True,
+        **({"packing_strategy": "bfd"} if packing == "bfd" else {}),
+        **({"train_sampling_strategy": "group_by_length"} if packing == "grouped" else {}),
         logging_steps=1, logging_nan_inf_filter=False, save_strategy="no", report_to="none", disable_tqdm=True,
         seed=job["seed"],
         dataloader_num_workers=2 if cuda else 0, use_cpu=not cuda)
@@ -297,14 +308,19 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
             ids = kwargs.get("input_ids", positional[0] if positional else None)
             labels = kwargs.get("labels")
             loss_tokens = (labels[..., 1:] != IGNORE_INDEX).sum() if labels is not None else None
-            timed.append((ids.numel(), kwargs.get("position_ids"), loss_tokens))
+            mask = kwargs.get("attention_mask")  # padded rows (no packing): each row's example tokens
+            rows_lengths = mask.sum(-1) if mask is not None and mask.dim() == 2 else None
+            timed.append((ids.numel(), kwargs.get("position_ids"), loss_tokens, rows_lengths))
 
     trainer.model.register_forward_pre_hook(count, with_kwargs=True)
     trainer.train()
     gpu = timer.finish()
     tokens = area = loss_tokens = 0
-    for numel, positions, labelled in timed:
-        lengths = segment_lengths(positions.cpu().numpy()) if positions is not None else [numel]
+    for numel, positions, labelled, rows_lengths in timed:
+        if packing != "bfd" and rows_lengths is not None:
+            lengths = rows_lengths.cpu().tolist()
+        else:
+            lengths = segment_lengths(positions.cpu().numpy()) if positions is not None else [numel]
         t, a = work_of(lengths)
         tokens, area = tokens + t, area + a
         loss_tokens += int(labelled.item()) if labelled is not None else 0
@@ -317,6 +333,7 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
            "losses": timer.losses,
            "micro_batch_size": mb, "gradient_accumulation_steps": accumulation, "seq_len": seq_len,
            "blocks_per_step": mb * accumulation * world, "num_params": num_params, "timed_steps": len(times),
+           "packing": packing,  # bfd: blocks_per_step counts bins; none, grouped: examples
            # the kernels that ran: the model's attention implementation as Trainer left it, Liger where applied
            "liger": liger and liger_applied(trainer.model),
            "attention": getattr(trainer.model.config, "_attn_implementation", job.get("peer_attn", "sdpa")),
@@ -326,6 +343,19 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
         out["peak_mem_gib"] = all_ranks_max(out["peak_mem_gib"], device)
     out["host_peak_gib"] = all_ranks_max(host_peak_gib(), device)
     return out if rank == 0 else None
+
+
+def mean_example_tokens(tokenizer, rows, seq_len: int) -> float:
+    """The examples' mean length in tokens as the chat template renders them, each cut at seq_len as TRL cuts it."""
+    lengths = [min(len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)), seq_len)
+               for messages in rows["messages"]]
+    return sum(lengths) / max(len(lengths), 1)
+
+
+def examples_accumulation(global_tokens: int, mean_tokens: float, examples_per_micro_batch: int) -> int:
+    """Micro-batches of padded examples per optimizer step: about global_tokens / mean_tokens examples, as many as
+    the other side's blocks hold."""
+    return max(1, round(global_tokens / mean_tokens / examples_per_micro_batch))
 
 
 def worker_main(job_json: str, result_path: str) -> int:
@@ -422,7 +452,9 @@ def model_directory(model: str, seed: int, workdir: Path) -> Path:
 def global_batch(a) -> int:
     """--global_batch_tokens, checked against every micro-batch measured; default: the least that each makes whole
     optimizer steps of."""
-    per_micro = {mb: mb * a.nproc * a.seq_len for mb in sorted(set(a.micro_batch_size + a.peer_micro_batch_size))}
+    # the peer's micro-batches hold bins of seq_len when it packs, padded examples otherwise (no multiple to meet)
+    packed = a.micro_batch_size + (a.peer_micro_batch_size if a.peer_packing == "bfd" else [])
+    per_micro = {mb: mb * a.nproc * a.seq_len for mb in sorted(set(packed))}
     if not a.global_batch_tokens:
         return math.lcm(*per_micro.values())
     for mb, tokens in per_micro.items():
@@ -439,7 +471,7 @@ def make_jobs(a, model: Path, rows: Path, data_cache: Path, global_tokens: int) 
             "ds_config": a.ds_config, "zero_stage": a.zero_stage, "ds_set": a.ds_set,
             "gradient_checkpointing": a.gradient_checkpointing, "lora_rank": a.lora_rank, "lora_alpha": a.lora_alpha,
             "lora_target_modules": a.lora_target_modules, "peer_liger": a.peer_liger == "on",
-            "peer_attn": a.peer_attn, "attention_kernel": a.attention_kernel}
+            "peer_attn": a.peer_attn, "attention_kernel": a.attention_kernel, "peer_packing": a.peer_packing}
     jobs = []
     for mode in a.modes:
         for side, micro_batches in (("ours", a.micro_batch_size), ("trl", a.peer_micro_batch_size)):
@@ -447,8 +479,9 @@ def make_jobs(a, model: Path, rows: Path, data_cache: Path, global_tokens: int) 
                 continue
             for mb in micro_batches:
                 accumulation = global_tokens // (mb * a.nproc * a.seq_len)
+                steps_of = f"ga{accumulation}" if side == "ours" or a.peer_packing == "bfd" else a.peer_packing
                 jobs.append(dict(base, side=side, mode=mode, micro_batch_size=mb,
-                                 variant=f"{side}-{mode}", name=f"{side}-{mode}-mb{mb}-ga{accumulation}"))
+                                 variant=f"{side}-{mode}", name=f"{side}-{mode}-mb{mb}-{steps_of}"))
     return jobs
 
 
@@ -551,6 +584,10 @@ def main(argv=None) -> int:
     p.add_argument("--attention_kernel", default="auto", choices=("auto", "fa4", "varlen", "sdpa"),
                    help="our side's --attention_kernel (varlen: FlashAttention-4 off, PyTorch's variable-length "
                         "attention)")
+    p.add_argument("--peer-packing", dest="peer_packing", default="bfd", choices=("bfd", "none", "grouped"),
+                   help="TRL side's rows: bfd (packed, padding-free: TRL's path with FlashAttention), none (examples "
+                        "padded per micro-batch: its path for other kernels), grouped (none with "
+                        "train_sampling_strategy=group_by_length)")
     p.add_argument("--peer-liger", dest="peer_liger", default="on", choices=("on", "off"),
                    help="TRL side's use_liger_kernel (on CUDA only)")
     p.add_argument("--skip", nargs="*", default=[], choices=list(SIDES), help="sides not to run")

@@ -61,6 +61,21 @@ def test_host_copy_pickles_exactly_as_the_original():
     assert {s.data_ptr() for s in again["taken"]} == {s.data_ptr() for s in memo["taken"]}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs a GPU (run by run_device.sh's "
+                                                           "gpu-tests plan; CI's machines have none)")
+def test_registered_buffers_are_pinned_and_copy_from_the_gpu_exactly():
+    """HostBuffers' pinned storages (pages mapped by threads, then registered with CUDA): exact sizes, pinned, and a
+    copy from the GPU into them pickles as the GPU state does."""
+    state = {"odd": torch.randn(3 * 2**20 + 7, device="cuda"), "half": torch.randn(1000, dtype=torch.bfloat16,
+                                                                                  device="cuda")}
+    buffers, memo = HostBuffers(pinned=True), {"taken": []}
+    copy = host_copy(state, memo, buffers)
+    torch.cuda.synchronize()
+    assert sorted(s.nbytes() for s in memo["taken"]) == sorted(t.untyped_storage().nbytes() for t in state.values())
+    assert all(t.is_pinned() for t in copy.values())
+    assert saved_bytes(copy) == saved_bytes({k: v.cpu() for k, v in state.items()})
+
+
 @pytest.mark.parametrize("ds_config", ["ds_config.json", "configs/zero3.json"])
 def test_background_files_equal_a_synchronous_save(session_cache, tmp_path, ds_config):
     """Two runs, same seed: every file of step 3 (DeepSpeed's model and optimizer states, the RNG states) is
