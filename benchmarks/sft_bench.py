@@ -267,7 +267,8 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
     packing = job.get("peer_packing", "bfd")
     # Our plan for the same flags: its resolved DeepSpeed config (optimizer, schedule, clipping), LoRA settings and
     # tokenizer, so the peer trains with what our run trains with.
-    cfg = parse_args(trainer_argv(job, workdir))
+    # (its micro-batch 1 where the peer's counts padded examples, which as our blocks would not fit the GPU)
+    cfg = parse_args(trainer_argv(job if packing == "bfd" else dict(job, micro_batch_size=1), workdir))
     plan = make_plan(cfg, world, on_training_hardware=True)
     raw = plan.ds_config
     opt = raw.get("optimizer", {}).get("params", {})
