@@ -90,8 +90,9 @@ def main(argv=None) -> int:
         sizes = torch.diff(bounds).double()
         flops = 4 * h * d * float((sizes * sizes).sum()) / 2 * 3.5
 
-    class Module(torch.nn.Module):
+    class Module(torch.nn.Module):  # what transformers' attention functions read of a model's attention layer
         is_causal = True
+        num_key_value_groups = h // kv  # grouped-query attention: each key/value head serves this many query heads
 
     module = Module()
 

@@ -132,12 +132,13 @@ case "$1" in
       --peer-attn flash_attention_4 --timeout 150 \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 on both sides: ours against TRL"
     ;;
-  sft-no-fa4)  # the same with FlashAttention-4 off on both sides: ours on PyTorch's varlen attention, TRL on its path
-    # for SDPA (padding-free rows are supported with FlashAttention only): examples padded per micro-batch, grouped by
-    # length, 64 and 128 examples (~150 tokens each: 8 took 54 micro-batches a step, 10 s) per micro-batch; ours at 16
-    # (49,912 tokens/s against 48,473 at 8 in another call)
-    sft "sft-nofa4-$SFT_MODEL-${SFT_MODES// /-}" 150 "${SFT_ARGS[@]}" --micro_batch_size 16 --peer-micro-batch-size 64 128 \
-      --peer-attn "${SFT_PEER_ATTN:-sdpa}" --peer-packing grouped --timeout 150 \
+  sft-no-fa4)  # the same with FlashAttention-4 off on both sides: ours on PyTorch's varlen attention at 16 x 2 (50,149
+    # tokens/s against 48,473 at 8 x 4), TRL on its path for SDPA (padding-free rows are supported with FlashAttention
+    # only): examples padded per micro-batch, grouped by length, SFT_PEER_MB examples (~150 tokens each) per micro-batch
+    # (8: 54 micro-batches a step, 10.4 s; 16: ~7-8 s a step; 64: out of memory on an H200) (~8 min)
+    read -r -a peer_mb <<<"${SFT_PEER_MB:-16 32}"
+    sft "sft-nofa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 16 --peer-micro-batch-size "${peer_mb[@]}" \
+      --peer-attn "${SFT_PEER_ATTN:-sdpa}" --peer-packing grouped --timeout 300 \
       --attention_kernel varlen \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 off on both: ours (varlen) against TRL"
     ;;
@@ -457,7 +458,7 @@ EOF
     ;;
   save-stall)  # one rank's host copy of a 7B ZeRO-3 state on 4 GPUs (23 GiB), first and second save, by each way of
     # pinning (benchmarks/save_stall.py, ~1-2 min)
-    timeout 200 python3 benchmarks/save_stall.py --gpus 4 --matmul_seconds 2 --json "$OUT/save-stall.jsonl" 2>&1 \
+    timeout 200 python3 benchmarks/save_stall.py --gpus 4 --json "$OUT/save-stall.jsonl" 2>&1 \
       | tee -a "$OUT/save-stall.txt"
     ;;
   host-memory)  # touch HOST_MEMORY_GIB (default 180) of host memory on 16 threads, then free it: a machine whose memory

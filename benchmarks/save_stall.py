@@ -3,22 +3,23 @@
 into HostBuffers), the first save against a later one, under each way of pinning host memory.
 
     python benchmarks/save_stall.py --gpus 4        # one rank's share of Llama-2-7B's ZeRO-3 state
-    python benchmarks/save_stall.py --parameters 50000000 --gpus 1 --matmul_seconds 0   # CPU smoke run
+    python benchmarks/save_stall.py --parameters 50000000 --gpus 1   # CPU smoke run
 
 One rank's ZeRO-3 state with Adam in bf16 training: its partition of the bf16 parameters, the fp32 master copy and
 Adam's two moments, each cut into DeepSpeed's sub-groups (`sub_group_size`, 1e9 elements), allocated on the GPU and
 copied twice (the first save allocates and pins its host buffers, the second reuses them). Each way of pinning runs in
 its own process, since PyTorch reads PYTORCH_CUDA_ALLOC_CONF once:
 
-- `registered`: the trainer's HostBuffers (pages mapped by 8 threads, then cudaHostRegister, exact sizes),
-- `host_alloc`: PyTorch's pinned allocator (cudaHostAlloc, sizes rounded up to powers of two),
-- `host_register`: the same allocator set to `pinned_use_cuda_host_register:True,pinned_num_register_threads:8`,
+- `host_alloc`: PyTorch's default pinned allocator (cudaHostAlloc on one thread),
+- `host_register`: the same allocator set as the trainer sets it (runtime.process.PINNED_MEMORY_SETTINGS: pages mapped
+  by 8 threads, then cudaHostRegister),
 - `pageable`: host memory not pinned.
+
+Both pinned ways round each size up to a power of two.
 
 Every way runs with OMP_NUM_THREADS=1, as the launchers start each rank.
 
-Also timed, for the buffers allocated ahead of a save: the same allocation on a thread while the GPU multiplies
-matrices (how much it slows the multiplications, and how long it takes there).
+Also timed: the allocation alone, of fresh buffers beside those in use (what pinning costs without the copy).
 """
 
 from __future__ import annotations
@@ -28,17 +29,16 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from model_utils.runtime.process import PINNED_MEMORY_SETTINGS  # noqa: E402
 
 LLAMA_2_7B = 6_738_415_616
 SUB_GROUP = 10**9  # ZeRO-3's default sub_group_size (elements)
-REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
-WAYS = {"registered": "", "host_alloc": "", "host_register": REGISTER, "pageable": ""}  # way: its allocator setting
+WAYS = {"host_alloc": "", "host_register": PINNED_MEMORY_SETTINGS, "pageable": ""}  # way: its allocator setting
 
 
 def state_sizes(parameters: int, gpus: int) -> list[int]:
@@ -49,7 +49,7 @@ def state_sizes(parameters: int, gpus: int) -> list[int]:
     return [2 * share] + [4 * n for n in groups for _ in range(3)]
 
 
-def worker(way: str, sizes: list[int], matmul_seconds: float) -> dict:
+def worker(way: str, sizes: list[int]) -> dict:
     import torch
 
     from model_utils.checkpoint.background import HostBuffers, host_copy
@@ -62,7 +62,7 @@ def worker(way: str, sizes: list[int], matmul_seconds: float) -> dict:
         if cuda:
             torch.cuda.synchronize()
 
-    buffers = HostBuffers(pinned=cuda and way != "pageable", register=way == "registered")
+    buffers = HostBuffers(pinned=cuda and way != "pageable")
     out = {"way": way, "gib": sum(sizes) / 2**30, "storages": len(sizes)}
     for name in ("first", "second"):
         memo = {"taken": []}
@@ -73,55 +73,11 @@ def worker(way: str, sizes: list[int], matmul_seconds: float) -> dict:
         buffers.give_back(memo["taken"])
     # the allocation alone, fresh buffers (what a save ahead of the first would take)
     t = time.perf_counter()
-    fresh = HostBuffers(pinned=buffers.pinned, register=buffers.register)
+    fresh = HostBuffers(pinned=buffers.pinned)
     taken = [fresh.take(n) for n in sizes]
     out["allocate_s"] = time.perf_counter() - t
-    if cuda:
-        stats = torch.cuda.host_memory_stats()
-        out["host_reserved_gib"] = stats.get("reserved_bytes.current", 0) / 2**30
     del taken, fresh
-    if cuda and matmul_seconds:
-        out.update(allocation_beside_compute(sizes, buffers, matmul_seconds))
     return out
-
-
-def allocation_beside_compute(sizes: list[int], buffers, seconds: float) -> dict:
-    """Matrix products timed alone, then while a thread allocates the buffers of a save."""
-    import torch
-
-    from model_utils.checkpoint.background import HostBuffers
-
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-
-    def products(n: int) -> float:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            a @ a
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n
-
-    per = products(20)
-    n = max(int(seconds / per), 20)
-    alone = products(n)
-    done = {}
-
-    def allocate():
-        t = time.perf_counter()
-        fresh = HostBuffers(pinned=buffers.pinned, register=buffers.register)
-        done["taken"] = [fresh.take(k) for k in sizes]
-        done["s"] = time.perf_counter() - t
-
-    thread = threading.Thread(target=allocate)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    thread.start()
-    rounds = []
-    while thread.is_alive() or not rounds:
-        rounds.append(products(10))
-    thread.join()
-    return {"matmul_ms_alone": 1e3 * alone, "matmul_ms_beside_allocation": 1e3 * sum(rounds) / len(rounds),
-            "allocate_beside_compute_s": done["s"], "window_s": time.perf_counter() - t}
 
 
 def main(argv=None) -> int:
@@ -129,14 +85,12 @@ def main(argv=None) -> int:
     p.add_argument("--parameters", type=int, default=LLAMA_2_7B, help="the model's parameters (default Llama-2-7B's)")
     p.add_argument("--gpus", type=int, default=4, help="ranks the state is partitioned over")
     p.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
-    p.add_argument("--matmul_seconds", type=float, default=3.0, help="products timed alone before the allocation "
-                                                                      "beside them (0: skip)")
     p.add_argument("--json", default=None, help="append one JSON line per way")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         job = json.loads(a.worker)
-        print("RESULT " + json.dumps(worker(job["way"], job["sizes"], job["matmul_seconds"])), flush=True)
+        print("RESULT " + json.dumps(worker(job["way"], job["sizes"])), flush=True)
         return 0
     sizes = state_sizes(a.parameters, a.gpus)
     print(f"# {a.parameters:,} parameters over {a.gpus} GPU(s): one rank's state {sum(sizes) / 2**30:.1f} GiB in "
@@ -145,7 +99,7 @@ def main(argv=None) -> int:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if WAYS[way]:
             env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(x for x in (env.get("PYTORCH_CUDA_ALLOC_CONF"), WAYS[way]) if x)
-        job = json.dumps({"way": way, "sizes": sizes, "matmul_seconds": a.matmul_seconds})
+        job = json.dumps({"way": way, "sizes": sizes})
         done = subprocess.run([sys.executable, __file__, "--worker", job], env=env, capture_output=True, text=True)
         lines = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode or not lines:

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_problems(validate_args(cfg) + distributed_env_problems() + stale_build_lock_problems())
     # A rank that dies in native code (SIGSEGV, SIGABRT from a C++ library) prints every thread's Python stack first.
     faulthandler.enable()
+    from model_utils.runtime.process import pin_host_memory_by_threads
+
+    pin_host_memory_by_threads()  # read once, when CUDA starts: before the process group
 
     from model_utils.checkpoint.protocol import ResumeError
     from model_utils.checkpoint.save import SaveFailed

@@ -30,19 +30,13 @@ from model_utils.checkpoint.save import ANOTHER_RANKS_WRITE, commit_everywhere, 
 IDLE, WRITING, FAILED = 0.0, 1.0, 2.0  # this rank's writer state, agreed across ranks with a MAX all-reduce
 
 
-PAGE_TOUCH_THREADS = 8  # threads mapping a new buffer's pages before it is pinned
-PAGE_TOUCH_CHUNK = 256 * 2**20
-
-
 class HostBuffers:
     """Host storages reused from one save to the next: allocating gigabytes anew each time costs more than the copy
-    (its page faults alone take about half a synchronous save: docs/PERFORMANCE.md). Pinned where there is a GPU, so
-    that the copies from it run at full speed: by default as torch's `pinned_use_cuda_host_register` does it (pages
-    mapped by several threads, then registered with CUDA), at the exact size; `register=False` takes PyTorch's pinned
-    allocator (cudaHostAlloc, one thread, each size rounded up to a power of two)."""
+    (its page faults alone take about half a synchronous save: docs/PERFORMANCE.md). Pinned
+    where there is a GPU, so that the copies from it run at full speed."""
 
-    def __init__(self, pinned: bool, register: bool = True):
-        self.pinned, self.register = pinned, register
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
         self._free: dict[int, list] = {}
         self._lock = threading.Lock()
 
@@ -51,29 +45,12 @@ class HostBuffers:
             free = self._free.get(nbytes)
             if free:
                 return free.pop()
-        if self.pinned and self.register:
-            return registered_storage(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
 
     def give_back(self, storages) -> None:
         with self._lock:
             for storage in storages:
                 self._free.setdefault(storage.nbytes(), []).append(storage)
-
-
-def registered_storage(nbytes: int) -> torch.UntypedStorage:
-    """`nbytes` of host memory pinned for copies from the GPU: its pages mapped by PAGE_TOUCH_THREADS threads (a rank
-    launched with OMP_NUM_THREADS=1 would map them on one), then registered with CUDA (torch.cuda.cudart, the CUDA
-    runtime's cudaHostRegister). Kept registered for the process's life, as HostBuffers keeps it."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    flat = torch.empty(nbytes, dtype=torch.uint8)
-    starts = range(0, nbytes, PAGE_TOUCH_CHUNK)
-    with ThreadPoolExecutor(min(PAGE_TOUCH_THREADS, len(starts)) or 1) as pool:
-        list(pool.map(lambda start: flat[start:start + PAGE_TOUCH_CHUNK].zero_(), starts))
-    # where registering fails (a memory lock limit) the buffer stays pageable: the same bytes, copied more slowly
-    torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)
-    return flat.untyped_storage()
 
 
 def host_copy(obj, memo: dict | None = None, buffers: HostBuffers | None = None):

@@ -1,6 +1,6 @@
-"""What each rank sets up in its own process: its share of the host's cores, its seeds and random state (saved per
-rank in every checkpoint, so a resumed run draws the same numbers), and the signals that ask it to stop (SLURM's
-warning signal USR1, the time limit's TERM, Ctrl-C)."""
+"""What each rank sets up in its own process: its share of the host's cores, how it pins host memory, its seeds and
+random state (saved per rank in every checkpoint, so a resumed run draws the same numbers), and the signals that ask
+it to stop (SLURM's warning signal USR1, the time limit's TERM, Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,33 @@ def share_host_cores() -> str:
     if threads is not None:
         torch.set_num_threads(threads)
     return f"host threads: {torch.get_num_threads()} per rank ({why})"
+
+
+# PyTorch's pinned host memory mapped by 8 threads and registered with CUDA, not cudaHostAlloc on one thread: the first
+# background save of one rank's 22 GiB share of a 7B ZeRO-3 state stalled training 3.7 s instead of 11.1 s on an H200
+# (benchmarks/save_stall.py; docs/PERFORMANCE.md). DeepSpeed's pinned offload buffers are allocated the same way.
+PINNED_MEMORY_SETTINGS = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+
+
+def pin_host_memory_by_threads(environ=os.environ) -> None:
+    """Add PINNED_MEMORY_SETTINGS to PyTorch's allocator settings (PYTORCH_ALLOC_CONF where the user set it, else
+    PYTORCH_CUDA_ALLOC_CONF), before CUDA starts in this process; settings of pinned memory the user gave stay."""
+    key = _allocator_settings_key(environ)
+    value = environ.get(key, "")
+    if "pinned_use_cuda_host_register" not in value:
+        environ[key] = ",".join(x for x in (value, PINNED_MEMORY_SETTINGS) if x)
+
+
+def pinned_memory_line(environ=os.environ) -> str:
+    """How this process pins host memory, for the run's header."""
+    key = _allocator_settings_key(environ)
+    if PINNED_MEMORY_SETTINGS in environ.get(key, ""):
+        return f"pinned host memory: pages mapped by 8 threads, then registered with CUDA ({key} overrides)"
+    return f"pinned host memory: as {key} sets it"
+
+
+def _allocator_settings_key(environ) -> str:
+    return "PYTORCH_ALLOC_CONF" if environ.get("PYTORCH_ALLOC_CONF") else "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def seed_everything(seed: int):

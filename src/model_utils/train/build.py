@@ -33,7 +33,7 @@ from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
 from model_utils.planning.plan import Plan
 from model_utils.runtime.distributed import Dist
 from model_utils.runtime.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
-from model_utils.runtime.process import seed_everything, share_host_cores
+from model_utils.runtime.process import pinned_memory_line, seed_everything, share_host_cores
 from model_utils.runtime.run_log import Logger, bars_only_on_a_terminal
 from model_utils.train.resume import load_checkpoint
 from model_utils.train.run import Run
@@ -48,6 +48,8 @@ def start_log(cfg: TrainConfig, dist: Dist) -> Logger:
     log = Logger(dist, cfg.checkpoint.run_dir.metrics)
     start_run_log(log, cfg, dist)
     log.info(share_host_cores())  # before DeepSpeedCPUAdam or any thread pool starts
+    if torch.cuda.is_available():
+        log.info(pinned_memory_line())  # the host copies of background saves, DeepSpeed's offload buffers
     return log
 
 

@@ -38,3 +38,4 @@ def test_an_srun_step_states_the_ranks_on_each_node(monkeypatch):
         monkeypatch.setenv(name, value)
     assert distributed.distributed_env_problems() == []
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("9", "1", "8")
+
