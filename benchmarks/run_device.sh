@@ -146,7 +146,7 @@ case "$1" in
     # buffers of background saves
     echo "=== gpu-tests ($(($(date +%s) - START))s)"
     timeout 400 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_delayed_update.py -k prefetch \
-      "tests/distributed/test_background_save.py::test_registered_buffers_are_pinned_and_copy_from_the_gpu_exactly" 2>&1 \
+      "tests/distributed/test_background_save.py::test_pinned_save_buffers_copy_from_the_gpu_exactly" 2>&1 \
       | tail -15 | tee "$OUT/gpu-tests.txt"
     ;;
   delayed-losses)  # Qwen3-0.6B, offload preset: 50 steps of the delayed update against the synchronous one

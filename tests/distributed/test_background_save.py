@@ -63,7 +63,7 @@ def test_host_copy_pickles_exactly_as_the_original():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs a GPU (run by run_device.sh's "
                                                            "gpu-tests plan; CI's machines have none)")
-def test_registered_buffers_are_pinned_and_copy_from_the_gpu_exactly():
+def test_pinned_save_buffers_copy_from_the_gpu_exactly():
     """HostBuffers' pinned storages, as the trainer allocates them (runtime.process.pin_host_memory_by_threads): the
     storages' own sizes, pinned, and a copy from the GPU into them pickles as the GPU state does."""
     state = {"odd": torch.randn(3 * 2**20 + 7, device="cuda"), "half": torch.randn(1000, dtype=torch.bfloat16,
