@@ -156,9 +156,25 @@ class AdapterActivations:
         return per_input * self.inputs + 4 * self.ranks
 
 
+def mlp_bytes_per_token(config, compiled: bool) -> float:
+    """What a decoder layer's MLP adds to its kept activations per token: its 16-bit tensors of width I, two compiled
+    (layer_activation_bytes_per_token), three eager with EAGER_ACTIVATION_MARGIN (eager_layer_...)."""
+    inter = _widths(config)[3]
+    return 2 * 2 * inter if compiled else EAGER_ACTIVATION_MARGIN * 2 * 3 * inter
+
+
+def tiled_mlp_bytes(config, micro: int, seq_len: int, compiled: bool) -> float:
+    """With tiled MLPs (--tiled_mlp, models.sequence_parallel.tile_mlps), the MLP keeps none of its tensors of width I
+    for the backward pass: it recomputes them one tile at a time (~hidden-size tokens of each row), their values and
+    gradients. Those of one tile, the transient that replaces the layer's MLP share of its working set."""
+    tile = min(seq_len, config.hidden_size)
+    return 2 * micro * tile * mlp_bytes_per_token(config, compiled)
+
+
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
                      chunk_budget: int, compiled: bool = True, checkpointed_layers: int | None = None,
-                     adapters: AdapterActivations | None = None, offloaded: bool = False) -> float:
+                     adapters: AdapterActivations | None = None, offloaded: bool = False,
+                     tiled_mlp: bool = False) -> float:
     """Activations kept for the backward pass (per layer and token: `layer_activation_bytes_per_token` compiled,
     `eager_layer_activation_bytes_per_token` eager, with LoRA's `adapters` added); a recomputed layer keeps only its
     input (2·s·b·h), and recomputing needs one layer's working set at a time. With `checkpointing`, the first
@@ -166,12 +182,17 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     those before it reaches a recomputed layer, so the peak holds the kept working sets or the one being recomputed,
     not both (docs/PERFORMANCE.md sets this beside measured peaks). Logits: 16-bit logits, their fp32 upcast and its
     gradient, unless the fused linear cross-entropy avoids them. `offloaded` (--offload_activations): the recomputed
-    layers' inputs are in host memory."""
+    layers' inputs are in host memory. `tiled_mlp`: the MLPs keep one tile's tensors (tiled_mlp_bytes), not the
+    sequence's."""
     h, layers = config.hidden_size, config.num_hidden_layers
     scale = 1 if bf16 else 2
     # Eager layers keep more of their working set than compiled ones; a checkpointed layer's kept input is the same.
     per_token = layer_activation_bytes_per_token(config) if compiled else eager_layer_activation_bytes_per_token(config)
+    if tiled_mlp:
+        per_token -= mlp_bytes_per_token(config, compiled)
     working_set = micro * seq_len * (per_token + (adapters.bytes_per_token(compiled) if adapters else 0.0))
+    if tiled_mlp:
+        working_set += tiled_mlp_bytes(config, micro, seq_len, compiled)
     recomputed = min(layers, layers if checkpointed_layers is None else checkpointed_layers) if checkpointing else 0
     kept = layers - recomputed
     inputs = 0 if offloaded else recomputed * 2 * micro * seq_len * h
@@ -227,7 +248,8 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
                  gpu_optimizer_share: float = 0.0, checkpointed_layers: int | None = None,
                  delayed_prefetch: bool = False, accumulation: int | None = None,
                  frozen_params: int = 0, adapters: AdapterActivations | None = None,
-                 whole_params: bool = False, offloaded_activations: bool = False) -> PhaseMemory:
+                 whole_params: bool = False, offloaded_activations: bool = False,
+                 tiled_mlp: bool = False) -> PhaseMemory:
     """`num_params`: the parameters that train (weight, gradient, optimizer state each); `frozen_params`: those that
     do not (LoRA's frozen model: their 16-bit weight only, partitioned under ZeRO-3); `adapters`: LoRA's, per layer;
     `whole_params`: ZeRO-3 keeps every parameter whole on each GPU (model_state_bytes)."""
@@ -236,7 +258,7 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers,
-                           adapters, offloaded_activations),
+                           adapters, offloaded_activations, tiled_mlp),
         evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
         export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
         # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states

@@ -12,6 +12,7 @@ from model_utils.config.settings import SpeedConfig, TrainConfig
 from model_utils.core.problems import Problem
 from model_utils.models.memory import (AUTO_MEMORY_SHARE, GIB, PhaseMemory, choose_micro_batch, offload_host_bytes,
                                        phase_memory)
+from model_utils.models.sequence_parallel import uses_tiled_mlp
 from model_utils.models.speed import use_compile, zero3_keeps_eager_layers
 
 
@@ -32,6 +33,7 @@ class MemoryModel:
     delayed_update_from_step: int
     batch: object  # config.batch.BatchRequest: the accumulation at each micro-batch
     offload_activations: bool = False  # --offload_activations: the recomputed layers' inputs in host memory
+    tiled_mlp: str = "off"  # --tiled_mlp: on, off or auto (by the tokens of a sequence one GPU holds, seq_len)
 
     def compiles(self, ds: dict) -> bool:
         """Whether the run compiles its decoder layers (models.speed.use_compile), on the GPUs it trains on."""
@@ -72,7 +74,8 @@ class MemoryModel:
                             checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
                             accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params,
                             adapters=self.model.adapters, whole_params=self.keeps_whole_parameters(ds),
-                            offloaded_activations=self.offload_activations)
+                            offloaded_activations=self.offload_activations,
+                            tiled_mlp=uses_tiled_mlp(self.tiled_mlp, self.seq_len, 1))
 
     def peak(self, ds: dict, micro: int, checkpointed_layers: int | None = None, prefetch: bool | None = None) -> float:
         return self.phases(ds, micro, checkpointed_layers, prefetch).peak[1]

@@ -268,7 +268,7 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     memory_model = None if model is None else MemoryModel(
         model, plan.hardware, plan.ranks, plan.rank_seq_len, cfg.speed, plan.fused_loss,
         cfg.model.gradient_checkpointing, bool(cfg.logging.generate_prompt and cfg.checkpoint.export),
-        cfg.optim.delayed_update_from_step, request, cfg.model.offload_activations)
+        cfg.optim.delayed_update_from_step, request, cfg.model.offload_activations, cfg.model.tiled_mlp)
     choice = parameters = None
     micro = request.micro
     if memory_model is not None:

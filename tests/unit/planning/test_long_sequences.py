@@ -76,3 +76,45 @@ def test_offloaded_layer_inputs_count_in_the_nodes_host_memory(monkeypatch, sess
     check_host_memory(small, report)
     assert [p.setting for p in report.problems] == ["--offload_activations"]
     assert "--sequence_parallel" in report.problems[0].fix
+
+
+# Peaks measured on H200s with micro-batch 1 (docs/PERFORMANCE.md, Long sequences; h200x2-2026-11-28-long-context.jsonl):
+# model, GPUs, flags, peak GiB. The tiled MLPs are on by --tiled_mlp auto from 32,768 tokens per GPU.
+MEASURED_AT_LENGTH = [
+    ("qwen3-0.6b", 2, ("--seq_len", "16384", "--sequence_parallel", "2"), 14.1),
+    ("llama-1b", 2, ("--seq_len", "131072", "--sequence_parallel", "2", "--gradient_checkpointing"), 17.6),
+    ("llama-1b", 1, ("--seq_len", "131072", "--gradient_checkpointing"), 32.3),
+    ("llama-1b", 1, ("--seq_len", "131072", "--gradient_checkpointing", "--compile", "off"), 31.8),
+    ("llama-1b", 1, ("--seq_len", "131072", "--gradient_checkpointing", "--offload_activations"), 26.3),
+    ("llama-1b", 2, ("--seq_len", "262144", "--sequence_parallel", "2", "--gradient_checkpointing", "--compile", "off",
+                     "--offload_activations"), 18.7),
+]
+
+
+@pytest.mark.parametrize("model, world, flags, peak_gib", MEASURED_AT_LENGTH)
+def test_the_estimate_at_length_is_within_a_tenth_of_the_measured_peak(monkeypatch, session_cache, model, world, flags,
+                                                                       peak_gib):
+    from model_utils.models import speed
+    from model_utils.planning import plan as plan_module
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "139")
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
+    rope = ("--rope_scaling", "yarn:2") if model == "llama-1b" else ()
+    cfg = parse_args(["--model", model, "--micro_batch_size", "1", "--dummy_data", "64", "--checkpoint_dir",
+                      "/nonexistent/ckpt", "--no-export", *rope, *flags])
+    plan = plan_module.make_plan(cfg, world, decides=False)
+    assert plan.memory.phases.train / GIB == pytest.approx(peak_gib, rel=0.10)
+
+
+def test_tiled_mlps_keep_one_tile_of_the_mlp_instead_of_the_sequence(monkeypatch, session_cache):
+    from model_utils.models.memory import activation_bytes, mlp_bytes_per_token, tiled_mlp_bytes
+
+    config = _plan(monkeypatch, 1, "--seq_len", "65536").model.config
+    for compiled in (True, False):
+        args = (config, 65536, 1, True, True, True, 8, compiled)
+        whole, tiled = activation_bytes(*args), activation_bytes(*args, tiled_mlp=True)
+        # one layer's working set is in the peak (every layer recomputes): its MLP share of 65,536 tokens goes, one
+        # tile's (2,048 tokens, values and gradients) comes
+        assert whole - tiled == pytest.approx(65536 * mlp_bytes_per_token(config, compiled)
+                                              - tiled_mlp_bytes(config, 1, 65536, compiled))
+        assert tiled_mlp_bytes(config, 1, 65536, compiled) == 2 * 2048 * mlp_bytes_per_token(config, compiled)
