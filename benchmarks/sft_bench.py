@@ -95,6 +95,14 @@ def block_example_lengths(positions, targets) -> list[int]:
     return lengths
 
 
+def peer_example_lengths(packing: str, numel: int, positions, rows_lengths) -> list[int]:
+    """The examples' lengths in one of TRL's micro-batches: with packing (bfd), the runs of its flattened row's position
+    ids; without, each padded row's attention-mask count (its example, not the padding); a row of neither, whole."""
+    if packing != "bfd" and rows_lengths is not None:
+        return [int(n) for n in rows_lengths.cpu().tolist()]
+    return segment_lengths(positions.cpu().numpy()) if positions is not None else [numel]
+
+
 def work_of(lengths: list[int]) -> tuple[int, int]:
     """(tokens, attention query-key pairs) of examples of these lengths, each attending within itself."""
     return sum(lengths), sum(n * n for n in lengths)
@@ -318,11 +326,7 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
     gpu = timer.finish()
     tokens = area = loss_tokens = 0
     for numel, positions, labelled, rows_lengths in timed:
-        if packing != "bfd" and rows_lengths is not None:
-            lengths = rows_lengths.cpu().tolist()
-        else:
-            lengths = segment_lengths(positions.cpu().numpy()) if positions is not None else [numel]
-        t, a = work_of(lengths)
+        t, a = work_of(peer_example_lengths(packing, numel, positions, rows_lengths))
         tokens, area = tokens + t, area + a
         loss_tokens += int(labelled.item()) if labelled is not None else 0
     device = trainer.args.device

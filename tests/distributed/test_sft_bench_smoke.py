@@ -51,40 +51,6 @@ def test_sft_bench_runs_both_sides_full_and_lora_on_the_same_rows(tmp_path):
     assert (tmp_path / "logs" / "trl-full-mb1-ga2.log").exists()
 
 
-def test_sft_bench_peer_without_packing_pads_examples_and_counts_only_theirs(tmp_path):
-    """--peer-packing none (TRL's path for attention kernels other than FlashAttention): examples padded per
-    micro-batch, as many per optimizer step as 1,024 block tokens hold at their mean length, and only the examples'
-    own tokens counted (not the padding)."""
-    pytest.importorskip("trl", reason="the TRL side needs trl (pip install .[bench])")
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import sft_bench
-
-    out = run_sft_bench(["--model", "tiny", "--seq_len", "512", "--micro_batch_size", "1", "--peer-micro-batch-size",
-                         "2", "--peer-packing", "none", "--global_batch_tokens", "1024", "--steps", "2", "--warmup",
-                         "1", "--max_examples", "64", "--modes", "full", "--skip", "ours", "--timeout", "300",
-                         "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "r.jsonl")])
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
-    runs = {line["job"]["name"]: line["result"] for line in lines if "job" in line}
-    r = runs["trl-full-mb2-none"]
-    import datasets
-
-    from model_utils.data.sft.formats import attach_chat_template, resolve_chat_template
-    from model_utils.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(None)
-    attach_chat_template(tokenizer)
-    tokenizer.chat_template, _ = resolve_chat_template(tokenizer)
-    rows = datasets.Dataset.from_list([json.loads(line) for line in (tmp_path / "work" / "rows.jsonl").open()])
-    mean = sft_bench.mean_example_tokens(tokenizer, rows, 512)
-    assert r["packing"] == "none" and r["gradient_accumulation_steps"] == round(1024 / mean / 2)
-    examples = 2 * r["gradient_accumulation_steps"]
-    # Each step's example tokens: about `examples` examples of the mean length, fewer than the padded positions.
-    assert 0.5 * examples * mean < r["tokens_per_step_per_gpu"] < 1.5 * examples * mean
-    assert r["tokens_per_step_per_gpu"] < examples * 512
-    assert 0 < r["loss_tokens_per_step_per_gpu"] < r["tokens_per_step_per_gpu"]
-
-
 @pytest.mark.parametrize("args, message", [
     (["--dataset", "missing.jsonl"], "--dataset missing.jsonl: no such file"),
     (["--global_batch_tokens", "1000"], "--global_batch_tokens 1000: not a multiple of micro-batch 1"),

@@ -61,6 +61,19 @@ def test_unpacked_peer_micro_batches_count_examples_not_blocks():
     assert names == ["trl-full-mb3-none", "trl-full-mb7-none", "trl-lora-mb3-none", "trl-lora-mb7-none"]
 
 
+def test_the_peers_tokens_are_its_examples_not_padding():
+    """Padded rows count their attention mask's tokens; packed rows the runs of their positions."""
+    import sft_bench
+    import torch
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    assert sft_bench.peer_example_lengths("none", mask.numel(), None, mask.sum(-1)) == [3, 5, 1]
+    assert sft_bench.peer_example_lengths("grouped", mask.numel(), None, mask.sum(-1)) == [3, 5, 1]
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert sft_bench.peer_example_lengths("bfd", 9, positions, None) == [3, 2, 4]
+    assert sft_bench.work_of([3, 5, 1]) == (9, 35)
+
+
 def test_jobs_per_mode_each_side_at_its_micro_batches_with_the_same_global_batch():
     import sft_bench
 
