@@ -128,8 +128,8 @@ case "$1" in
   sft-fa4)  # the fine-tuning headline: both sides at their best with FlashAttention-4 (TRL's padding-free rows are
     # supported with FlashAttention only), TRL at micro-batch 2 and 4 (4 its fastest before, 8 and 16 slower), ours at 8
     # and 16, 20 timed steps each
-    sft "sft-fa4-$SFT_MODEL-${SFT_MODES// /-}" 240 "${SFT_ARGS[@]}" --micro_batch_size 8 16 --peer-micro-batch-size 2 4 \
-      --peer-attn flash_attention_4 --timeout 150 \
+    sft "sft-fa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 8 16 --peer-micro-batch-size 2 4 \
+      --peer-attn flash_attention_4 --timeout 240 \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 on both sides: ours against TRL"
     ;;
   sft-no-fa4)  # the same with FlashAttention-4 off on both sides: ours on PyTorch's varlen attention at 16 x 2 (50,149
