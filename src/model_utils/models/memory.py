@@ -213,12 +213,16 @@ def offloaded_activation_bytes(config, seq_len: int, micro: int, recomputed_laye
     return recomputed_layers * micro * seq_len * config.hidden_size * (2 if bf16 else 4)
 
 
-def evaluation_bytes(config, seq_len: int, micro: int, bf16: bool) -> float:
+def evaluation_bytes(config, seq_len: int, micro: int, bf16: bool, tiled_mlp: bool = False) -> float:
     """Evaluation's working memory beyond the model states (model_utils.models.evaluation): a forward without gradients
-    keeps one layer's working set, the final hidden states, and one chunk of logits (16-bit, their fp32 upcast and the
-    cross-entropy's log-probabilities), never the whole batch's."""
+    keeps one layer's working set (its MLP's for one tile with `tiled_mlp`), the final hidden states, and one chunk of
+    logits (16-bit, their fp32 upcast and the cross-entropy's log-probabilities), never the whole batch's."""
     h, scale = config.hidden_size, 1 if bf16 else 2
-    layer = micro * seq_len * layer_activation_bytes_per_token(config) * scale
+    per_token = layer_activation_bytes_per_token(config)
+    layer = micro * seq_len * per_token * scale
+    if tiled_mlp:
+        mlp = mlp_bytes_per_token(config, compiled=True)
+        layer = (micro * seq_len * (per_token - mlp) + micro * min(seq_len, h) * mlp) * scale
     return layer + micro * seq_len * h * 2 * scale + min(CHUNK_TOKENS, micro * seq_len) * config.vocab_size * 10
 
 
@@ -259,7 +263,7 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
         train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers,
                            adapters, offloaded_activations, tiled_mlp),
-        evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16),
+        evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16, tiled_mlp),
         export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
         # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states
         generation=states + (num_params + frozen_params) * 2 if generate else 0.0)

@@ -107,7 +107,7 @@ def test_the_estimate_at_length_is_within_a_tenth_of_the_measured_peak(monkeypat
 
 
 def test_tiled_mlps_keep_one_tile_of_the_mlp_instead_of_the_sequence(monkeypatch, session_cache):
-    from model_utils.models.memory import activation_bytes, mlp_bytes_per_token, tiled_mlp_bytes
+    from model_utils.models.memory import activation_bytes, evaluation_bytes, mlp_bytes_per_token, tiled_mlp_bytes
 
     config = _plan(monkeypatch, 1, "--seq_len", "65536").model.config
     for compiled in (True, False):
@@ -118,3 +118,7 @@ def test_tiled_mlps_keep_one_tile_of_the_mlp_instead_of_the_sequence(monkeypatch
         assert whole - tiled == pytest.approx(65536 * mlp_bytes_per_token(config, compiled)
                                               - tiled_mlp_bytes(config, 1, 65536, compiled))
         assert tiled_mlp_bytes(config, 1, 65536, compiled) == 2 * 2048 * mlp_bytes_per_token(config, compiled)
+    # evaluation's forward keeps one layer's working set: with tiles, its MLP's for 2,048 tokens
+    mlp = mlp_bytes_per_token(config, True)
+    assert (evaluation_bytes(config, 65536, 1, True) - evaluation_bytes(config, 65536, 1, True, tiled_mlp=True)
+            == pytest.approx((65536 - 2048) * mlp))
