@@ -224,7 +224,7 @@ if steps:
 copies = re.findall(r"in host memory after ([\d.]+)s", text)  # the training stall of each save
 parts.append(f"save stalls (host copies) {', '.join(copies)} s" if copies else "no save")
 for label, pattern in (("attention", r"attention: ([^;\n]+)"), ("estimate", r"memory: ~([\d.]+ GiB) per GPU"),
-                       ("micro-batch", r"micro-batch (\d+ x \d+)")):
+                       ("batch", r"batch: (micro \d+ x grad_acc \d+ x world \d+)")):
     found = re.findall(pattern, text)
     if found:
         parts.append(f"{label} {found[-1].strip()[:120]}")
