@@ -148,7 +148,7 @@ crash() {
     start=$(date +%s)
     launch detached "$name" "$dir" "$@"
     pid=$launched_pid
-    until grep -qE "$pattern" "$JOURNEY_DIR/$name.log"; do
+    until grep -qsE "$pattern" "$JOURNEY_DIR/$name.log"; do
         if ! kill -0 "$pid" 2>/dev/null; then
             wait "$pid" && status="exit 0 before the kill" || status="exit $? before the kill"
             break
@@ -189,7 +189,7 @@ measure() {
     start=$(date +%s)
     launch detached "$name" "$dir" "$@"
     pid=$launched_pid
-    until grep -qE "$pattern" "$JOURNEY_DIR/$name.log"; do
+    until grep -qsE "$pattern" "$JOURNEY_DIR/$name.log"; do
         if ! kill -0 "$pid" 2>/dev/null; then
             wait "$pid" && status="exit 0 before the kill" || status="exit $? before the kill"
             break
