@@ -117,9 +117,8 @@ def layer_activation_bytes_per_token(config) -> float:
     """Bytes one compiled decoder layer keeps per token for its backward pass (flash attention; torch.compile's
     partitioner at the default --activation_budget 0.9 recomputes the rest), tensor by tensor: 16-bit, two of width h,
     two or three each of the query's width q and of the key's and value's kv (_attention_tensors), two of the MLP's I,
-    and the fp32 statistics. benchmarks/layer_activations.py measures one layer on the GPU: Qwen3-0.6B 34,984 bytes per
-    token, Qwen3-4B 80,168, Qwen3-8B 96,552, Llama 3.2 1B's dimensions 51,336, each equal to this count (torch 2.11;
-    docs/PERFORMANCE.md)."""
+    and the fp32 statistics. benchmarks/layer_activations.py measures one layer; docs/PERFORMANCE.md sets each
+    measured model beside this count."""
     h, q, kv, inter, _, _ = _widths(config)
     n = _attention_tensors(config)
     return 2 * (2 * h + n * (q + kv) + 2 * inter) + _norm_and_attention_statistics(config)
@@ -129,9 +128,8 @@ def eager_layer_activation_bytes_per_token(config) -> float:
     """Bytes one eager decoder layer keeps per token for its backward pass, its 16-bit tensors counted one by one, with
     EAGER_ACTIVATION_MARGIN for the rest: four of width h (the layer input and its norm, the residual after attention
     and its norm), those of q and kv a compiled layer keeps (_attention_tensors), three of I (gate, up and their
-    product). benchmarks/layer_activations.py measures one layer: Qwen3-4B 109,864 bytes per token, Qwen3-8B 137,512
-    and Llama 3.2 1B's dimensions 75,912, the count and the same fp32 statistics as a compiled layer's
-    (docs/PERFORMANCE.md)."""
+    product), and the same fp32 statistics as a compiled layer's. benchmarks/layer_activations.py measures one layer;
+    docs/PERFORMANCE.md sets each measured model beside this count."""
     h, q, kv, inter, _, _ = _widths(config)
     n = _attention_tensors(config)
     return EAGER_ACTIVATION_MARGIN * 2 * (4 * h + n * (q + kv) + 3 * inter)

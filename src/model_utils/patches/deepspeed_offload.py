@@ -201,7 +201,7 @@ class DelayedUpdate(_DelayedStep):
                for i in range(len(opt.bit16_groups))]
         # The prefetch: a GPU copy of the rank's 16-bit partitions that the thread fills from the host buffers on a
         # stream of its own as soon as its update is done, so that the boundary copies the new weights within the GPU
-        # (~2 ms per 10^9 parameters) instead of over PCIe (~36 ms per 10^9), which the next forward waits for.
+        # instead of over PCIe, which the next forward waits for (docs/PERFORMANCE.md, the delayed update's prefetch).
         self.staged = [torch.empty_like(p) for p in own] if prefetch and own and own[0].is_cuda else None
         self.stream = torch.cuda.Stream(device=own[0].device) if self.staged else None
         self.consumed = None  # CUDA event: the boundary's copy has read the staged buffers (they may be refilled)

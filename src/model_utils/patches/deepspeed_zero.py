@@ -1,7 +1,7 @@
 """DeepSpeed's ZeRO-1/2 step (DeepSpeedZeroOptimizer), made to stop waiting on the host.
 
 In bf16 with `check_grad_overflow` DeepSpeed scans every gradient tensor for inf/NaN (amax, amin, isfinite...: about
-seven kernel launches per tensor, ~43 ms of host time per step for Qwen3-0.6B's 310 tensors while the GPU idles), then
+seven kernel launches per tensor, host time per step that grows with the tensors while the GPU idles), then
 checks on the host that the all-reduced global norm is finite, which makes the host wait for the whole backward pass
 before it can queue the update. A non-finite gradient makes that norm non-finite on every rank, so:
 

@@ -105,8 +105,9 @@ class MemoryModel:
         return None if memory is None else AUTO_MEMORY_SHARE * memory * GIB
 
 
-# The automatic choice keeps ZeRO-3's parameters whole where that costs at most half the micro-batch: on 4 GPUs of one
-# host whole parameters at half the micro-batch ran as fast as partitioned ones at the full one (docs/PERFORMANCE.md).
+# The automatic choice keeps ZeRO-3's parameters whole where that costs at most half the micro-batch: whole parameters
+# at half the micro-batch train as fast as partitioned ones at the full one (docs/PERFORMANCE.md, ZeRO-3 on several
+# GPUs).
 WHOLE_PARAMETERS_MICRO_SHARE = 0.5
 
 

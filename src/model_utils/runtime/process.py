@@ -16,9 +16,8 @@ def host_threads(environ, cpus_in_mask: int, cpus_on_node: int, torch_default: i
     """This rank's share of the host's cores for torch's (and DeepSpeedCPUAdam's) OpenMP threads: the count to set,
     or None to keep torch's own, and why. Torch sizes its threads to the cores of the process's CPU mask, so ranks
     started side by side without a mask of their own (run_local_ranks, srun without CPU binding) each take every
-    core: eight ranks' CPU optimizer steps then run 8x oversubscribed (DeepSpeed's launcher binds cores per rank for
-    that reason: its PR 7474 measured a 1.3x faster ZeRO-Offload step on two GPUs with it). OMP_NUM_THREADS, when set,
-    is the user's."""
+    core: the ranks' CPU optimizer steps then run oversubscribed, one thread per core per rank (DeepSpeed's launcher
+    binds cores per rank for that reason, its PR 7474). OMP_NUM_THREADS, when set, is the user's."""
     ranks = int(environ.get("LOCAL_WORLD_SIZE") or 1)
     if environ.get("OMP_NUM_THREADS"):
         return None, f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']}"
@@ -37,9 +36,9 @@ def share_host_cores() -> str:
     return f"host threads: {torch.get_num_threads()} per rank ({why})"
 
 
-# PyTorch's pinned host memory mapped by 8 threads and registered with CUDA, not cudaHostAlloc on one thread: the first
-# background save of one rank's 22 GiB share of a 7B ZeRO-3 state stalled training 3.7 s instead of 11.1 s on an H200
-# (benchmarks/save_stall.py; docs/PERFORMANCE.md). DeepSpeed's pinned offload buffers are allocated the same way.
+# PyTorch's pinned host memory mapped by 8 threads and registered with CUDA, not cudaHostAlloc on one thread: a first
+# background save allocates its host buffers while training stands still, and this way pins them in a third of the
+# time (benchmarks/save_stall.py; docs/PERFORMANCE.md, Checkpoint saves). DeepSpeed's pinned offload buffers too.
 PINNED_MEMORY_SETTINGS = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 
