@@ -140,26 +140,41 @@ EOF
         || { [[ $name == *-large ]] && { wanted "$name-resume" || ((JOURNEY_KEEP_LARGE)); }; } || rm -rf "$dir"
 }
 
-# crash NAME CHECKPOINT_DIR PATTERN ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: `run`'s launch, killed with SIGKILL (all its
-# processes) once its log shows PATTERN, a crash at a known point; one line with what the run logged before it.
-crash() {
-    local name=$1 dir=$2 pattern=$3 start pid status=killed
-    shift 3
-    start=$(date +%s)
+# kill_at NAME CHECKPOINT_DIR PATTERN SECONDS ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: `run`'s launch, killed with
+# SIGKILL (all its processes) once its log shows PATTERN (or SECONDS have passed; 0: no limit). Sets killed_status
+# ("killed", or how it ended otherwise) and killed_wall (seconds).
+kill_at() {
+    local name=$1 dir=$2 pattern=$3 seconds=$4 start pid
+    shift 4
+    start=$(date +%s) killed_status=killed
     launch detached "$name" "$dir" "$@"
     pid=$launched_pid
     until grep -qsE "$pattern" "$JOURNEY_DIR/$name.log"; do
         if ! kill -0 "$pid" 2>/dev/null; then
-            wait "$pid" && status="exit 0 before the kill" || status="exit $? before the kill"
+            wait "$pid" && killed_status="exit 0 before the kill" || killed_status="exit $? before the kill"
+            break
+        fi
+        if ((seconds && $(date +%s) - start > seconds)); then
+            killed_status="killed after ${seconds}s without its pattern"
             break
         fi
         sleep 1
     done
-    if [[ $status == killed ]]; then
+    if [[ $killed_status == killed* ]]; then
         kill -KILL -- "-$pid" 2>/dev/null || true
         wait "$pid" 2>/dev/null || true
     fi
-    python3 - "$name" "$status" "$(($(date +%s) - start))" "$dir" "$JOURNEY_DIR/$name.log" <<'EOF' | tee -a "$JOURNEY_DIR/journey.txt"
+    killed_wall=$(($(date +%s) - start))
+}
+
+# crash NAME CHECKPOINT_DIR PATTERN ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: kill_at PATTERN, a crash at a known point;
+# one line with what the run logged before it.
+crash() {
+    local name=$1 dir=$2 pattern=$3 status
+    shift 3
+    kill_at "$name" "$dir" "$pattern" 0 "$@"
+    status=$killed_status
+    python3 - "$name" "$status" "$killed_wall" "$dir" "$JOURNEY_DIR/$name.log" <<'EOF' | tee -a "$JOURNEY_DIR/journey.txt"
 import json, re, sys
 from pathlib import Path
 
@@ -180,32 +195,15 @@ EOF
     [[ $status == killed ]] || failed=1
 }
 
-# measure NAME CHECKPOINT_DIR PATTERN ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: `crash`'s kill once the log shows
-# PATTERN (or JOURNEY_MEASURE_SECONDS have passed), then one line of the speed it trained at: the mean tokens/s and MFU of the steps after the second, the
-# save's stall and host copy, the attention in force, the memory estimate against the peak.
+# measure NAME CHECKPOINT_DIR PATTERN ENV-ASSIGNMENTS... -- TRAINER-FLAGS...: kill_at PATTERN (or
+# JOURNEY_MEASURE_SECONDS), then one line of the speed it trained at: the mean tokens/s and MFU of the steps after the
+# second, the save's stall (its host copy), the attention in force, the memory estimate, the batch.
 measure() {
-    local name=$1 dir=$2 pattern=$3 start pid status=killed
+    local name=$1 dir=$2 pattern=$3 status
     shift 3
-    start=$(date +%s)
-    launch detached "$name" "$dir" "$@"
-    pid=$launched_pid
-    until grep -qsE "$pattern" "$JOURNEY_DIR/$name.log"; do
-        if ! kill -0 "$pid" 2>/dev/null; then
-            wait "$pid" && status="exit 0 before the kill" || status="exit $? before the kill"
-            break
-        fi
-        if (($(date +%s) - start > JOURNEY_MEASURE_SECONDS)); then
-            status="killed after ${JOURNEY_MEASURE_SECONDS}s without its pattern"
-            kill -KILL -- "-$pid" 2>/dev/null || true
-            break
-        fi
-        sleep 1
-    done
-    if [[ $status == killed ]]; then
-        kill -KILL -- "-$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    fi
-    python3 - "$name" "$status" "$(($(date +%s) - start))" "$dir" "$JOURNEY_DIR/$name.log" <<'EOF' | tee -a "$JOURNEY_DIR/journey.txt"
+    kill_at "$name" "$dir" "$pattern" "$JOURNEY_MEASURE_SECONDS" "$@"
+    status=$killed_status
+    python3 - "$name" "$status" "$killed_wall" "$dir" "$JOURNEY_DIR/$name.log" <<'EOF' | tee -a "$JOURNEY_DIR/journey.txt"
 import json, re, statistics, sys
 from pathlib import Path
 

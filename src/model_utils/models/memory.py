@@ -161,12 +161,13 @@ def mlp_bytes_per_token(config, compiled: bool) -> float:
     return 2 * 2 * inter if compiled else EAGER_ACTIVATION_MARGIN * 2 * 3 * inter
 
 
-def tiled_mlp_bytes(config, micro: int, seq_len: int, compiled: bool) -> float:
+def tiled_mlp_bytes(config, micro: int, seq_len: int, compiled: bool, gradients: bool = True) -> float:
     """With tiled MLPs (--tiled_mlp, models.sequence_parallel.tile_mlps), the MLP keeps none of its tensors of width I
-    for the backward pass: it recomputes them one tile at a time (~hidden-size tokens of each row), their values and
-    gradients. Those of one tile, the transient that replaces the layer's MLP share of its working set."""
+    for the backward pass: it recomputes them one tile at a time (~hidden-size tokens of each row), their values and,
+    in training, their gradients. Those of one tile, the transient that replaces the layer's MLP share of its working
+    set."""
     tile = min(seq_len, config.hidden_size)
-    return 2 * micro * tile * mlp_bytes_per_token(config, compiled)
+    return (2 if gradients else 1) * micro * tile * mlp_bytes_per_token(config, compiled)
 
 
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
@@ -217,10 +218,11 @@ def evaluation_bytes(config, seq_len: int, micro: int, bf16: bool, tiled_mlp: bo
     logits (16-bit, their fp32 upcast and the cross-entropy's log-probabilities), never the whole batch's."""
     h, scale = config.hidden_size, 1 if bf16 else 2
     per_token = layer_activation_bytes_per_token(config)
-    layer = micro * seq_len * per_token * scale
+    tile = 0.0
     if tiled_mlp:
-        mlp = mlp_bytes_per_token(config, compiled=True)
-        layer = (micro * seq_len * (per_token - mlp) + micro * min(seq_len, h) * mlp) * scale
+        per_token -= mlp_bytes_per_token(config, compiled=True)
+        tile = tiled_mlp_bytes(config, micro, seq_len, compiled=True, gradients=False)
+    layer = (micro * seq_len * per_token + tile) * scale
     return layer + micro * seq_len * h * 2 * scale + min(CHUNK_TOKENS, micro * seq_len) * config.vocab_size * 10
 
 

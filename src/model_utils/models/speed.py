@@ -89,10 +89,10 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
     that a rank whose FlashAttention-4 probe fails keeps SDPA); `warn` (default `log`) reports that failure, from the
     rank it happened on. `documents`: the run attends within documents or examples (--document_mask, packed
     examples), so FlashAttention-4's probe covers its variable-length kernels, and without FlashAttention-4 the
-    documents go to models.document_attention (on sequences of `seq_len`). `fused`: the run's plan's decision on the fused loss
-    (planning.plan.fused_loss, which its memory estimate assumed); None decides here, as the plan does. `compiled`:
-    the plan's decision on the compiled layers (plan.compiled_layers); None decides here, as the plan does for
-    parameters on the GPUs."""
+    documents go to models.document_attention (on sequences of `seq_len`). `fused`: the run's plan's decision on the
+    fused loss (planning.plan.fused_loss, which its memory estimate assumed); None decides here, as the plan does.
+    `compiled`: the plan's decision on the compiled layers (plan.compiled_layers); None decides here, as the plan does
+    for parameters on the GPUs."""
     warn = warn or log
     zero3 = _is_zero3(model)
     if compiled is None:

@@ -78,8 +78,9 @@ def test_offloaded_layer_inputs_count_in_the_nodes_host_memory(monkeypatch, sess
     assert "--sequence_parallel" in report.problems[0].fix
 
 
-# Peaks measured on H200s with micro-batch 1 (docs/PERFORMANCE.md, Long sequences; h200x2-2026-11-28-long-context.jsonl):
-# model, GPUs, flags, peak GiB. The tiled MLPs are on by --tiled_mlp auto from 32,768 tokens per GPU.
+# Peaks measured on H200s at micro-batch 1 (docs/PERFORMANCE.md, Long sequences;
+# benchmarks/results/h200x2-2026-11-28-long-context.jsonl): model, GPUs, flags, peak GiB. --tiled_mlp auto tiles the
+# MLPs from 32,768 tokens per GPU.
 MEASURED_AT_LENGTH = [
     ("qwen3-0.6b", 2, ("--seq_len", "16384", "--sequence_parallel", "2"), 14.1),
     ("llama-1b", 2, ("--seq_len", "131072", "--sequence_parallel", "2", "--gradient_checkpointing"), 17.6),
