@@ -6,7 +6,8 @@ memory, failed). Random-token blocks (--dummy_data): what one optimizer step cos
         --seq_len 65536 131072 --sequence_parallel 2 --steps 3 -- --gradient_checkpointing
 
 Arguments after `--` go to every trainer run. A case's record has `status` "ok", "oom" or "failed" and, when it
-trained, its per-step records; `--stop-at-oom` skips the longer lengths of a size once one runs out of memory.
+trained, its per-step records; `--stop-at-oom` skips the longer lengths of a size once one runs out of memory;
+`--stop-after-steps` ends a run once its steps are logged, before its final checkpoint.
 """
 
 from __future__ import annotations
@@ -15,12 +16,48 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def step_records(metrics: Path) -> list[dict]:
+    """The trained steps' records of a run's metrics.jsonl (a line being written is left for the next read)."""
+    records = []
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "loss" in record and "lr" in record:
+                records.append(record)
+    return records
+
+
+def kill_with_descendants(pid: int) -> None:
+    """SIGKILL a process and every process below it: torchrun starts its ranks in sessions of their own, and a
+    SIGTERM would have them save a checkpoint (the trainer's preemption path)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        found.append(queue.pop())
+        queue += children.get(found[-1], [])
+    for each in found:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
@@ -36,23 +73,29 @@ def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
                "--log_interval", "1", "--eval_interval", "0", "--checkpoint_freq", "0", "--no-export",
                "--checkpoint_dir", str(work), "--ds_config", args.ds_config, *extra]
     t0 = time.monotonic()
-    with open(log_dir / f"{name}.log", "w") as log:
-        try:
-            proc = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
-                                  check=False)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-    text = (log_dir / f"{name}.log").read_text(errors="replace")
-    records = []
     metrics = work / "metrics.jsonl"
-    if metrics.exists():
-        records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r and "lr" in r]
+    stopped = False
+    with open(log_dir / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            try:
+                code = proc.wait(timeout=2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            stopped = args.stop_after_steps and len(step_records(metrics)) >= args.steps
+            if stopped or time.monotonic() - t0 > args.timeout:
+                kill_with_descendants(proc.pid)
+                proc.wait()
+                code = 0 if stopped else "timeout"
+                break
+    text = (log_dir / f"{name}.log").read_text(errors="replace")
+    records = step_records(metrics)
     status = "ok" if code == 0 else ("oom" if "OutOfMemoryError" in text or "out of memory" in text else "failed")
     summary = {"case": name, "model": args.model, "seq_len": seq_len, "sequence_parallel": split, "gpus": nproc,
-               "status": status, "exit": code, "wall_s": round(time.monotonic() - t0, 1), "steps": records,
-               "extra_args": extra, "ds_config": args.ds_config,
-               "log_tail": "" if status == "ok" else text[-3000:]}
+               "status": status, "exit": code, "stopped_before_final_save": stopped,
+               "wall_s": round(time.monotonic() - t0, 1), "steps": records, "extra_args": extra,
+               "ds_config": args.ds_config, "log_tail": "" if status == "ok" else text[-3000:]}
     timed = records[args.skip:] or records
     if timed:
         mean = lambda key: sum(r[key] for r in timed if r.get(key) is not None) / len(timed)  # noqa: E731
@@ -80,6 +123,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--workdir", default="/tmp/long-context")
     parser.add_argument("--stop-at-oom", action="store_true")
+    parser.add_argument("--stop-after-steps", action="store_true",
+                        help="end each run once its last step is logged, before its final checkpoint (a large model's "
+                             "save is not what is measured, and can outlast the call)")
     parser.add_argument("--title", default="")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]

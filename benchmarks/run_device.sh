@@ -43,7 +43,7 @@ Q4B_ZERO2=(--model qwen3-4b --ds_config configs/zero2-offload.json --global_batc
 Q4B_ZERO3=(--model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072)
 # Supervised fine-tuning on chat data (sft_bench.py): one model (SFT_MODEL) and its modes (SFT_MODES) per call, 2048-token
 # blocks, 65,536 block tokens per optimizer step, each side at its micro-batches; the model is written once per machine.
-SFT_MODEL=${SFT_MODEL:-qwen3-1.7b}; SFT_MODES=${SFT_MODES:-full}
+SFT_MODEL=${SFT_MODEL:-qwen3-1.7b}; SFT_MODES=${SFT_MODES:-full}; SFT_TAG=${SFT_TAG:-}
 sft_args() {  # SFT_ARGS for SFT_MODES as it is now (a per-GPU subshell of the parallel plan sets its own)
   read -r -a SFT_MODE_LIST <<<"$SFT_MODES"
   SFT_ARGS=(--model "$SFT_MODEL" --modes "${SFT_MODE_LIST[@]}" --seq_len 2048 --global_batch_tokens 65536 --steps 20
@@ -126,20 +126,23 @@ case "$1" in
       --timeout 240 --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU: ours against TRL SFTTrainer"
     ;;
   sft-fa4)  # the fine-tuning headline: both sides at their best with FlashAttention-4 (TRL's padding-free rows are
-    # supported with FlashAttention only), TRL at micro-batch 2 and 4 (4 its fastest before, 8 and 16 slower), ours at 8
-    # and 16, 20 timed steps each
-    sft "sft-fa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 8 16 --peer-micro-batch-size 2 4 \
-      --peer-attn flash_attention_4 --timeout 240 \
+    # supported with FlashAttention only), TRL at micro-batch SFT_PEER_MB (default 2 and 4: 4 its fastest before, 8 and
+    # 16 slower), ours at SFT_OURS_MB (8 and 16), 20 timed steps each; SFT_SKIP=ours or trl runs one side (the parallel
+    # plan spreads a comparison over GPUs)
+    read -r -a ours_mb <<<"${SFT_OURS_MB:-8 16}"; read -r -a peer_mb <<<"${SFT_PEER_MB:-2 4}"; read -r -a skip <<<"${SFT_SKIP:-}"
+    sft "sft-fa4-$SFT_MODEL-${SFT_MODES// /-}$SFT_TAG" "${SFT_NEED:-420}" "${SFT_ARGS[@]}" --micro_batch_size "${ours_mb[@]}" \
+      --peer-micro-batch-size "${peer_mb[@]}" --skip "${skip[@]}" --peer-attn flash_attention_4 \
+      --timeout "${SFT_TIMEOUT:-240}" \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 on both sides: ours against TRL"
     ;;
   sft-no-fa4)  # the same with FlashAttention-4 off on both sides: ours on PyTorch's varlen attention at 16 x 2 (50,149
     # tokens/s against 48,473 at 8 x 4), TRL on its path for SDPA (padding-free rows are supported with FlashAttention
     # only): examples padded per micro-batch, grouped by length, SFT_PEER_MB examples (~150 tokens each) per micro-batch
     # (8: 54 micro-batches a step, 10.4 s; 16: ~7-8 s a step; 64: out of memory on an H200) (~8 min)
-    read -r -a peer_mb <<<"${SFT_PEER_MB:-16 32}"
-    sft "sft-nofa4-$SFT_MODEL-${SFT_MODES// /-}" 420 "${SFT_ARGS[@]}" --micro_batch_size 16 --peer-micro-batch-size "${peer_mb[@]}" \
-      --peer-attn "${SFT_PEER_ATTN:-sdpa}" --peer-packing grouped --timeout 300 \
-      --attention_kernel varlen \
+    read -r -a ours_mb <<<"${SFT_OURS_MB:-16}"; read -r -a peer_mb <<<"${SFT_PEER_MB:-16 32}"; read -r -a skip <<<"${SFT_SKIP:-}"
+    sft "sft-nofa4-$SFT_MODEL-${SFT_MODES// /-}$SFT_TAG" "${SFT_NEED:-420}" "${SFT_ARGS[@]}" --micro_batch_size "${ours_mb[@]}" \
+      --peer-micro-batch-size "${peer_mb[@]}" --skip "${skip[@]}" --peer-attn "${SFT_PEER_ATTN:-sdpa}" \
+      --peer-packing grouped --timeout "${SFT_TIMEOUT:-300}" --attention_kernel varlen \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 off on both: ours (varlen) against TRL"
     ;;
   gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch, the pinned
@@ -449,6 +452,20 @@ EOF
       --title "llama-1b, 262,144, 2 GPUs split, inputs offloaded" -- --gradient_checkpointing --offload_activations \
       --compile off --rope_scaling yarn:2
     ;;
+  long-context-8b)  # the Llama-3.1-8B shape (llama-8b, --rope_scaling yarn:2) at 262,144 tokens: one GPU (ZeRO-3 with
+    # parameters and optimizer offloaded, one step) beside two GPUs splitting each sequence (configs/zero3.json, two
+    # steps), checkpointing on, each run ended once its steps are logged (an 8B save is not what is measured); the one-GPU
+    # run eager (--compile off: its one step would otherwise time the compilation too) (~9 min)
+    LC8=(--model llama-8b --seq_len "${LC8_SEQ_LEN:-262144}" --stop-after-steps --timeout "${LC8_TIMEOUT:-530}")
+    LC8_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:"${LC8_ROPE:-2}")
+    CUDA_VISIBLE_DEVICES=0 run_bench benchmarks/long_context.py llama-8b-1gpu 300 "${LC8[@]}" --sequence_parallel 1 --steps 1 --skip 0 \
+      --ds_config configs/zero3-offload.json --workdir /tmp/lc-1gpu --title "llama-8b, one GPU, offloaded" \
+      "${LC8_TRAINER[@]}" --compile off &
+    CUDA_VISIBLE_DEVICES=1,2 run_bench benchmarks/long_context.py llama-8b-2gpu 300 "${LC8[@]}" --sequence_parallel 2 --steps 2 \
+      --ds_config configs/zero3.json --workdir /tmp/lc-2gpu --title "llama-8b, 2 GPUs splitting each sequence" \
+      "${LC8_TRAINER[@]}" &
+    wait
+    ;;
   document-attention)  # attention within documents alone (benchmarks/attention.py): the dense mask, FlashAttention-4's
     # variable-length kernels, PyTorch's varlen_attn and SDPA once per document, outputs and gradients against the
     # mask's, at the 7B fine-tuning journey's shape (examples of ~600 tokens) and Qwen3-0.6B's (~2 min)
@@ -462,9 +479,10 @@ EOF
       | tee -a "$OUT/save-stall.txt"
     ;;
   host-memory)  # touch HOST_MEMORY_GIB (default 180) of host memory on 16 threads, then free it: a machine whose memory
-    # grows as it is used (KINDS.md: MemTotal starts at 31 GiB) then shows its room to the preflight's MemAvailable
+    # grows as it is used (KINDS.md: MemTotal starts at 31 GiB) then shows its room to the preflight's MemAvailable; nothing
+    # where MemTotal reads HOST_MEMORY_GIB already
     grep -E "MemTotal|MemAvailable" /proc/meminfo
-    python3 - "${HOST_MEMORY_GIB:-180}" <<'EOF'
+    (($(awk '/MemTotal/ {print int($2 / 2^20)}' /proc/meminfo) < ${HOST_MEMORY_GIB:-180})) && python3 - "${HOST_MEMORY_GIB:-180}" <<'EOF'
 import sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
@@ -475,21 +493,26 @@ print(f"touched {gib} GiB in {time.perf_counter() - t:.1f}s")
 EOF
     grep -E "MemTotal|MemAvailable" /proc/meminfo
     ;;
-  parallel)  # GPU0_PLANS on the first GPU beside GPU1_PLANS on the second, each in turn, SFT modes GPU0_SFT_MODES and
-    # GPU1_SFT_MODES: two one-GPU measurements at once on a 2-GPU machine (each side-by-side pair stays on one GPU)
-    for gpu in 0 1; do
-      plans_var="GPU${gpu}_PLANS" modes_var="GPU${gpu}_SFT_MODES"
+  parallel)  # GPUn_PLANS on GPU n beside those of the others, each GPU's in turn, with its SFT modes GPUn_SFT_MODES and
+    # its settings GPUn_ENV (NAME=VALUE words, e.g. "SFT_SKIP=ours SFT_PEER_MB=4"): one-GPU measurements at once on a
+    # machine of several GPUs (each side-by-side pair on one GPU, or its sides on two GPUs of the same call)
+    gpus=$(nvidia-smi --list-gpus | wc -l)
+    for ((gpu = 0; gpu < gpus; gpu++)); do
+      plans_var="GPU${gpu}_PLANS" modes_var="GPU${gpu}_SFT_MODES" env_var="GPU${gpu}_ENV"
+      [ -n "${!plans_var:-}" ] || continue
       (
-        export CUDA_VISIBLE_DEVICES=$gpu SFT_MODES=${!modes_var:-$SFT_MODES}
+        export CUDA_VISIBLE_DEVICES=$gpu SFT_MODES=${!modes_var:-$SFT_MODES} SFT_TAG=-gpu$gpu
+        # shellcheck disable=SC2086  # NAME=VALUE words
+        [ -z "${!env_var:-}" ] || export ${!env_var}
         sft_args
-        for plan in ${!plans_var:-}; do
+        for plan in ${!plans_var}; do
           if (($(date +%s) - START + 90 > BUDGET)); then echo "SKIP $plan on GPU $gpu"; continue; fi
           run_plan "$plan"
         done
       ) >"$OUT/gpu$gpu.txt" 2>&1 &
     done
     wait
-    cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
+    cat "$OUT"/gpu*.txt
     ;;
   *) eval "$1" ;;  # a custom plan: shell commands that may call bench()
 esac

@@ -38,6 +38,14 @@ PRESETS: dict[str, dict] = {
                      max_position_embeddings=4096, rope_theta=10_000.0, rms_norm_eps=1e-5, attention_bias=False,
                      mlp_bias=False, attention_dropout=0.0, initializer_range=0.02, tie_word_embeddings=False,
                      bos_token_id=1, eos_token_id=2),
+    # Llama 3.1 8B's dimensions (config.json of meta-llama/Llama-3.1-8B: GQA, untied embeddings, its vocabulary size and
+    # 131,072 positions) without its RoPE scaling (`--rope_scaling` scales it past them), in transformers' Llama
+    # architecture with the run's tokenizer: the long-sequence model.
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                     max_position_embeddings=131072, rope_theta=500_000.0, rms_norm_eps=1e-5, attention_bias=False,
+                     mlp_bias=False, attention_dropout=0.0, initializer_range=0.02, tie_word_embeddings=False,
+                     bos_token_id=128000, eos_token_id=128001),
     # CPU-sized Qwen3 (same code path, ~3M parameters): the embedded default. Vocabulary follows the tokenizer.
     "tiny": dict(vocab_size=None, hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=48, hidden_act="silu", max_position_embeddings=2048,
@@ -47,7 +55,7 @@ PRESETS: dict[str, dict] = {
 
 
 # The transformers architecture of each preset not in Qwen3's.
-PRESET_ARCHITECTURES = {"llama-1b": "llama", "llama-7b": "llama"}
+PRESET_ARCHITECTURES = {"llama-1b": "llama", "llama-7b": "llama", "llama-8b": "llama"}
 
 
 DEFAULT_SEQ_LEN = {"tiny": 256}

@@ -92,8 +92,8 @@ class SpeedConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model trains and how its layers run."""
-    model: str = _f("tiny", "Preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama-1b, llama-7b; random "
-                            "init), or a Hugging Face model directory / hub id (pretrained weights, continued training).")
+    model: str = _f("tiny", "Preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama-1b, llama-7b, llama-8b; "
+                            "random init), or a Hugging Face model directory / hub id (pretrained weights, continued training).")
     tokenizer: str | None = _f(None, "Tokenizer name or path for AutoTokenizer. Default: the project's shipped "
                                      "tokenizer for presets, the model's own tokenizer for a pretrained model.")
     seq_len: int | None = _f(None, "Tokens per packed training block. Default: the preset's context length "
