@@ -83,7 +83,7 @@ def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
                 break
             except subprocess.TimeoutExpired:
                 pass
-            stopped = args.stop_after_steps and len(step_records(metrics)) >= args.steps
+            stopped = bool(args.stop_after_steps) and len(step_records(metrics)) >= args.stop_after_steps
             if stopped or time.monotonic() - t0 > args.timeout:
                 kill_with_descendants(proc.pid)
                 proc.wait()
@@ -123,11 +123,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--workdir", default="/tmp/long-context")
     parser.add_argument("--stop-at-oom", action="store_true")
-    parser.add_argument("--stop-after-steps", action="store_true",
-                        help="end each run once its last step is logged, before its final checkpoint (a large model's "
-                             "save is not what is measured, and can outlast the call)")
+    parser.add_argument("--stop-after-steps", type=int, nargs="?", const=-1, default=0, metavar="N",
+                        help="end each run once N steps (alone: all its steps) are logged, before its final checkpoint "
+                             "(a large model's save is not what is measured, and can outlast the call)")
     parser.add_argument("--title", default="")
     args, extra = parser.parse_known_args()
+    if args.stop_after_steps == -1:
+        args.stop_after_steps = args.steps
     extra = [a for a in extra if a != "--"]
     for split in args.sequence_parallel:
         for nproc in args.nproc or [split]:
