@@ -79,7 +79,7 @@ def test_offloaded_layer_inputs_count_in_the_nodes_host_memory(monkeypatch, sess
 
 
 # Peaks measured on H200s at micro-batch 1 (docs/PERFORMANCE.md, Long sequences;
-# benchmarks/results/h200x2-2026-11-28-long-context.jsonl): model, GPUs, flags, peak GiB. --tiled_mlp auto tiles the
+# benchmarks/results/h200x2-2026-11-28-long-context.jsonl unless noted): model, GPUs, flags, peak GiB. --tiled_mlp auto tiles the
 # MLPs from 32,768 tokens per GPU.
 MEASURED_AT_LENGTH = [
     ("qwen3-0.6b", 2, ("--seq_len", "16384", "--sequence_parallel", "2"), 14.1),
@@ -89,6 +89,12 @@ MEASURED_AT_LENGTH = [
     ("llama-1b", 1, ("--seq_len", "131072", "--gradient_checkpointing", "--offload_activations"), 26.3),
     ("llama-1b", 2, ("--seq_len", "262144", "--sequence_parallel", "2", "--gradient_checkpointing", "--compile", "off",
                      "--offload_activations"), 18.7),
+    # benchmarks/results/h200x4-2026-11-28-long-context.jsonl: Llama 3.1 8B's shape on one GPU, parameters and
+    # optimizer offloaded, and on two splitting each sequence (whole parameters on each)
+    ("llama-8b", 1, ("--seq_len", "262144", "--gradient_checkpointing", "--compile", "off", "--ds_config",
+                     "configs/zero3-offload.json"), 87.8),
+    ("llama-8b", 2, ("--seq_len", "262144", "--sequence_parallel", "2", "--gradient_checkpointing", "--ds_config",
+                     "configs/zero3.json"), 120.8),
 ]
 
 
@@ -100,7 +106,7 @@ def test_the_estimate_at_length_is_within_a_tenth_of_the_measured_peak(monkeypat
 
     monkeypatch.setenv("GPU_MEMORY_GIB", "139")
     monkeypatch.setattr(speed, "liger_available", lambda: True)
-    rope = ("--rope_scaling", "yarn:2") if model == "llama-1b" else ()
+    rope = ("--rope_scaling", "yarn:2") if model.startswith("llama") else ()
     cfg = parse_args(["--model", model, "--micro_batch_size", "1", "--dummy_data", "64", "--checkpoint_dir",
                       "/nonexistent/ckpt", "--no-export", *rope, *flags])
     plan = plan_module.make_plan(cfg, world, decides=False)
