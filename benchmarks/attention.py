@@ -12,9 +12,9 @@ per forward+backward, TFLOP/s counting the causal half of the 4·B·H·T²·D fo
 FLOPs (x3.5 for forward+backward, FlashAttention's convention), and the largest difference of the output and the
 gradients from SDPA's flash kernel (bf16). With --document_length, attention stays within documents of that mean
 length (geometric, cut by the row's end, as packing cuts them): SDPA with the dense per-document mask transformers
-builds against FA4's variable-length kernels, PyTorch's varlen_attn and SDPA once per document (the paths without
-FlashAttention-4), each given the documents' boundaries; FLOPs count the causal half of each document's square, and
-the reference is SDPA's memory-efficient kernel with the mask.
+builds against FA4's variable-length kernels, PyTorch's varlen_attn, SDPA once per document and FlexAttention with a
+document block mask (the paths without FlashAttention-4), each given the documents' boundaries; FLOPs count the
+causal half of each document's square, and the reference is SDPA's memory-efficient kernel with the mask.
 """
 
 from __future__ import annotations
@@ -146,10 +146,30 @@ def main(argv=None) -> int:
         else:
             print(f"PyTorch's varlen not measured: {varlen_reason}")
         kernels["sdpa once per document"] = run_with(per_document(document_attention.document_sdpa))
+        # FlexAttention with a document mask (PyTorch's other path without a dense mask, compiled as its docs
+        # require): the block mask built once, and built again at every call, which a trainer pays once per
+        # micro-batch for all of its layers
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def document_causal(row, head, q_index, kv_index):
+            return (doc[row, q_index] == doc[row, kv_index]) & (q_index >= kv_index)
+
+        def block_mask():
+            return create_block_mask(document_causal, B=b, H=None, Q_LEN=t, KV_LEN=t, device=dev)
+
+        flex_compiled, built = torch.compile(flex_attention), block_mask()
+
+        def flex(q, k, v, block=None):
+            block = built if block is None else block
+            return flex_compiled(q, k, v, block_mask=block, enable_gqa=True, scale=d ** -0.5).transpose(1, 2)
+
+        kernels["flex_attention (compiled, document block mask)"] = run_with(flex)
+        kernels["flex_attention, its block mask built at each call"] = run_with(lambda q, k, v: flex(q, k, v,
+                                                                                                     block_mask()))
 
     reference = next(iter(kernels.values()))()
-    print(f"shape: batch {b}, seq {t}, heads {h}, kv heads {kv}, head_dim {d}, bf16, causal"
-          + (f", within {len(bounds) - 1} documents (mean length {t * b / (len(bounds) - 1):,.0f})" if documents else ""))
+    within = f", within {len(bounds) - 1} documents (mean length {t * b / (len(bounds) - 1):,.0f})" if documents else ""
+    print(f"shape: batch {b}, seq {t}, heads {h}, kv heads {kv}, head_dim {d}, bf16, causal{within}")
     print("| kernel | ms fwd | ms bwd | ms fwd+bwd | TFLOP/s fwd | TFLOP/s bwd | TFLOP/s | max |out diff| "
           "| max |dq diff| | max |dk diff| | max |dv diff| |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
