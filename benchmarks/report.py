@@ -10,11 +10,13 @@ import statistics
 
 def throughput(tokens_per_step_per_gpu: int, step_times: list[float], flops_per_token_12: float,
                flops_per_token_6: float, peak_tflops: float | None) -> dict:
-    """Per-GPU figures over the timed steps: tokens/s, TFLOP/s and MFU under both attention conventions."""
+    """Per-GPU figures over the timed steps: tokens/s, TFLOP/s and MFU under both attention conventions, and each
+    step's time (a mean over its median says a step stalled; `step_s` says which)."""
     total = sum(step_times)
     tps = tokens_per_step_per_gpu * len(step_times) / total if total > 0 else 0.0
     out = {"tokens_per_s_per_gpu": tps, "step_s_mean": total / max(len(step_times), 1),
            "step_s_median": statistics.median(step_times) if step_times else 0.0,
+           "step_s": [round(t, 4) for t in step_times],
            "tflops_per_gpu": tps * flops_per_token_12 / 1e12, "tflops_per_gpu_6": tps * flops_per_token_6 / 1e12}
     if peak_tflops:
         out["mfu"] = out["tflops_per_gpu"] / peak_tflops

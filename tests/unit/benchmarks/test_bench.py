@@ -39,6 +39,9 @@ def test_throughput_arithmetic():
     assert r["mfu"] == pytest.approx(65536.0 * 6.0e9 / 1e12 / 989.0)
     assert r["mfu_6"] == pytest.approx(65536.0 * 4.0e9 / 1e12 / 989.0)
     assert "mfu" not in report.throughput(1, [1.0], 1.0, 1.0, None)
+    # a stall: the mean moves, the median does not, and the record names the step
+    stalled = report.throughput(8 * 4096, [0.5, 0.5, 2.0, 0.5], 6.0e9, 4.0e9, 989.0)
+    assert (stalled["step_s_mean"], stalled["step_s_median"], stalled["step_s"]) == (0.875, 0.5, [0.5, 0.5, 2.0, 0.5])
 
 
 def test_flops_per_token_conventions_for_qwen3_0_6b():
