@@ -61,17 +61,23 @@ def kill_with_descendants(pid: int) -> None:
 
 
 def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
-    name = f"{args.model}-T{seq_len}-sp{split}-gpus{nproc}"
+    name = f"{args.model}-T{seq_len}-sp{split}-gpus{nproc}" + ("-peer" if args.peer else "")
     work = Path(args.workdir) / name
     shutil.rmtree(work, ignore_errors=True)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     blocks = max(args.steps * nproc // split * 2, 8)
-    command = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(REPO / "src" / "train_deepspeed.py"),
-               "--model", args.model, "--seq_len", str(seq_len), "--sequence_parallel", str(split),
-               "--dummy_data", str(blocks), "--max_steps", str(args.steps), "--micro_batch_size", "1",
-               "--log_interval", "1", "--eval_interval", "0", "--checkpoint_freq", "0", "--no-export",
-               "--checkpoint_dir", str(work), "--ds_config", args.ds_config, *extra]
+    launch = ["torchrun", "--standalone", f"--nproc_per_node={nproc}"]
+    if args.peer:  # Hugging Face Trainer's Ulysses path on the same model, lengths and config (long_context_peer.py)
+        command = [*launch, str(REPO / "benchmarks" / "long_context_peer.py"), "--model", args.model, "--seq_len",
+                   str(seq_len), "--sequence_parallel", str(split), "--steps", str(args.steps), "--ds_config",
+                   args.ds_config, "--checkpoint_dir", str(work), "--attn", args.peer_attn, *extra]
+    else:
+        command = [*launch, str(REPO / "src" / "train_deepspeed.py"),
+                   "--model", args.model, "--seq_len", str(seq_len), "--sequence_parallel", str(split),
+                   "--dummy_data", str(blocks), "--max_steps", str(args.steps), "--micro_batch_size", "1",
+                   "--log_interval", "1", "--eval_interval", "0", "--checkpoint_freq", "0", "--no-export",
+                   "--checkpoint_dir", str(work), "--ds_config", args.ds_config, *extra]
     t0 = time.monotonic()
     metrics = work / "metrics.jsonl"
     stopped = False
@@ -95,6 +101,7 @@ def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
     summary = {"case": name, "model": args.model, "seq_len": seq_len, "sequence_parallel": split, "gpus": nproc,
                "status": status, "exit": code, "stopped_before_final_save": stopped,
                "wall_s": round(time.monotonic() - t0, 1), "steps": records, "extra_args": extra,
+               "side": "hf-trainer-ulysses" if args.peer else "ours",
                "ds_config": args.ds_config, "log_tail": "" if status == "ok" else text[-3000:]}
     timed = records[args.skip:] or records
     if timed:
@@ -103,7 +110,8 @@ def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
                        mfu=mean("mfu") if timed[0].get("mfu") is not None else None,
                        peak_gib=max(r.get("peak_mem_gib", 0) or 0 for r in records))
     for line in text.splitlines():
-        if line.startswith(("memory:", "tiled MLP", "sequence parallelism", "attention:", "activation checkpointing")):
+        if line.startswith(("memory:", "tiled MLP", "sequence parallelism", "attention:", "activation checkpointing",
+                            "peer:")):
             summary.setdefault("header", []).append(line[:300])
     return summary
 
@@ -127,6 +135,11 @@ def main() -> int:
                         help="end each run once N steps (alone: all its steps) are logged, before its final checkpoint "
                              "(a large model's save is not what is measured, and can outlast the call)")
     parser.add_argument("--title", default="")
+    parser.add_argument("--peer", action="store_true", help="run Hugging Face Trainer's Ulysses path instead "
+                        "(long_context_peer.py; of the trainer flags after `--` it takes --gradient_checkpointing and "
+                        "--rope_scaling)")
+    parser.add_argument("--peer-attn", dest="peer_attn", default="sdpa",
+                        choices=("sdpa", "flash_attention_2", "flash_attention_3"))
     args, extra = parser.parse_known_args()
     if args.stop_after_steps == -1:
         args.stop_after_steps = args.steps
@@ -141,7 +154,7 @@ def main() -> int:
                 shown = {k: result.get(k) for k in ("case", "status", "mean_step_time_s", "tokens_per_s_per_device",
                                                     "mfu", "peak_gib")}
                 losses = [round(r["loss"], 4) for r in result["steps"]]
-                print(f"ours {json.dumps(shown)} losses {losses[:3]}...{losses[-3:]}", flush=True)
+                print(f"{result['side']} {json.dumps(shown)} losses {losses[:3]}...{losses[-3:]}", flush=True)
                 if result["status"] != "ok":
                     print("# " + result["log_tail"][-1500:].replace("\n", "\n# "), flush=True)
                     if args.stop_at_oom and result["status"] == "oom":

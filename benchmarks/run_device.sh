@@ -466,6 +466,18 @@ EOF
       "${LC8_TRAINER[@]}" &
     wait
     ;;
+  long-context-peer)  # ours against Hugging Face Trainer's Ulysses path (long_context_peer.py: accelerate's
+    # ParallelismConfig as transformers' guide sets it, SDPA, Liger, checkpointing), LC_MODEL split over LC_GPUS GPUs,
+    # configs/zero3.json, 2 steps each stopped before the final save: ours at LC_SEQ_LENS, the peer at LC_PEER_SEQ_LENS
+    # until one runs out of memory (its longest) (~9 min for llama-8b on 4 GPUs)
+    read -r -a lc_lens <<<"${LC_SEQ_LENS:-131072}"; read -r -a lc_peer_lens <<<"${LC_PEER_SEQ_LENS:-131072 262144}"
+    LCP=(--model "${LC_MODEL:-llama-8b}" --sequence_parallel "${LC_GPUS:-4}" --ds_config configs/zero3.json --steps 2
+         --stop-after-steps --timeout "${LC_TIMEOUT:-250}")
+    run_bench benchmarks/long_context.py lc-ours 150 "${LCP[@]}" --seq_len "${lc_lens[@]}" \
+      --title "ours, ${LC_GPUS:-4} GPUs splitting each sequence" -- --gradient_checkpointing --rope_scaling yarn:2
+    run_bench benchmarks/long_context.py lc-peer 150 "${LCP[@]}" --seq_len "${lc_peer_lens[@]}" --peer --stop-at-oom \
+      --title "HF Trainer + DeepSpeed Ulysses, ${LC_GPUS:-4} GPUs" -- --gradient_checkpointing --rope_scaling yarn:2
+    ;;
   document-attention)  # attention within documents alone (benchmarks/attention.py): the dense mask, FlashAttention-4's
     # variable-length kernels, PyTorch's varlen_attn and SDPA once per document, outputs and gradients against the
     # mask's, at the 7B fine-tuning journey's shape (examples of ~600 tokens) and Qwen3-0.6B's (~2 min)
