@@ -126,9 +126,9 @@ case "$1" in
       --timeout 240 --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU: ours against TRL SFTTrainer"
     ;;
   sft-fa4)  # the fine-tuning headline: both sides at their best with FlashAttention-4 (TRL's padding-free rows are
-    # supported with FlashAttention only), TRL at micro-batch SFT_PEER_MB (default 2 and 4: 4 its fastest before, 8 and
-    # 16 slower), ours at SFT_OURS_MB (8 and 16), 20 timed steps each; SFT_SKIP=ours or trl runs one side (the parallel
-    # plan spreads a comparison over GPUs)
+    # supported with FlashAttention only), TRL at micro-batch SFT_PEER_MB (default 2 and 4: 4 its fastest of 4, 8 and
+    # 16), ours at SFT_OURS_MB (8 and 16), 20 timed steps each; SFT_SKIP=ours or trl runs one side (the parallel plan
+    # spreads a comparison over GPUs)
     read -r -a ours_mb <<<"${SFT_OURS_MB:-8 16}"; read -r -a peer_mb <<<"${SFT_PEER_MB:-2 4}"; read -r -a skip <<<"${SFT_SKIP:-}"
     sft "sft-fa4-$SFT_MODEL-${SFT_MODES// /-}$SFT_TAG" "${SFT_NEED:-420}" "${SFT_ARGS[@]}" --micro_batch_size "${ours_mb[@]}" \
       --peer-micro-batch-size "${peer_mb[@]}" --skip "${skip[@]}" --peer-attn flash_attention_4 \
@@ -138,7 +138,7 @@ case "$1" in
   sft-no-fa4)  # the same with FlashAttention-4 off on both sides: ours on PyTorch's varlen attention at 16 x 2 (50,149
     # tokens/s against 48,473 at 8 x 4), TRL on its path for SDPA (padding-free rows are supported with FlashAttention
     # only): examples padded per micro-batch, grouped by length, SFT_PEER_MB examples (~150 tokens each) per micro-batch
-    # (8: 54 micro-batches a step, 10.4 s; 16: ~7-8 s a step; 64: out of memory on an H200) (~8 min)
+    # (8: 54 micro-batches a step, 10.4 s; 16: 6.4 s; 32: 3.8 s; 64: out of memory on an H200) (~8 min)
     read -r -a ours_mb <<<"${SFT_OURS_MB:-16}"; read -r -a peer_mb <<<"${SFT_PEER_MB:-16 32}"; read -r -a skip <<<"${SFT_SKIP:-}"
     sft "sft-nofa4-$SFT_MODEL-${SFT_MODES// /-}$SFT_TAG" "${SFT_NEED:-420}" "${SFT_ARGS[@]}" --micro_batch_size "${ours_mb[@]}" \
       --peer-micro-batch-size "${peer_mb[@]}" --skip "${skip[@]}" --peer-attn "${SFT_PEER_ATTN:-sdpa}" \
@@ -453,15 +453,18 @@ EOF
       --compile off --rope_scaling yarn:2
     ;;
   long-context-8b)  # the Llama-3.1-8B shape (llama-8b, --rope_scaling yarn:2) at 262,144 tokens: one GPU (ZeRO-3 with
-    # parameters and optimizer offloaded, one step) beside two GPUs splitting each sequence (configs/zero3.json, two
-    # steps), checkpointing on, each run ended once its steps are logged (an 8B save is not what is measured); the one-GPU
-    # run eager (--compile off: its one step would otherwise time the compilation too) (~9 min)
-    LC8=(--model llama-8b --seq_len "${LC8_SEQ_LEN:-262144}" --stop-after-steps --timeout "${LC8_TIMEOUT:-530}")
+    # parameters and optimizer offloaded, its first step: a run of 2, since the schedule's warm-up step must be shorter
+    # than the run) beside two GPUs splitting each sequence (configs/zero3.json, two steps), checkpointing on, each run
+    # ended once its steps are logged (an 8B save is not what is measured); the one-GPU run eager (--compile off: its one
+    # step would otherwise time the compilation too) (~6 min)
+    LC8=(--model llama-8b --seq_len "${LC8_SEQ_LEN:-262144}" --steps 2 --timeout "${LC8_TIMEOUT:-530}")
     LC8_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:"${LC8_ROPE:-2}")
-    CUDA_VISIBLE_DEVICES=0 run_bench benchmarks/long_context.py llama-8b-1gpu 300 "${LC8[@]}" --sequence_parallel 1 --steps 1 --skip 0 \
+    CUDA_VISIBLE_DEVICES=0 run_bench benchmarks/long_context.py llama-8b-1gpu 300 "${LC8[@]}" --sequence_parallel 1 \
+      --stop-after-steps 1 --skip 0 \
       --ds_config configs/zero3-offload.json --workdir /tmp/lc-1gpu --title "llama-8b, one GPU, offloaded" \
       "${LC8_TRAINER[@]}" --compile off &
-    CUDA_VISIBLE_DEVICES=1,2 run_bench benchmarks/long_context.py llama-8b-2gpu 300 "${LC8[@]}" --sequence_parallel 2 --steps 2 \
+    CUDA_VISIBLE_DEVICES=1,2 run_bench benchmarks/long_context.py llama-8b-2gpu 300 "${LC8[@]}" --sequence_parallel 2 \
+      --stop-after-steps \
       --ds_config configs/zero3.json --workdir /tmp/lc-2gpu --title "llama-8b, 2 GPUs splitting each sequence" \
       "${LC8_TRAINER[@]}" &
     wait
