@@ -41,6 +41,14 @@
 #               stand-in for GPUs before Hopper; fa4), JOURNEY_SEEDS_STEPS steps and the last step's checkpoint, killed
 #               (SIGKILL) once its host copy is done (the training stall), before its writes end: the steady tokens/s
 #               and MFU, the stall (a 128 GiB disk holds one 7B checkpoint: no periodic saves)
+#   long-sft    long-context fine-tuning: JOURNEY_LONG_MODEL (llama-8b: Llama 3.1 8B's dimensions, random weights written
+#               once as a Hugging Face model) on chats of ~JOURNEY_LONG_TOKENS tokens (benchmarks/long_chats.py: standard-
+#               library modules and a question on a function of one of them), each sequence split over
+#               JOURNEY_LONG_SP GPUs (default: all), configs/zero3.json, checkpointing, LoRA of rank JOURNEY_LONG_LORA (0:
+#               full fine-tuning, whose two 8B checkpoints a 235 GiB disk does not hold beside the model): 3 steps,
+#               evaluate, save; resumed to 6 and killed (SIGKILL) once step 5 is logged; resumed again to 6: the step
+#               4-5 losses against the killed run's, evaluate, save, export, a sample, then
+#               `python -m model_utils.generate --chat` on the export
 #   fp16        benchmarks/fp16_check.py on the first GPU: the tiny preset in fp16, its loss scale logged, overflows
 #               skipped and counted, a kill -9 and resume continuing the scale and the losses exactly
 #
@@ -64,6 +72,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
 : "${JOURNEY_KEEP_LARGE:=0}" # 1: a *-large journey's checkpoint stays for its -resume in a later invocation
+: "${JOURNEY_LONG_MODEL:=llama-8b}" # long-sft: a preset written as a Hugging Face model, or a model directory
+: "${JOURNEY_LONG_TOKENS:=131072}" # long-sft: the sequence length; its chats are about this long
+: "${JOURNEY_LONG_SP:=0}" # long-sft: GPUs per sequence (0: every GPU of the node)
+: "${JOURNEY_LONG_LORA:=16}" # long-sft: the LoRA rank (0: full fine-tuning)
 
 mkdir -p "$JOURNEY_DIR"
 failed=0
@@ -136,7 +148,7 @@ EOF
     # Checkpoints take disk (8 GiB each for Qwen3-0.6B, 55 GiB for Qwen3-4B): only those a later journey resumes from
     # stay.
     [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed ||
-        $name == sft-lora ]] \
+        $name == sft-lora || $name == long-sft || $name == long-sft-resume ]] \
         || { [[ $name == *-large ]] && { wanted "$name-resume" || ((JOURNEY_KEEP_LARGE)); }; } || rm -rf "$dir"
 }
 
@@ -390,6 +402,52 @@ if wanted seeds-speed; then
             --eval_interval 0 --no-export
         rm -rf "$JOURNEY_DIR/seeds-speed"  # the next kernel's run starts fresh; a 7B checkpoint leaves room for no other
     done
+fi
+if wanted long-sft; then
+    long_model=$(hf_model "$JOURNEY_LONG_MODEL")
+    long_split=$JOURNEY_LONG_SP
+    ((long_split)) || long_split=$("$python" -c 'import torch; print(max(torch.cuda.device_count(), 2))')
+    "$python" benchmarks/long_chats.py --tokens "$JOURNEY_LONG_TOKENS" --examples 24 \
+        --out "$JOURNEY_DIR/long-chats.jsonl" | tail -1
+    long=(MODEL="$long_model" DATASET="$JOURNEY_DIR/long-chats.jsonl" DS_CONFIG=configs/zero3.json
+          SEQUENCE_PARALLEL="$long_split" OUTPUT_DIR="$JOURNEY_DIR/long-hf")
+    long_flags=(--seq_len "$JOURNEY_LONG_TOKENS" --micro_batch_size 1 --gradient_checkpointing --lora_rank
+                "$JOURNEY_LONG_LORA" --log_interval 1 --eval_iters 1 --checkpoint_freq 0 --keep_last_checkpoints 1)
+    long_export=$JOURNEY_DIR/long-hf
+    if ((JOURNEY_LONG_LORA)); then  # the adapter and the merged model; the merged one is prompted
+        long_flags+=(--export_merged)
+        long_export+=/merged
+    fi
+    run long-sft "$JOURNEY_DIR/long" "${long[@]}" MAX_STEPS=3 -- "${long_flags[@]}" --eval_interval 3 --no-export
+    crash long-sft-killed "$JOURNEY_DIR/long" "^step 5 " "${long[@]}" MAX_STEPS=6 -- "${long_flags[@]}" \
+        --eval_interval 0 --no-export
+    cp "$JOURNEY_DIR/long/metrics.jsonl" "$JOURNEY_DIR/long-killed-metrics.jsonl"
+    run long-sft-resume "$JOURNEY_DIR/long" "${long[@]}" MAX_STEPS=6 -- "${long_flags[@]}" --eval_interval 6 \
+        --generate_prompt "What does json.dumps do?"
+    # the steps the killed run trained after its resume point, trained again by the resumed run: the same losses
+    "$python" - "$JOURNEY_DIR/long-killed-metrics.jsonl" "$JOURNEY_DIR/long/metrics.jsonl" <<'EOF' \
+        | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+import json, sys
+
+def losses(path):  # each step's last record: a resumed run logs its steps again
+    found = {}
+    for line in open(path):
+        record = json.loads(line)
+        if "loss" in record and "lr" in record:
+            found[record["step"]] = record["loss"]
+    return found
+
+killed, resumed = losses(sys.argv[1]), losses(sys.argv[2])
+steps = sorted(set(killed) & set(resumed) - {1, 2, 3})
+same = bool(steps) and all(killed[s] == resumed[s] for s in steps)
+print("journey long-sft: " + ", ".join(f"step {s} loss {killed[s]:.5f} killed, {resumed[s]:.5f} resumed" for s in steps)
+      + (" (equal)" if same else " (not equal)"))
+sys.exit(0 if same else 1)
+EOF
+    rm -rf "$JOURNEY_DIR/long"
+    command=("$python" -m model_utils.generate --model "$long_export" --chat "What does os.path.join do?")
+    echo "${command[*]}"
+    (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
 fi
 if wanted fp16; then
     "$python" benchmarks/fp16_check.py --out "$JOURNEY_DIR/fp16" | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
