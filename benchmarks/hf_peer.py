@@ -44,6 +44,17 @@ def trainer_ds_config(raw: dict) -> dict:
     return ds
 
 
+def optimizer_arguments(raw: dict) -> dict:
+    """TrainingArguments' optimizer and clipping values from a DeepSpeed config (the values trainer_ds_config leaves
+    "auto" for Trainer to fill), so the peer steps with the config's AdamW."""
+    params = raw.get("optimizer", {}).get("params", {})
+    betas = params.get("betas", [0.9, 0.999])
+    clipping = raw.get("gradient_clipping", 1.0)
+    return {"learning_rate": params.get("lr", 3e-4), "weight_decay": params.get("weight_decay", 0.0),
+            "adam_beta1": betas[0], "adam_beta2": betas[1], "adam_epsilon": params.get("eps", 1e-8),
+            "max_grad_norm": 1.0 if clipping == "auto" else clipping}
+
+
 def step_timer(warmup: int, steps: int, rank: int):
     """A TrainerCallback timing whole optimizer steps (Trainer's on_step_begin fires before a step's first
     micro-batch, on_step_end after its update), CUDA synchronised at both ends as the engine worker times the
@@ -113,17 +124,12 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     cuda = torch.cuda.is_available()
     ds = hf_ds_config(job, workdir)
     raw = json.loads((workdir / "ds_config.json").read_text())
-    opt = raw.get("optimizer", {}).get("params", {})
-    clipping = raw.get("gradient_clipping", 1.0)
     # Trainer's callbacks fire once per optimizer step (on_step_begin before its first micro-batch, on_step_end after
     # the update): the timer times whole steps, as the engine worker times the trainer's train_step.
     args = TrainingArguments(
         output_dir=str(workdir / "hf"), per_device_train_batch_size=mb, gradient_accumulation_steps=accumulation,
         gradient_checkpointing=bool(job.get("gradient_checkpointing")),
-        max_steps=steps + warmup, learning_rate=opt.get("lr", 3e-4), weight_decay=opt.get("weight_decay", 0.0),
-        adam_beta1=opt.get("betas", [0.9, 0.999])[0], adam_beta2=opt.get("betas", [0.9, 0.999])[1],
-        adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=1.0 if clipping == "auto" else clipping, warmup_steps=1,
-        bf16=cuda, deepspeed=ds,
+        max_steps=steps + warmup, **optimizer_arguments(raw), warmup_steps=1, bf16=cuda, deepspeed=ds,
         use_liger_kernel=bool(job.get("liger")), logging_steps=10**6, save_strategy="no", report_to="none",
         disable_tqdm=True, seed=job.get("seed", 1234), dataloader_num_workers=2 if cuda else 0,
         use_cpu=not cuda)
@@ -139,7 +145,8 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     f12, f6 = flops_per_token(mconf, num_params, seq_len)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
     times = timer.times[warmup:]
-    result = {"kind": "hf", "liger": bool(job.get("liger")), "attn": job.get("attn", "sdpa"), "world_size": world, "num_params": num_params,
+    result = {"kind": "hf", "liger": bool(job.get("liger")), "attn": job.get("attn", "sdpa"), "world_size": world,
+              "num_params": num_params,
               "micro_batch_size": mb, "seq_len": seq_len, "gradient_accumulation_steps": accumulation,
               "gradient_checkpointing": bool(job.get("gradient_checkpointing")),
               "tokens_per_optimizer_step": mb * accumulation * seq_len * world, "timed_steps": len(times),

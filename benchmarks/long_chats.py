@@ -7,8 +7,8 @@ interpreter and arguments.
 
     python benchmarks/long_chats.py --tokens 131072 --examples 24 --out /tmp/long-chats.jsonl
 
-Writes `{"messages": [...]}` lines (the trainer's `--dataset FILE.jsonl` chat form); the last `--validation` of them
-are the held-out rows the trainer's split takes.
+Writes `{"messages": [...]}` lines (the trainer's `--dataset FILE.jsonl` chat form; the trainer holds out its own
+`--validation_fraction` of them).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from model_utils.data.chat_corpus import _module_name, select_examples
+    from model_utils.data.chat_corpus import module_name, select_examples
     from model_utils.data.corpus import stdlib_sources
     from model_utils.data.sft.formats import attach_chat_template
     from model_utils.data.tokenizer import load_tokenizer
@@ -42,7 +42,7 @@ def main() -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     attach_chat_template(tokenizer)  # the template the trainer renders chats with where the tokenizer has none
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    sources = {_module_name(path, stdlib): path for path in stdlib_sources()}
+    sources = {module_name(path, stdlib): path for path in stdlib_sources()}
     functions = [f for f in select_examples()["train"] if f.module in sources]
     token_counts: dict[str, int] = {}
 
@@ -69,7 +69,8 @@ def main() -> int:
             if written == args.examples:
                 break
             messages = function.messages()
-            messages[1]["content"] = PREFIX + messages[1]["content"]
+            question = messages[1]["content"]
+            messages[1]["content"] = PREFIX + question  # the chat without its sources: what they are added to
             total = chat_tokens(messages) + module_tokens(function.module)
             if total > limit:  # its own module alone is longer: another function's
                 continue
@@ -82,8 +83,7 @@ def main() -> int:
                 if total > 0.97 * limit:
                     break
             rng.shuffle(chosen)
-            messages[1]["content"] = PREFIX + "".join(source(module) for module in chosen) + messages[1]["content"][
-                len(PREFIX):]
+            messages[1]["content"] = PREFIX + "".join(source(module) for module in chosen) + question
             out.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
             print(f"chat {written}: {len(chosen)} modules, {chat_tokens(messages):,} tokens, about {function.key}",
                   flush=True)

@@ -18,14 +18,13 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import cuda_sync, host_peak_gib, normalize_env  # noqa: E402
-from hf_peer import trainer_ds_config  # noqa: E402
+from common import host_peak_gib, normalize_env  # noqa: E402
+from hf_peer import optimizer_arguments, step_timer, trainer_ds_config  # noqa: E402
 from report import flops_per_token  # noqa: E402
 
 GIB = 2**30
@@ -44,7 +43,7 @@ def main() -> int:
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--rope_scaling", default=None)
     parser.add_argument("--no-liger", dest="liger", action="store_false")
-    args, _ = parser.parse_known_args([a for a in sys.argv[1:] if a != "--"])  # the trainer's other flags: not its
+    args, ignored = parser.parse_known_args([a for a in sys.argv[1:] if a != "--"])  # the trainer's other flags
 
     normalize_env()
     import torch
@@ -64,16 +63,14 @@ def main() -> int:
     tokenizer = load_tokenizer(None)
     config = model_config(args.model, tokenizer, rope_scaling=args.rope_scaling)
     raw = json.loads(Path(args.ds_config).read_text())
-    opt = raw.get("optimizer", {}).get("params", {})
     parallelism = ParallelismConfig(
         sp_backend="deepspeed", sp_size=split, dp_replicate_size=world // split,
         sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation=args.attn))
     # TrainingArguments first: under ZeRO-3 its DeepSpeed config partitions the model as it is created
     training = TrainingArguments(
         output_dir=str(out / "hf"), per_device_train_batch_size=1, gradient_accumulation_steps=1,
-        gradient_checkpointing=args.gradient_checkpointing, max_steps=args.steps,
-        learning_rate=opt.get("lr", 3e-4), weight_decay=opt.get("weight_decay", 0.0), warmup_steps=1,
-        max_grad_norm=raw.get("gradient_clipping", 1.0), bf16=cuda, deepspeed=trainer_ds_config(raw),
+        gradient_checkpointing=args.gradient_checkpointing, max_steps=args.steps, **optimizer_arguments(raw),
+        warmup_steps=1, bf16=cuda, deepspeed=trainer_ds_config(raw),
         parallelism_config=parallelism, use_liger_kernel=args.liger, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=1234, use_cpu=not cuda)
     model = build_model(args.model, config, torch.float32, args.attn, False)
@@ -96,39 +93,33 @@ def main() -> int:
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
     tokens_per_device = seq_len * (world // split) / world  # a step trains one sequence per data-parallel group
 
+    timer = step_timer(0, args.steps, rank)  # each optimizer step timed as hf_peer.py times the HF peer's
+
     class StepRecords(TrainerCallback):
-        """Times each optimizer step (CUDA synchronised at both ends) and writes its record once Trainer logs it."""
-
-        def __init__(self):
-            self.started, self.seconds = 0.0, 0.0
-
-        def on_step_begin(self, a, state, control, **kw):
-            cuda_sync()
-            self.started = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            cuda_sync()
-            self.seconds = time.perf_counter() - self.started
+        """Each step's record, written once Trainer logs its loss (after the timer has taken the step's time)."""
 
         def on_log(self, a, state, control, logs=None, **kw):
-            if rank or not logs or "loss" not in logs:
+            if rank or not logs or "loss" not in logs or not timer.times:
                 return
-            rate = tokens_per_device / self.seconds
+            seconds = timer.times[-1]
+            rate = tokens_per_device / seconds
             record = {"step": state.global_step, "loss": float(logs["loss"]), "lr": float(logs.get("learning_rate", 0)),
-                      "step_time_s": self.seconds, "tokens_per_s_per_device": rate,
+                      "step_time_s": seconds, "tokens_per_s_per_device": rate,
                       "mfu": rate * flops_12 / 1e12 / peak if peak else None,
                       "peak_mem_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
                       "host_peak_mem_gib": host_peak_gib()}
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
-            print(f"step {record['step']} | loss {record['loss']:.4f} | step {self.seconds:.3f}s | "
+            print(f"step {record['step']} | loss {record['loss']:.4f} | step {seconds:.3f}s | "
                   f"peak_mem {record['peak_mem_gib'] or 0:.1f}GiB", flush=True)
 
     if rank == 0:
         print(f"peer: HF Trainer + DeepSpeed, Ulysses over {split} GPUs (accelerate ParallelismConfig), attention "
               f"{args.attn}, Liger {'on' if args.liger else 'off'}, checkpointing "
-              f"{'on' if args.gradient_checkpointing else 'off'}, {num_params / 1e9:.2f}B parameters", flush=True)
-    Trainer(model=model, args=training, train_dataset=RandomSequences(), callbacks=[StepRecords()]).train()
+              f"{'on' if args.gradient_checkpointing else 'off'}, {num_params / 1e9:.2f}B parameters"
+              + (f"; not its flags, left out: {' '.join(ignored)}" if ignored else ""), flush=True)
+    Trainer(model=model, args=training, train_dataset=RandomSequences(), callbacks=[timer, StepRecords()]).train()
+    timer.finish()
     return 0
 
 

@@ -61,7 +61,8 @@ class DocumentedFunction:
                 {"role": "assistant", "content": self.doc}]
 
 
-def _module_name(path: Path, stdlib: Path) -> str:
+def module_name(path: Path, stdlib: Path) -> str:
+    """The dotted module name of a standard-library source file (a package by its __init__.py)."""
     parts = list(path.relative_to(stdlib).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -81,7 +82,7 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef, is_method: bool) ->
 def documented_functions(path: Path, stdlib: Path) -> Iterator[DocumentedFunction]:
     """The module's public top-level functions and public methods of its public classes that have a docstring of at
     least MIN_DOCSTRING_CHARS."""
-    module = _module_name(path, stdlib)
+    module = module_name(path, stdlib)
     if any(part.startswith("_") for part in module.split(".")):
         return
     try:
