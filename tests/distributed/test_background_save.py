@@ -14,7 +14,7 @@ from conftest import assert_ok, run_trainer
 from test_save_faults import run_with_fault
 from test_training import RESUME_ARGS
 
-from model_utils.checkpoint.background import HostBuffers, host_copy
+from model_utils.checkpoint.background import HostBuffers, host_copy, storage_sizes
 
 
 def saved_bytes(obj) -> bytes:
@@ -59,6 +59,17 @@ def test_host_copy_pickles_exactly_as_the_original():
     second = host_copy(state, again, buffers)
     assert saved_bytes(second) == expected
     assert {s.data_ptr() for s in again["taken"]} == {s.data_ptr() for s in memo["taken"]}
+    assert buffers.fresh_bytes == sum(s.nbytes() for s in memo["taken"])  # the first copy allocated, not the second
+
+    # Reserved ahead (HostCopyWriter.reserve, beside training): exactly the storages the copy takes, each shared one once.
+    sizes = storage_sizes(state)
+    assert sorted(sizes) == sorted(s.nbytes() for s in memo["taken"])
+    reserved = HostBuffers(pinned=False)
+    reserved.reserve(sizes)
+    reserved.reserve(sizes[:2])  # storages already free count: nothing more is allocated
+    assert sum(len(free) for free in reserved._free.values()) == len(sizes)
+    early = {"taken": []}
+    assert saved_bytes(host_copy(state, early, reserved)) == expected and reserved.fresh_bytes == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs a GPU (run by run_device.sh's "
@@ -79,7 +90,8 @@ def test_pinned_save_buffers_copy_from_the_gpu_exactly():
 @pytest.mark.parametrize("ds_config", ["ds_config.json", "configs/zero3.json"])
 def test_background_files_equal_a_synchronous_save(session_cache, tmp_path, ds_config):
     """Two runs, same seed: every file of step 3 (DeepSpeed's model and optimizer states, the RNG states) is
-    byte-identical whether written in the background or not; the background run says when each became complete."""
+    byte-identical whether written in the background or not; the background run says when each became complete, and
+    its saves copied into host memory reserved after step 2, allocating none themselves."""
     args = [*RESUME_ARGS, "--checkpoint_freq", "3", "--max_steps", "6", "--ds_config", ds_config]
     background = run_trainer(tmp_path / "background", args)
     synchronous = run_trainer(tmp_path / "synchronous", [*args, "--no-background_checkpoint"])
@@ -100,6 +112,10 @@ def test_background_files_equal_a_synchronous_save(session_cache, tmp_path, ds_c
     assert manifests[0]["files"] == manifests[1]["files"]
     stalls = [r["checkpoint_s"] for r in background.metrics() if "checkpoint_s" in r]
     assert len(stalls) == 2
+    # The host memory of the saves was reserved beside step 3, before the first save: no save allocated any itself.
+    assert "GiB of host memory for this rank's saves, beside training" in out
+    assert [r["checkpoint_unreserved_host_gib"] for r in background.metrics()
+            if "checkpoint_unreserved_host_gib" in r] == [0.0, 0.0]
 
 
 def test_a_save_that_waits_for_the_previous_writes_is_told_with_the_time(session_cache, tmp_path):

@@ -28,29 +28,72 @@ import torch
 from model_utils.checkpoint.save import ANOTHER_RANKS_WRITE, commit_everywhere, save_failed, write_failure
 
 IDLE, WRITING, FAILED = 0.0, 1.0, 2.0  # this rank's writer state, agreed across ranks with a MAX all-reduce
+RESERVE_AFTER_STEPS = 2  # the saves' host buffers are allocated after the run's second step (BackgroundSaves)
 
 
 class HostBuffers:
     """Host storages reused from one save to the next: allocating gigabytes anew each time costs more than the copy
     (its page faults alone take about half a synchronous save: docs/PERFORMANCE.md). Pinned
-    where there is a GPU, so that the copies from it run at full speed."""
+    where there is a GPU, so that the copies from it run at full speed. `reserve` allocates a save's storages ahead of
+    it; `fresh_bytes` counts what `take` had to allocate itself (0 when everything was ready)."""
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
+        self.fresh_bytes = 0
         self._free: dict[int, list] = {}
         self._lock = threading.Lock()
+
+    def _allocate(self, nbytes: int) -> torch.UntypedStorage:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
 
     def take(self, nbytes: int) -> torch.UntypedStorage:
         with self._lock:
             free = self._free.get(nbytes)
             if free:
                 return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned).untyped_storage()
+            self.fresh_bytes += nbytes
+        return self._allocate(nbytes)
 
     def give_back(self, storages) -> None:
         with self._lock:
             for storage in storages:
                 self._free.setdefault(storage.nbytes(), []).append(storage)
+
+    def reserve(self, sizes) -> None:
+        """Have a free storage ready for each of `sizes` (bytes), beyond those already free."""
+        with self._lock:
+            ready = {n: len(free) for n, free in self._free.items()}
+        for nbytes in sizes:
+            if ready.get(nbytes, 0):
+                ready[nbytes] -= 1
+            else:
+                self.give_back([self._allocate(nbytes)])
+
+
+def storage_key(storage) -> tuple:
+    """One storage, told apart as torch.save tells them apart (by `_cdata`, its handle: ZeRO-3's empty placeholders all
+    have address 0, yet a tied weight's placeholder is one storage); the test of identical bytes fails if that rule
+    changes."""
+    return ("storage", getattr(storage, "_cdata", (str(storage.device), storage.data_ptr(), storage.nbytes())))
+
+
+def storage_sizes(obj, seen: set | None = None) -> list[int]:
+    """The bytes of each storage host_copy(obj) takes from its buffers: each storage once, by host_copy's rules."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = storage_key(storage)
+        sizes = [] if key in seen or not storage.nbytes() else [storage.nbytes()]
+        seen.add(key)
+        return sizes + [n for value in vars(obj).values() for n in storage_sizes(value, seen)]
+    if isinstance(obj, dict):
+        return [n for value in obj.values() for n in storage_sizes(value, seen)]
+    if type(obj) in (list, tuple):
+        return [n for value in obj for n in storage_sizes(value, seen)]
+    return []
 
 
 def host_copy(obj, memo: dict | None = None, buffers: HostBuffers | None = None):
@@ -63,10 +106,7 @@ def host_copy(obj, memo: dict | None = None, buffers: HostBuffers | None = None)
         return memo[id(obj)]
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
-        # One storage, one copy, told apart as torch.save tells them apart (by `_cdata`, its handle: ZeRO-3's empty
-        # placeholders all have address 0, yet a tied weight's placeholder is one storage); the test of identical
-        # bytes fails if that rule changes.
-        key = ("storage", getattr(storage, "_cdata", (str(storage.device), storage.data_ptr(), storage.nbytes())))
+        key = storage_key(storage)  # one storage, one copy
         host_storage = memo.get(key)
         if host_storage is None:
             if buffers is not None and storage.nbytes():
@@ -115,13 +155,39 @@ class HostCopyWriter:
         self.error: str | None = None  # what made a write fail, and its fix (checkpoint.save.write_failure)
         self.fix: str | None = None
         self.buffers = HostBuffers(pinned=torch.cuda.is_available())
+        self._reserving: threading.Thread | None = None
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
     def __getattr__(self, name):
         return getattr(self.stock, name)
 
+    def reserve(self, engine, save_options: dict) -> int:
+        """Allocate, in a thread beside training, the host storages of what this rank's saves hold: the optimizer's
+        state and, on the rank that writes the model states, the module's (less the frozen weights a LoRA save leaves
+        out). Pinning tens of gigabytes takes seconds (page faults, page locking) that a first save would otherwise
+        stand still for; the saves then only copy. Returns the bytes reserved. A size the walk missed is allocated by
+        the save as before; engine.save_checkpoint builds its states from these same objects."""
+        states = [engine.optimizer.state_dict()]
+        if getattr(engine, "save_non_zero_checkpoint", True):
+            frozen_left_out = bool(save_options.get("exclude_frozen_parameters"))
+            states.append(engine.module_state_dict(exclude_frozen_parameters=frozen_left_out))
+        sizes = storage_sizes(states)
+        del states
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._reserving = threading.Thread(target=self._reserve, args=(sizes, device), name="checkpoint-buffers",
+                                           daemon=True)
+        self._reserving.start()
+        return sum(sizes)
+
+    def _reserve(self, sizes: list[int], device: int | None) -> None:
+        if device is not None:  # this rank's GPU, not the thread's default (GPU 0), pins the memory
+            torch.cuda.set_device(device)
+        self.buffers.reserve(sizes)
+
     def save(self, state_dict, path: str):
+        if self._reserving is not None:  # the buffers being reserved are this save's: take them, not new ones
+            self._reserving.join()
         memo = {"taken": []}
         state_copy = host_copy(state_dict, memo, self.buffers)
         if torch.cuda.is_available():
@@ -177,6 +243,17 @@ class BackgroundSaves:
         self.metrics = metrics or (lambda record: None)  # the run's metrics.jsonl (rank 0 writes)
         self.pending = None  # the checkpoint.save.PendingSave in flight
         self.last_write_s: float | None = None  # how long the last committed checkpoint took from start to complete
+        self.steps_seen = 0
+
+    def reserve_buffers(self, engine, save_options: dict) -> None:
+        """Called after every step: after the run's RESERVE_AFTER_STEPS-th, reserves the saves' host buffers beside
+        training (HostCopyWriter.reserve), once the optimizer's state exists (a delayed update makes its first update
+        during the second step)."""
+        self.steps_seen += 1
+        if self.steps_seen == RESERVE_AFTER_STEPS:
+            nbytes = self.writer.reserve(engine, save_options)
+            self.log(f"checkpoint: reserving {nbytes / 2**30:.1f} GiB of {'pinned ' * self.writer.buffers.pinned}host "
+                     "memory for this rank's saves, beside training (a save then only copies into it)")
 
     def local_state(self) -> float:
         return self.writer.state() if self.pending is not None else IDLE

@@ -147,12 +147,49 @@ def tile_mlps(model, log) -> int:
 
 
 def _tiled_forward(mlp, forward, hidden: int, tiled_mlp):
+    """`mlp.forward` through `tiled_mlp` (TiledMLP): the parameters it computes gradients for are read at each call, so
+    adapters added after tiling (LoRA's) are among them (DeepSpeed then reduces their gradients once, after the last
+    tile); where a dropout is active (LoRA's), each tile's recomputation in the backward pass draws the random
+    numbers its forward drew, so the gradients are those of the output the forward gave."""
     import torch
 
-    params = list(mlp.parameters())
+    tile_rng: list = []  # the random-number state before each tile of the latest forward, while a dropout is active
+
+    def tile_forward(module, tile):
+        if not torch.is_grad_enabled():  # TiledMLP's forward (its backward recomputes with gradients enabled)
+            if dropout_active():
+                tile_rng.append(rng_state(tile.device))
+            return forward(tile)
+        if not tile_rng:
+            return forward(tile)
+        with torch.random.fork_rng(devices=[tile.device] if tile.device.type == "cuda" else []):
+            set_rng_state(tile.device, tile_rng.pop(0))
+            return forward(tile)
+
+    def dropout_active() -> bool:
+        return mlp.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in mlp.modules())
 
     def tiled(x):
-        tiles = max(1, math.ceil(x.shape[-2] / hidden))
-        return tiled_mlp.apply(lambda module, tile: forward(tile), mlp, x, tiles, params)
+        # The tokens of the micro-batch in one row: TiledMLP's forward cuts the next-to-last dimension into tiles and
+        # its backward the flattened tokens, which are the same tiles only for a single row.
+        tokens = x.reshape(-1, x.shape[-1])
+        tiles = max(1, math.ceil(tokens.shape[0] / hidden))
+        tile_rng.clear()  # a new forward (a checkpointed layer's recomputation draws the same numbers again)
+        params = [p for p in mlp.parameters() if p.requires_grad]
+        return tiled_mlp.apply(tile_forward, mlp, tokens, tiles, params).view(*x.shape[:-1], -1)
 
     return torch.compiler.disable(tiled)  # an autograd function running a backward inside its backward: eager
+
+
+def rng_state(device) -> tuple:
+    import torch
+
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def set_rng_state(device, state: tuple) -> None:
+    import torch
+
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

@@ -76,6 +76,8 @@ def train(run: Run) -> int:
             return end_early(run, NONFINITE, f"stopped: {nonfinite.count} consecutive non-finite step(s)")
 
         # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
+        if run.saves:  # the saves' host memory, allocated beside training once the optimizer's state exists
+            run.saves.reserve_buffers(run.engine, checkpoint_options(run)[0])
         if saves.due(agreed, bad):
             save(run, wait=agreed.stop or run.step == cfg.batch.max_steps)
             saves.saved()
@@ -152,7 +154,8 @@ def save(run: Run, wait: bool = False):
         run.log.info(f"checkpoint: step {run.step} in host memory after {time.perf_counter() - t0:.1f}s"
                      + ("; waiting for its writes (the last step, or a stop)" if wait else
                         "; writing it in the background"))
-        run.log.metrics({"step": run.step, "checkpoint_wait_s": waited})
+        run.log.metrics({"step": run.step, "checkpoint_wait_s": waited,  # and the host memory no reservation held
+                         "checkpoint_unreserved_host_gib": run.saves.writer.buffers.fresh_bytes / 2**30})
         if wait:
             run.saves.finish()
     run.log.metrics({"step": run.step, "checkpoint_s": time.perf_counter() - t0})  # how long training stood still

@@ -56,6 +56,50 @@ def test_tiled_mlps_give_the_mlps_outputs_and_gradients():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-8, atol=1e-12, msg=name)
 
 
+def test_tiled_mlps_train_lora_adapters_added_after_them_with_their_dropout():
+    """The trainer tiles the MLPs, then adds LoRA's adapters: TiledMLP takes the adapters as the parameters it computes
+    gradients for (read at each call, not at tiling: DeepSpeed reduces them once, after the last tile), and each tile's
+    recomputation in the backward pass draws the dropout masks its forward drew, at micro-batch 2 too. The reference:
+    the same tiles run in one autograd graph (no recomputation) from the same random state: the same loss, the same
+    adapter gradients."""
+    from model_utils.config.settings import LoraSettings
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.models.build import build_model, model_config
+    from model_utils.models.lora import apply_lora
+
+    def in_tiles(mlp):  # the tiles TiledMLP makes (the micro-batch's tokens in one row), kept in the graph
+        forward = mlp.forward
+        mlp.forward = lambda x: torch.cat([forward(t) for t in x.reshape(-1, x.shape[-1]).chunk(7)]).view(
+            *x.shape[:-1], -1)
+
+    def run(tiled: bool):
+        torch.manual_seed(0)
+        model = build_model("tiny", model_config("tiny", load_tokenizer(None)), torch.float64, "sdpa", False)
+        if tiled:
+            sp.tile_mlps(model, lambda line: None)  # 1,200 tokens in tiles of ~192: 7 tiles
+        else:
+            for layer in model.model.layers:
+                in_tiles(layer.mlp)
+        model = apply_lora(model, LoraSettings(rank=4, alpha=8.0, dropout=0.3))
+        for name, p in model.named_parameters():  # B starts at zero: move it so that A's gradient is not zero
+            if "lora_B" in name:
+                torch.nn.init.normal_(p.data)
+        model.train()
+        tokens = torch.randint(0, 500, (2, 600))
+        torch.manual_seed(1)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        return model, loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    (_, want_loss, want), (model, loss, grads) = run(False), run(True)
+    assert want.keys() == grads.keys() and any("mlp.down_proj.lora_A" in n for n in grads)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-8, atol=1e-12, msg=name)
+    mlp_adapters = [p for n, p in model.named_parameters() if ".mlp." in n and "lora_" in n]
+    assert mlp_adapters and all(p.ds_grad_is_ready for p in mlp_adapters)  # TiledMLP handled them as its parameters
+
+
 def test_tiled_mlps_by_default_where_a_gpu_holds_32k_tokens_of_a_sequence():
     assert not sp.uses_tiled_mlp("auto", 32768, 2) and sp.uses_tiled_mlp("auto", 65536, 2)
     assert sp.uses_tiled_mlp("on", 256, 1) and not sp.uses_tiled_mlp("off", 10**6, 1)
