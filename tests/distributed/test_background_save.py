@@ -61,7 +61,7 @@ def test_host_copy_pickles_exactly_as_the_original():
     assert {s.data_ptr() for s in again["taken"]} == {s.data_ptr() for s in memo["taken"]}
     assert buffers.fresh_bytes == sum(s.nbytes() for s in memo["taken"])  # the first copy allocated, not the second
 
-    # Reserved ahead (HostCopyWriter.reserve, beside training): exactly the storages the copy takes, each shared one once.
+    # Reserved ahead (HostCopyWriter.reserve, beside training): the storages the copy takes, each shared one once.
     sizes = storage_sizes(state)
     assert sorted(sizes) == sorted(s.nbytes() for s in memo["taken"])
     reserved = HostBuffers(pinned=False)
