@@ -469,6 +469,21 @@ EOF
       "${LC8_TRAINER[@]}" &
     wait
     ;;
+  long-context-lora)  # llama-8b (--rope_scaling yarn:2) at LCL_SEQ_LEN tokens on one GPU each, LoRA of rank 16: the
+    # frozen weights on the GPU (ds_config.json: ZeRO-2), each recomputed layer's input in pinned host memory
+    # (--offload_activations), tiled MLPs, checkpointing; on GPU 0 eager, its first step; beside it on GPU 1 (where
+    # there is one) compiled, its first two steps; each run's host peak against a one-GPU machine's 128 GiB (~8 min)
+    LCL=(--model llama-8b --seq_len "${LCL_SEQ_LEN:-262144}" --sequence_parallel 1 --steps 2 --skip 0
+         --ds_config ds_config.json --timeout "${LCL_TIMEOUT:-520}")
+    LCL_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:2 --offload_activations --lora_rank 16)
+    CUDA_VISIBLE_DEVICES=0 run_bench benchmarks/long_context.py lora-1gpu-eager 300 "${LCL[@]}" --stop-after-steps 1 \
+      --workdir /tmp/lcl-eager --title "llama-8b LoRA, one GPU, eager" "${LCL_TRAINER[@]}" --compile off &
+    if (($(nvidia-smi -L | wc -l) > 1)); then
+      CUDA_VISIBLE_DEVICES=1 run_bench benchmarks/long_context.py lora-1gpu-compiled 300 "${LCL[@]}" --stop-after-steps \
+        --workdir /tmp/lcl-compiled --title "llama-8b LoRA, one GPU, compiled" "${LCL_TRAINER[@]}" &
+    fi
+    wait
+    ;;
   long-context-peer)  # ours against Hugging Face Trainer's Ulysses path (long_context_peer.py: accelerate's
     # ParallelismConfig as transformers' guide sets it, SDPA, Liger, checkpointing), LC_MODEL split over LC_GPUS GPUs,
     # configs/zero3.json, 2 steps each stopped before the final save: ours at LC_SEQ_LENS, the peer at LC_PEER_SEQ_LENS

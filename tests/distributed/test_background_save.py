@@ -91,7 +91,7 @@ def test_pinned_save_buffers_copy_from_the_gpu_exactly():
 def test_background_files_equal_a_synchronous_save(session_cache, tmp_path, ds_config):
     """Two runs, same seed: every file of step 3 (DeepSpeed's model and optimizer states, the RNG states) is
     byte-identical whether written in the background or not; the background run says when each became complete, and
-    its saves copied into host memory reserved after step 2, allocating none themselves."""
+    its saves copied into host memory reserved beside its first steps, allocating none themselves."""
     args = [*RESUME_ARGS, "--checkpoint_freq", "3", "--max_steps", "6", "--ds_config", ds_config]
     background = run_trainer(tmp_path / "background", args)
     synchronous = run_trainer(tmp_path / "synchronous", [*args, "--no-background_checkpoint"])
@@ -112,7 +112,7 @@ def test_background_files_equal_a_synchronous_save(session_cache, tmp_path, ds_c
     assert manifests[0]["files"] == manifests[1]["files"]
     stalls = [r["checkpoint_s"] for r in background.metrics() if "checkpoint_s" in r]
     assert len(stalls) == 2
-    # The host memory of the saves was reserved beside step 3, before the first save: no save allocated any itself.
+    # The host memory of the saves was reserved beside the first steps: no save allocated any itself.
     assert "GiB of host memory for this rank's saves, beside training" in out
     assert [r["checkpoint_unreserved_host_gib"] for r in background.metrics()
             if "checkpoint_unreserved_host_gib" in r] == [0.0, 0.0]

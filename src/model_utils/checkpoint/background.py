@@ -28,7 +28,7 @@ import torch
 from model_utils.checkpoint.save import ANOTHER_RANKS_WRITE, commit_everywhere, save_failed, write_failure
 
 IDLE, WRITING, FAILED = 0.0, 1.0, 2.0  # this rank's writer state, agreed across ranks with a MAX all-reduce
-RESERVE_AFTER_STEPS = 2  # the saves' host buffers are allocated after the run's second step (BackgroundSaves)
+RESERVE_AFTER_STEPS = 2  # the saves' host buffers: reserved before the first step, topped up after this many
 
 
 class HostBuffers:
@@ -175,12 +175,14 @@ class HostCopyWriter:
         sizes = storage_sizes(states)
         del states
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
-        self._reserving = threading.Thread(target=self._reserve, args=(sizes, device), name="checkpoint-buffers",
-                                           daemon=True)
+        self._reserving = threading.Thread(target=self._reserve, args=(sizes, device, self._reserving),
+                                           name="checkpoint-buffers", daemon=True)
         self._reserving.start()
         return sum(sizes)
 
-    def _reserve(self, sizes: list[int], device: int | None) -> None:
+    def _reserve(self, sizes: list[int], device: int | None, before: threading.Thread | None) -> None:
+        if before is not None:  # an earlier reservation: what it holds counts
+            before.join()
         if device is not None:  # this rank's GPU, not the thread's default (GPU 0), pins the memory
             torch.cuda.set_device(device)
         self.buffers.reserve(sizes)
@@ -246,14 +248,16 @@ class BackgroundSaves:
         self.steps_seen = 0
 
     def reserve_buffers(self, engine, save_options: dict) -> None:
-        """Called after every step: after the run's RESERVE_AFTER_STEPS-th, reserves the saves' host buffers beside
-        training (HostCopyWriter.reserve), once the optimizer's state exists (a delayed update makes its first update
-        during the second step)."""
-        self.steps_seen += 1
-        if self.steps_seen == RESERVE_AFTER_STEPS:
+        """Called before every step: before the first, reserves the saves' host buffers (HostCopyWriter.reserve) beside
+        it (its compilation leaves the CPUs room; DeepSpeed's ZeRO optimizers hold their state from the start), and
+        before the step after RESERVE_AFTER_STEPS, what the first updates added (a delayed update makes its first during
+        the second step); the second reserves only what the first did not."""
+        if self.steps_seen in (0, RESERVE_AFTER_STEPS):
             nbytes = self.writer.reserve(engine, save_options)
-            self.log(f"checkpoint: reserving {nbytes / 2**30:.1f} GiB of {'pinned ' * self.writer.buffers.pinned}host "
-                     "memory for this rank's saves, beside training (a save then only copies into it)")
+            if not self.steps_seen:
+                self.log(f"checkpoint: reserving {nbytes / 2**30:.1f} GiB of {'pinned ' * self.writer.buffers.pinned}"
+                         "host memory for this rank's saves, beside training (a save then only copies into it)")
+        self.steps_seen += 1
 
     def local_state(self) -> float:
         return self.writer.state() if self.pending is not None else IDLE

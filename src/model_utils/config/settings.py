@@ -125,7 +125,8 @@ class ModelConfig:
     tiled_mlp: str = _f("auto", "Run each decoder layer's MLP over the sequence in tiles and recompute it in the "
                                 "backward pass (DeepSpeed's TiledMLP): the MLP's activations of one tile instead of "
                                 "the whole sequence, for one more MLP forward. on, off, or auto (on where a GPU holds "
-                                "at least 32,768 tokens of a sequence: --seq_len / --sequence_parallel).",
+                                "at least 32,768 tokens of a sequence, --seq_len / --sequence_parallel, unless the "
+                                "step fits the GPU without tiles by the memory estimate).",
                         choices=("auto", "on", "off"))
     lora_rank: int = _f(0, "LoRA: train low-rank adapters of this rank beside the frozen weights (Hu et al. 2021); "
                            "0 (the default): off, every weight trains (full fine-tuning). 16 is this project's usual "

@@ -5,7 +5,7 @@ ZeRO-3's parameters whole or partitioned, the delayed update's prefetch, and how
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model_utils.config import deepspeed as dsc
 from model_utils.config.settings import SpeedConfig, TrainConfig
@@ -33,7 +33,7 @@ class MemoryModel:
     delayed_update_from_step: int
     batch: object  # config.batch.BatchRequest: the accumulation at each micro-batch
     offload_activations: bool = False  # --offload_activations: the recomputed layers' inputs in host memory
-    tiled_mlp: str = "off"  # --tiled_mlp: on, off or auto (by the tokens of a sequence one GPU holds, seq_len)
+    tiled_mlp: str = "off"  # --tiled_mlp: on, off or auto (by the tokens one GPU holds, seq_len, and the budget)
 
     def compiles(self, ds: dict) -> bool:
         """Whether the run compiles its decoder layers (models.speed.use_compile), on the GPUs it trains on."""
@@ -75,7 +75,19 @@ class MemoryModel:
                             accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params,
                             adapters=self.model.adapters, whole_params=self.keeps_whole_parameters(ds),
                             offloaded_activations=self.offload_activations,
-                            tiled_mlp=uses_tiled_mlp(self.tiled_mlp, self.seq_len, 1))
+                            tiled_mlp=self.tiles_mlp(ds, micro, checkpointed_layers, prefetch))
+
+    def tiles_mlp(self, ds: dict, micro: int, checkpointed_layers: int | None = None,
+                  prefetch: bool | None = None) -> bool:
+        """--tiled_mlp as the run applies it: on, off, or auto: where a GPU holds TILED_MLP_MIN_TOKENS of a sequence
+        or more, unless a GPU size is known and the step fits its budget untiled (tiles recompute each MLP in the
+        backward pass outside the compiled layer: slower where memory does not need them)."""
+        if self.tiled_mlp != "auto" or not uses_tiled_mlp("auto", self.seq_len, 1):
+            return uses_tiled_mlp(self.tiled_mlp, self.seq_len, 1)
+        if self.budget is None:
+            return True
+        untiled = replace(self, tiled_mlp="off")
+        return untiled.phases(ds, micro, checkpointed_layers, prefetch).train > self.budget
 
     def peak(self, ds: dict, micro: int, checkpointed_layers: int | None = None, prefetch: bool | None = None) -> float:
         return self.phases(ds, micro, checkpointed_layers, prefetch).peak[1]

@@ -62,6 +62,7 @@ class MemoryEstimate:
     host_bytes: float  # host memory per node for the offloaded states (0 without offload)
     resume_host_bytes: float  # what a node needs beyond host_bytes while it loads a checkpoint
     activation_host_bytes: float = 0.0  # host memory per node for the layers' inputs --offload_activations moves
+    tiled_mlp: bool = False  # --tiled_mlp resolved (MemoryModel.tiles_mlp): the decoder layers' MLPs run in tiles
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,8 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
         resume_host_bytes=resume_host_bytes(model.trainable_params, plan.ranks, plan.hardware.ranks_per_node,
                                             dsc.offloads(ds)[0], memory_model.gpu_optimizer_share(ds)),
         activation_host_bytes=plan.hardware.ranks_per_node * offloaded_activation_bytes(
-            model.config, plan.rank_seq_len, batch.micro, layers, bf16) if offloaded else 0.0)
+            model.config, plan.rank_seq_len, batch.micro, layers, bf16) if offloaded else 0.0,
+        tiled_mlp=memory_model.tiles_mlp(ds, batch.micro, layers, prefetch))
     checkpoint_bytes = model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05  # LoRA: no frozen weight
     writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,
                                     any(dsc.offloads(ds)), plan.hardware, plan.ranks)

@@ -141,8 +141,11 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     mpu = None
     if dist.sequence_parallel > 1:
         mpu = enable_ulysses(model, dist.sequence_parallel, plan.batch.micro, plan.seq_len, log.info)
-    if uses_tiled_mlp(cfg.model.tiled_mlp, plan.seq_len, dist.sequence_parallel):
+    if plan.memory.tiled_mlp:
         in_force["tiled_mlp"] = tile_mlps(model, log.info)
+    elif uses_tiled_mlp(cfg.model.tiled_mlp, plan.seq_len, dist.sequence_parallel):
+        log.info("tiled MLP: off (--tiled_mlp auto: the step fits the GPU untiled by the estimate, and untiled MLPs "
+                 "run inside the compiled layers without a recomputation of their own)")
     lora = cfg.model.lora_settings()
     if lora is not None:
         model = wrap_with_adapters(model, lora, log)

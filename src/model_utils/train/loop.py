@@ -48,7 +48,9 @@ def train(run: Run) -> int:
                    disable=not (run.dist.is_main and sys.stderr.isatty()))
     run.engine.train()
     while run.step < cfg.batch.max_steps:
-        # --- one optimizer step at this learning rate ---
+        # --- one optimizer step at this learning rate (the saves' host memory allocated beside the first steps) ---
+        if run.saves:
+            run.saves.reserve_buffers(run.engine, checkpoint_options(run)[0])
         lr = run.engine.get_lr()[0]
         t0 = time.perf_counter()
         result = train_step(run)
@@ -76,8 +78,6 @@ def train(run: Run) -> int:
             return end_early(run, NONFINITE, f"stopped: {nonfinite.count} consecutive non-finite step(s)")
 
         # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
-        if run.saves:  # the saves' host memory, allocated beside training once the optimizer's state exists
-            run.saves.reserve_buffers(run.engine, checkpoint_options(run)[0])
         if saves.due(agreed, bad):
             save(run, wait=agreed.stop or run.step == cfg.batch.max_steps)
             saves.saved()

@@ -79,22 +79,23 @@ def test_offloaded_layer_inputs_count_in_the_nodes_host_memory(monkeypatch, sess
 
 
 # Peaks measured on H200s at micro-batch 1 (docs/PERFORMANCE.md, Long sequences;
-# benchmarks/results/h200x2-2026-11-28-long-context.jsonl unless noted): model, GPUs, flags, peak GiB. --tiled_mlp auto tiles the
-# MLPs from 32,768 tokens per GPU.
+# benchmarks/results/h200x2-2026-11-28-long-context.jsonl unless noted): model, GPUs, flags, peak GiB. The runs from 32,768
+# tokens per GPU tiled their MLPs (the --tiled_mlp auto of then, which tiled wherever a GPU held that many).
+TILED = ("--tiled_mlp", "on")
 MEASURED_AT_LENGTH = [
     ("qwen3-0.6b", 2, ("--seq_len", "16384", "--sequence_parallel", "2"), 14.1),
-    ("llama-1b", 2, ("--seq_len", "131072", "--sequence_parallel", "2", "--gradient_checkpointing"), 17.6),
-    ("llama-1b", 1, ("--seq_len", "131072", "--gradient_checkpointing"), 32.3),
-    ("llama-1b", 1, ("--seq_len", "131072", "--gradient_checkpointing", "--compile", "off"), 31.8),
-    ("llama-1b", 1, ("--seq_len", "131072", "--gradient_checkpointing", "--offload_activations"), 26.3),
-    ("llama-1b", 2, ("--seq_len", "262144", "--sequence_parallel", "2", "--gradient_checkpointing", "--compile", "off",
-                     "--offload_activations"), 18.7),
+    ("llama-1b", 2, (*TILED, "--seq_len", "131072", "--sequence_parallel", "2", "--gradient_checkpointing"), 17.6),
+    ("llama-1b", 1, (*TILED, "--seq_len", "131072", "--gradient_checkpointing"), 32.3),
+    ("llama-1b", 1, (*TILED, "--seq_len", "131072", "--gradient_checkpointing", "--compile", "off"), 31.8),
+    ("llama-1b", 1, (*TILED, "--seq_len", "131072", "--gradient_checkpointing", "--offload_activations"), 26.3),
+    ("llama-1b", 2, (*TILED, "--seq_len", "262144", "--sequence_parallel", "2", "--gradient_checkpointing", "--compile",
+                     "off", "--offload_activations"), 18.7),
     # benchmarks/results/h200x4-2026-11-28-long-context.jsonl: Llama 3.1 8B's shape on one GPU, parameters and
     # optimizer offloaded, and on two splitting each sequence (whole parameters on each)
-    ("llama-8b", 1, ("--seq_len", "262144", "--gradient_checkpointing", "--compile", "off", "--ds_config",
+    ("llama-8b", 1, (*TILED, "--seq_len", "262144", "--gradient_checkpointing", "--compile", "off", "--ds_config",
                      "configs/zero3-offload.json"), 87.8),
-    ("llama-8b", 2, ("--seq_len", "262144", "--sequence_parallel", "2", "--gradient_checkpointing", "--ds_config",
-                     "configs/zero3.json"), 120.8),
+    ("llama-8b", 2, (*TILED, "--seq_len", "262144", "--sequence_parallel", "2", "--gradient_checkpointing",
+                     "--ds_config", "configs/zero3.json"), 120.8),
 ]
 
 
@@ -111,6 +112,21 @@ def test_the_estimate_at_length_is_within_a_tenth_of_the_measured_peak(monkeypat
                       "/nonexistent/ckpt", "--no-export", *rope, *flags])
     plan = plan_module.make_plan(cfg, world, decides=False)
     assert plan.memory.phases.train / GIB == pytest.approx(peak_gib, rel=0.10)
+
+
+def test_tiled_mlps_auto_tiles_only_where_the_step_would_not_fit_without_them(monkeypatch, session_cache):
+    """--tiled_mlp auto on llama-1b (80 GiB GPUs): below 32,768 tokens per GPU never; at 65,536 tokens on one GPU
+    the step fits untiled, so the MLPs stay whole (inside the compiled layer, no recomputation of their own: the
+    8B pair at 65,536 tokens on 2 H200s measured the peer faster than a tiled run); at 786,432 only tiles fit; "on"
+    tiles wherever asked. The estimate follows the choice."""
+    budget = 0.9 * 80 * GIB
+    assert not _plan(monkeypatch, 1, "--seq_len", "16384").memory.tiled_mlp
+    whole = _plan(monkeypatch, 1, "--seq_len", "65536")
+    forced = _plan(monkeypatch, 1, "--seq_len", "65536", "--tiled_mlp", "on")
+    assert not whole.memory.tiled_mlp and forced.memory.tiled_mlp
+    assert forced.memory.phases.train < whole.memory.phases.train <= budget
+    longest = _plan(monkeypatch, 1, "--seq_len", "786432", "--offload_activations")
+    assert longest.memory.tiled_mlp and longest.memory.phases.train <= budget
 
 
 def test_tiled_mlps_keep_one_tile_of_the_mlp_instead_of_the_sequence(monkeypatch, session_cache):
