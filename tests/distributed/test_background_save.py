@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import types
 from collections import OrderedDict
 
 import pytest
@@ -14,7 +15,7 @@ from conftest import assert_ok, run_trainer
 from test_save_faults import run_with_fault
 from test_training import RESUME_ARGS
 
-from model_utils.checkpoint.background import HostBuffers, host_copy, storage_sizes
+from model_utils.checkpoint.background import HostBuffers, host_copy, moments_to_come, storage_sizes
 
 
 def saved_bytes(obj) -> bytes:
@@ -70,6 +71,21 @@ def test_host_copy_pickles_exactly_as_the_original():
     assert sum(len(free) for free in reserved._free.values()) == len(sizes)
     early = {"taken": []}
     assert saved_bytes(host_copy(state, early, reserved)) == expected and reserved.fresh_bytes == 0
+
+
+def test_zero3_adam_moments_are_reserved_before_the_first_update_makes_them():
+    """ZeRO-3's state before the first update: its fp32 partitions, no moments (torch's Adam makes them lazily). The
+    reservation beside the first step counts Adam's two moments per partition, each of the partition's size; once
+    they exist, or for an optimizer that is not Adam, none are predicted."""
+    class FusedAdam:  # the name is what counts: DeepSpeed's FusedAdam, DeepSpeedCPUAdam, torch's Adam and AdamW
+        pass
+
+    flat = [torch.zeros(10), torch.zeros(6)]
+    before = {"optimizer_state_dict": {"state": {}, "param_groups": []}, "fp32_flat_groups": flat}
+    assert sorted(moments_to_come(types.SimpleNamespace(optimizer=FusedAdam()), before)) == [24, 24, 40, 40]
+    after = {**before, "optimizer_state_dict": {"state": {0: {"exp_avg": torch.zeros(10)}}, "param_groups": []}}
+    assert moments_to_come(types.SimpleNamespace(optimizer=FusedAdam()), after) == []
+    assert moments_to_come(types.SimpleNamespace(optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1)), before) == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs a GPU (run by run_device.sh's "
