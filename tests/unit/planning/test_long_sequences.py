@@ -96,6 +96,12 @@ MEASURED_AT_LENGTH = [
                      "configs/zero3-offload.json"), 87.8),
     ("llama-8b", 2, (*TILED, "--seq_len", "262144", "--sequence_parallel", "2", "--gradient_checkpointing",
                      "--ds_config", "configs/zero3.json"), 120.8),
+    # h200x2-2026-11-28-long-context.jsonl, call 2: the same split at 65,536 and 131,072 tokens, --tiled_mlp auto
+    # leaving the MLPs whole (the step fits without tiles)
+    ("llama-8b", 2, ("--seq_len", "65536", "--sequence_parallel", "2", "--gradient_checkpointing", "--ds_config",
+                     "configs/zero3.json"), 89.6),
+    ("llama-8b", 2, ("--seq_len", "131072", "--sequence_parallel", "2", "--gradient_checkpointing", "--ds_config",
+                     "configs/zero3.json"), 104.2),
 ]
 
 
@@ -127,6 +133,8 @@ def test_tiled_mlps_auto_tiles_only_where_the_step_would_not_fit_without_them(mo
     assert forced.memory.phases.train < whole.memory.phases.train <= budget
     longest = _plan(monkeypatch, 1, "--seq_len", "786432", "--offload_activations")
     assert longest.memory.tiled_mlp and longest.memory.phases.train <= budget
+    lora = _plan(monkeypatch, 1, "--seq_len", "65536", "--lora_rank", "16")  # LoRA keeps them (its estimate at length)
+    assert lora.memory.tiled_mlp
 
 
 def test_tiled_mlps_keep_one_tile_of_the_mlp_instead_of_the_sequence(monkeypatch, session_cache):
