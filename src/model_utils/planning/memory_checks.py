@@ -15,7 +15,8 @@ from model_utils.config import deepspeed as dsc
 from model_utils.core.problems import Problem
 from model_utils.core.repo import REPO_ROOT
 from model_utils.models import speed
-from model_utils.models.memory import AUTO_MEMORY_SHARE, GIB, activation_bytes, cheapest_fit
+from model_utils.models.memory import (AUTO_MEMORY_SHARE, GIB, activation_bytes, cheapest_fit,
+                                       offloaded_activation_bytes)
 from model_utils.models.sequence_parallel import sequence_parallel_problems
 from model_utils.planning.report import Report
 
@@ -101,8 +102,11 @@ def note_long_sequences(plan: Plan, report: Report) -> None:
     longest = longest_sequence(plan, split, layers)
     settings = ", ".join([f"--sequence_parallel {split}"] + (["--gradient_checkpointing"] if layers else [])
                          + (["--offload_activations"] if plan.cfg.model.offload_activations else []))
+    host = host_room(plan, layers)
     report.estimate(f"long sequences: the longest that fits is ~{longest:,} tokens per sequence at micro-batch 1 "
-                    f"({settings}; {plan.hardware.gpu_memory_gib:.0f} GiB GPUs, by the estimate)")
+                    f"({settings}; {plan.hardware.gpu_memory_gib:.0f} GiB GPUs"
+                    + (f", {plan.hardware.host_available / GIB:.0f} GiB of host memory free" if host else "")
+                    + ", by the estimate)")
 
 
 def split_that_fits(plan: Plan) -> int | None:
@@ -118,12 +122,25 @@ def split_that_fits(plan: Plan) -> int | None:
     return None
 
 
+def host_room(plan: Plan, layers: int | None) -> float | None:
+    """The host memory a node's offloaded layer inputs may take (--offload_activations, beside the offloaded states,
+    HOST_MEMORY_SHARE of what is free); None where nothing is offloaded or the free memory is not known."""
+    if not (plan.cfg.model.offload_activations and layers) or plan.hardware.host_available is None:
+        return None
+    return HOST_MEMORY_SHARE * plan.hardware.host_available - plan.memory.host_bytes
+
+
 def longest_sequence(plan: Plan, split: int, layers: int | None) -> int:
     """The longest sequence (a multiple of split x 1,024 tokens) whose training step at micro-batch 1 fits the GPU
-    budget by the memory model, each GPU holding 1/split of it; 0 where none does."""
+    budget by the memory model, each GPU holding 1/split of it, and, with --offload_activations, whose layer inputs
+    fit the node's free host memory; 0 where none does."""
     memory_model, ds, step = plan.memory_model, plan.ds_config, split * 1024
+    room, bf16 = host_room(plan, layers), dsc.precision(ds) != "fp32"
 
     def fits(tokens: int) -> bool:
+        if room is not None and plan.hardware.ranks_per_node * offloaded_activation_bytes(
+                plan.model.config, tokens // split, 1, layers, bf16) > room:
+            return False
         model = dataclasses.replace(memory_model, seq_len=tokens // split)
         return model.phases(ds, 1, layers).train <= memory_model.budget
 

@@ -44,6 +44,25 @@ def test_the_longest_sequence_grows_with_the_split_and_fits_the_estimate(monkeyp
     assert "--sequence_parallel 2, --gradient_checkpointing" in report.estimates[-1]
 
 
+def test_with_offloaded_inputs_the_longest_sequence_fits_the_nodes_free_host_memory(monkeypatch, session_cache):
+    """--offload_activations on one 80 GiB GPU (llama-1b: 16 layers, 4 KiB of input per token): the GPU alone would
+    take far more than 262,144 tokens, but 20 GiB of free host memory hold 16 pinned inputs of 1 GiB (262,144 tokens)
+    and not of 2 GiB (PyTorch's pinned allocator rounds each input up to a power of two: one token more doubles it);
+    1,000 GiB leave the GPU as the limit. The preflight's line names the host memory it counted."""
+    from model_utils.models.memory import pinned_bytes
+    from model_utils.planning.memory_checks import longest_sequence, note_long_sequences
+
+    assert [pinned_bytes(n) for n in (0, 1, 3 * 2**30, 2**31)] == [0, 1, 2**32, 2**31]
+    flags = ("--seq_len", "262144", "--rope_scaling", "yarn:8", "--offload_activations")
+    plenty, tight = _plan(monkeypatch, 1, *flags, host_gib=1000), _plan(monkeypatch, 1, *flags, host_gib=20)
+    layers = tight.memory.checkpointed_layers
+    assert longest_sequence(tight, 1, layers) == 262144 < longest_sequence(plenty, 1, layers)
+    report = Report(tight)
+    note_long_sequences(tight, report)
+    assert "the longest that fits is ~262,144 tokens" in report.estimates[-1]
+    assert "80 GiB GPUs, 20 GiB of host memory free, by the estimate" in report.estimates[-1]
+
+
 def test_a_sequence_that_does_not_fit_gets_the_split_that_fits(monkeypatch, session_cache):
     from model_utils.planning.memory_checks import check_memory, longest_sequence, split_that_fits
 
