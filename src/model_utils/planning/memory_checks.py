@@ -348,11 +348,32 @@ def check_memory(plan: Plan, report: Report) -> None:
                             speed.use_compile(plan.hardware.gpus, False, plan.cfg.speed), plan.hardware.host_available,
                             plan.hardware.ranks_per_node, adapters=plan.model.adapters,
                             frozen_params=plan.model.frozen_params)
+        offload = offload_that_fits(plan)
         report.problems.append(Problem(
             "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
             f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
-            (f"split each sequence across {split} GPUs: --sequence_parallel {split} (by the estimate); or "
-             if split else "") + fits))
+            (f"keep the recomputed layers' inputs in host memory: --offload_activations (~{offload / GIB:.0f} GiB of "
+             "host memory per node, by the estimate); or " if offload else "")
+            + (f"split each sequence across {split} GPUs: --sequence_parallel {split} (by the estimate); or "
+               if split else "") + fits))
+
+
+def offload_that_fits(plan: Plan) -> float | None:
+    """The host memory per node with which --offload_activations fits the plan's sequences at micro-batch 1 on its
+    GPUs and in the node's free memory, by the estimate; None where it is on already, nothing recomputes, or it does
+    not fit."""
+    layers = plan.memory.checkpointed_layers
+    if not _sized(plan) or plan.cfg.model.offload_activations or not layers or plan.batch.micro != 1:
+        return None
+    model = dataclasses.replace(plan.memory_model, offload_activations=True)
+    if model.phases(plan.ds_config, 1, layers).train > model.budget:
+        return None
+    need = plan.hardware.ranks_per_node * offloaded_activation_bytes(
+        plan.model.config, plan.rank_seq_len, 1, layers, dsc.precision(plan.ds_config) != "fp32")
+    available = plan.hardware.host_available
+    if available is not None and need + plan.memory.host_bytes > HOST_MEMORY_SHARE * available:
+        return None
+    return need
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -76,6 +76,21 @@ def test_a_sequence_that_does_not_fit_gets_the_split_that_fits(monkeypatch, sess
     assert report.problems[0].fix.startswith(f"split each sequence across {split} GPUs: --sequence_parallel {split}")
 
 
+def test_a_sequence_that_fits_with_its_inputs_offloaded_gets_that_fix(monkeypatch, session_cache):
+    """524,288 tokens of llama-1b on one 80 GiB GPU: too much with the layers' inputs on the GPU; with them in host
+    memory (32 GiB) it fits, and the fix says so first, with the host memory it takes; where the node has 20 GiB free,
+    it does not offer it."""
+    from model_utils.planning.memory_checks import check_memory
+
+    flags = ("--seq_len", "524288", "--rope_scaling", "yarn:8")
+    for host_gib, offered in ((1000, True), (20, False)):
+        report = Report(_plan(monkeypatch, 1, *flags, host_gib=host_gib))
+        check_memory(report.plan, report)
+        assert [p.setting for p in report.problems] == ["train_micro_batch_size_per_gpu / zero_optimization"]
+        assert report.problems[0].fix.startswith("keep the recomputed layers' inputs in host memory: "
+                                                 "--offload_activations (~32 GiB of host memory per node") == offered
+
+
 def test_offloaded_layer_inputs_count_in_the_nodes_host_memory(monkeypatch, session_cache):
     from model_utils.planning.memory_checks import check_host_memory
 
