@@ -88,6 +88,23 @@ def test_zero3_adam_moments_are_reserved_before_the_first_update_makes_them():
     assert moments_to_come(types.SimpleNamespace(optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1)), before) == []
 
 
+def test_an_optimizer_state_that_cannot_be_read_between_steps_leaves_the_saves_to_allocate():
+    """Where the engine's optimizer cannot give its state dict before the first step, the run says so once and trains
+    on; its saves allocate their host memory as they copy (what HostBuffers.take does without a reservation)."""
+    from model_utils.checkpoint.background import BackgroundSaves
+
+    class Writer:
+        def reserve(self, engine, save_options):
+            raise NotImplementedError("ZeRO-3 elastic checkpointing is deprecated")
+
+    lines = []
+    saves = BackgroundSaves(Writer(), dist=None, log=lines.append)
+    for _ in range(4):
+        saves.reserve_buffers(engine=None, save_options={})
+    assert lines == ["checkpoint: host memory for the saves not reserved ahead (NotImplementedError: ZeRO-3 elastic "
+                     "checkpointing is deprecated); each save allocates what it lacks"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs a GPU (run by run_device.sh's "
                                                            "gpu-tests plan; CI's machines have none)")
 def test_pinned_save_buffers_copy_from_the_gpu_exactly():

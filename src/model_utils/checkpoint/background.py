@@ -262,11 +262,18 @@ class BackgroundSaves:
 
     def reserve_buffers(self, engine, save_options: dict) -> None:
         """Called before every step: before the first, reserves the saves' host buffers (HostCopyWriter.reserve) beside
-        it (its compilation leaves the CPUs room; DeepSpeed's ZeRO optimizers hold their state from the start), and
-        before the step after RESERVE_AFTER_STEPS, what the first updates added (a delayed update makes its first during
-        the second step); the second reserves only what the first did not."""
+        it (its compilation leaves the CPUs room; DeepSpeed's ZeRO optimizers hold their fp32 partitions from the start,
+        and ZeRO-3's Adam moments to come are counted ahead), and before the step after RESERVE_AFTER_STEPS, what the
+        first updates added (a delayed update makes its first during the second step) and the first did not hold."""
         if self.steps_seen in (0, RESERVE_AFTER_STEPS):
-            nbytes = self.writer.reserve(engine, save_options)
+            try:
+                nbytes = self.writer.reserve(engine, save_options)
+            except (RuntimeError, NotImplementedError, AttributeError, KeyError) as e:  # an optimizer whose state
+                # cannot be read between steps: its saves allocate their host memory themselves, as before
+                self.steps_seen = RESERVE_AFTER_STEPS + 1
+                self.log(f"checkpoint: host memory for the saves not reserved ahead ({type(e).__name__}: {e}); each "
+                         "save allocates what it lacks")
+                return
             if not self.steps_seen:
                 self.log(f"checkpoint: reserving {nbytes / 2**30:.1f} GiB of {'pinned ' * self.writer.buffers.pinned}"
                          "host memory for this rank's saves, beside training (a save then only copies into it)")
