@@ -268,7 +268,7 @@ class BackgroundSaves:
         if self.steps_seen in (0, RESERVE_AFTER_STEPS):
             try:
                 nbytes = self.writer.reserve(engine, save_options)
-            except (RuntimeError, NotImplementedError, AttributeError, KeyError) as e:  # an optimizer whose state
+            except (RuntimeError, NotImplementedError, AttributeError, KeyError, TypeError) as e:  # a state that
                 # cannot be read between steps: its saves allocate their host memory themselves, as before
                 self.steps_seen = RESERVE_AFTER_STEPS + 1
                 self.log(f"checkpoint: host memory for the saves not reserved ahead ({type(e).__name__}: {e}); each "
