@@ -144,7 +144,7 @@ def moments_to_come(optimizer, state: dict) -> list[int]:
     """The sizes of Adam's two moments of each fp32 partition where ZeRO-3's state holds the partitions and no moments
     yet (torch's Adam makes them at the first update, ZeRO-1/2 at their construction): each the partition's size, so
     that they too are reserved beside the first step's compilation rather than beside later steps, which the pinning
-    slows (measured on 2 H200s: docs/PERFORMANCE.md, Checkpoint saves)."""
+    slows (docs/PERFORMANCE.md, Checkpoint saves)."""
     inner = state.get("optimizer_state_dict")
     if "Adam" not in type(getattr(optimizer, "optimizer", None)).__name__ or not isinstance(inner, dict) \
             or inner.get("state"):

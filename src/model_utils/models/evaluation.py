@@ -1,8 +1,8 @@
 """The validation loss without the full-vocabulary logits.
 
 Training's loss never materialises the logits (Liger's fused linear cross-entropy), but a model in eval mode computes
-them for the whole batch and upcasts them to fp32: for Qwen3's 151,936-token vocabulary at micro-batch 16 x 4,096
-tokens that is 37 GiB, more than the training step needed. Here the model runs as usual, except that its output
+them for the whole batch and upcasts them to fp32 (micro-batch x tokens x vocabulary x 4 bytes), more than the
+training step needs with a large vocabulary. Here the model runs as usual, except that its output
 embedding (the LM head) sees only the first position; its full input (the final hidden states) is captured and the
 cross-entropy is taken over the LM head in chunks of `CHUNK_TOKENS` tokens, so evaluation needs less memory than a
 training step at the same micro-batch.

@@ -208,14 +208,13 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
 
 def offloaded_activation_bytes(config, seq_len: int, micro: int, recomputed_layers: int, bf16: bool) -> float:
     """Host memory of one rank's offloaded layer inputs (--offload_activations): each recomputed layer's input, micro x
-    seq_len x hidden values in 16-bit (fp32 without bf16), in pinned memory, which PyTorch's host allocator rounds up
-    to a power of two (an input of 3 GiB takes 4)."""
+    seq_len x hidden values in 16-bit (fp32 without bf16), each as pinned_bytes counts it."""
     return recomputed_layers * pinned_bytes(micro * seq_len * config.hidden_size * (2 if bf16 else 4))
 
 
 def pinned_bytes(nbytes: int) -> int:
-    """What one pinned host allocation of `nbytes` takes: PyTorch's caching host allocator rounds it up to a power of
-    two (docs/PERFORMANCE.md, Checkpoint saves: 22 GiB of state pin 28)."""
+    """What one pinned host allocation of `nbytes` takes: PyTorch's caching host allocator rounds it up to the next
+    power of two (docs/PERFORMANCE.md, Checkpoint saves, measures it)."""
     return 1 << (int(nbytes) - 1).bit_length() if nbytes > 1 else int(nbytes)
 
 

@@ -306,7 +306,7 @@ class DelayedUpdateZero3(_DelayedStep):
 
     Under ZeRO-3 the 16-bit partitions the forward fetches its parameters from are the ones DeepSpeed's step rewrites
     from the fp32 master weights, so the thread updates the master weights and the Adam moments only, and the next
-    step rewrites the 16-bit partitions from them (apply_pending: about 0.07 s per 10^9 parameters on the host). The
+    step rewrites the 16-bit partitions from them (apply_pending, timed in docs/PERFORMANCE.md). The
     sub-groups a partial offload keeps on the GPU take DeepSpeed's own AdamW there at once; their 16-bit partitions
     wait for the next step too, so every weight is one step late alike."""
 

@@ -1,9 +1,9 @@
 """Liger-Kernel's fused linear cross-entropy, in fewer and larger chunks.
 
 Liger's model losses call `liger_kernel.transformers.functional.liger_fused_linear_cross_entropy` (looked up at call
-time) without a `chunk_mem_const`, so its default of 1 applies: with a 151,936-token vocabulary a 32k-token batch is
-cut into 128 chunks of 256 tokens, and each chunk reads and writes the bf16 LM-head gradient once (~80 GB of memory
-traffic per step on Qwen3-0.6B). The patch makes the trainer's budget that function's default.
+time) without a `chunk_mem_const`, so its default of 1 applies: a large vocabulary cuts the batch into many small
+chunks, and each chunk reads and writes the bf16 LM-head gradient once (docs/PERFORMANCE.md gives the chunks and the
+gain). The patch makes the trainer's budget that function's default.
 """
 
 from __future__ import annotations

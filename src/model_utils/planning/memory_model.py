@@ -81,10 +81,9 @@ class MemoryModel:
                   prefetch: bool | None = None) -> bool:
         """--tiled_mlp as the run applies it: on, off, or auto: where a GPU holds TILED_MLP_MIN_TOKENS of a sequence
         or more, unless a GPU size is known and the step fits its budget untiled (tiles recompute each MLP in the
-        backward pass outside the compiled layer: llama-8b at 65,536 tokens on 2 H200s took 9.01 s a step tiled, 8.29
-        s untiled). LoRA runs keep the tiles: untiled at length their estimate missed the measured peak by a fifth
-        and more (llama-8b at 262,144 tokens on one H200: 106.4 GiB estimated eager, 84.7 measured; 73.9 compiled,
-        101.7 measured; docs/PERFORMANCE.md, Long sequences)."""
+        backward pass outside the compiled layer, which costs speed where memory does not need them). LoRA runs keep
+        the tiles: the estimate does not hold LoRA's untiled activations at length (docs/PERFORMANCE.md, Long
+        sequences, sets both beside the measured steps and peaks)."""
         if self.tiled_mlp != "auto" or not uses_tiled_mlp("auto", self.seq_len, 1):
             return uses_tiled_mlp(self.tiled_mlp, self.seq_len, 1)
         if self.budget is None or self.model.lora is not None:

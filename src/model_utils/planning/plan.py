@@ -169,7 +169,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
 
     if raw is not None:
         if not hardware.on_training_hardware and raw.get("bf16", {}).get("enabled") is True:
-            notes.append("bf16 is on: the GPU nodes must support it (A100/H100 or newer); not checkable here")
+            notes.append("bf16 is on: the GPU nodes must support it (compute capability 8.0, Ampere, or newer); not checkable here")
         plan, found, said = plan_batch(plan, raw)
         problems += found
         notes += said
