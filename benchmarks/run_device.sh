@@ -471,11 +471,13 @@ EOF
     ;;
   long-context-lora)  # llama-8b (--rope_scaling yarn:2) at LCL_SEQ_LEN tokens on one GPU each, LoRA of rank 16: the
     # frozen weights on the GPU (ds_config.json: ZeRO-2), each recomputed layer's input in pinned host memory
-    # (--offload_activations), tiled MLPs, checkpointing; on GPU 0 eager, its first step; beside it on GPU 1 (where
-    # there is one) compiled, its first two steps; each run's host peak against a one-GPU machine's 128 GiB (~8 min)
+    # (--offload_activations), --tiled_mlp LCL_TILED_MLP (auto: tiles, for LoRA; off: the MLPs whole), checkpointing;
+    # on GPU 0 eager, its first step; beside it on GPU 1 (where there is one) compiled, its first two steps; each
+    # run's host peak against a one-GPU machine's 128 GiB (~8 min)
     LCL=(--model llama-8b --seq_len "${LCL_SEQ_LEN:-262144}" --sequence_parallel 1 --steps 2 --skip 0
          --ds_config ds_config.json --timeout "${LCL_TIMEOUT:-520}")
-    LCL_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:2 --offload_activations --lora_rank 16)
+    LCL_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:2 --offload_activations --lora_rank 16
+                 --tiled_mlp "${LCL_TILED_MLP:-auto}")
     CUDA_VISIBLE_DEVICES=0 run_bench benchmarks/long_context.py lora-1gpu-eager 300 "${LCL[@]}" --stop-after-steps 1 \
       --workdir /tmp/lcl-eager --title "llama-8b LoRA, one GPU, eager" "${LCL_TRAINER[@]}" --compile off &
     if (($(nvidia-smi -L | wc -l) > 1)); then

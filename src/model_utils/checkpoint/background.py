@@ -259,24 +259,26 @@ class BackgroundSaves:
         self.pending = None  # the checkpoint.save.PendingSave in flight
         self.last_write_s: float | None = None  # how long the last committed checkpoint took from start to complete
         self.steps_seen = 0
+        self.reserving = True  # False once the optimizer's state could not be read ahead
 
     def reserve_buffers(self, engine, save_options: dict) -> None:
         """Called before every step: before the first, reserves the saves' host buffers (HostCopyWriter.reserve) beside
         it (its compilation leaves the CPUs room; DeepSpeed's ZeRO optimizers hold their fp32 partitions from the start,
         and ZeRO-3's Adam moments to come are counted ahead), and before the step after RESERVE_AFTER_STEPS, what the
         first updates added (a delayed update makes its first during the second step) and the first did not hold."""
-        if self.steps_seen in (0, RESERVE_AFTER_STEPS):
+        if self.reserving and self.steps_seen in (0, RESERVE_AFTER_STEPS):
             try:
                 nbytes = self.writer.reserve(engine, save_options)
             except (RuntimeError, NotImplementedError, AttributeError, KeyError, TypeError) as e:  # a state that
                 # cannot be read between steps: its saves allocate their host memory themselves, as before
-                self.steps_seen = RESERVE_AFTER_STEPS + 1
+                self.reserving = False
                 self.log(f"checkpoint: host memory for the saves not reserved ahead ({type(e).__name__}: {e}); each "
                          "save allocates what it lacks")
-                return
-            if not self.steps_seen:
-                self.log(f"checkpoint: reserving {nbytes / 2**30:.1f} GiB of {'pinned ' * self.writer.buffers.pinned}"
-                         "host memory for this rank's saves, beside training (a save then only copies into it)")
+            else:
+                if not self.steps_seen:
+                    self.log(f"checkpoint: reserving {nbytes / 2**30:.1f} GiB of "
+                             f"{'pinned ' * self.writer.buffers.pinned}host memory for this rank's saves, beside "
+                             "training (a save then only copies into it)")
         self.steps_seen += 1
 
     def local_state(self) -> float:

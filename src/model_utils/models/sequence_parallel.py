@@ -153,18 +153,23 @@ def _tiled_forward(mlp, forward, hidden: int, tiled_mlp):
     numbers its forward drew, so the gradients are those of the output the forward gave."""
     import torch
 
+    from model_utils.runtime.process import rng_state, set_rng_state
+
     tile_rng: list = []  # the random-number state before each tile of the latest forward, while a dropout is active
 
     def tile_forward(module, tile):
         if not torch.is_grad_enabled():  # TiledMLP's forward (its backward recomputes with gradients enabled)
             if dropout_active():
-                tile_rng.append(rng_state(tile.device))
+                tile_rng.append(rng_state())
             return forward(tile)
         if not tile_rng:
             return forward(tile)
-        with torch.random.fork_rng(devices=[tile.device] if tile.device.type == "cuda" else []):
-            set_rng_state(tile.device, tile_rng.pop(0))
+        now = rng_state()  # the numbers drawn after this recomputation stay those the run would draw without it
+        set_rng_state(tile_rng.pop(0))
+        try:
             return forward(tile)
+        finally:
+            set_rng_state(now)
 
     def dropout_active() -> bool:
         return mlp.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in mlp.modules())
@@ -179,17 +184,3 @@ def _tiled_forward(mlp, forward, hidden: int, tiled_mlp):
         return tiled_mlp.apply(tile_forward, mlp, tokens, tiles, params).view(*x.shape[:-1], -1)
 
     return torch.compiler.disable(tiled)  # an autograd function running a backward inside its backward: eager
-
-
-def rng_state(device) -> tuple:
-    import torch
-
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def set_rng_state(device, state: tuple) -> None:
-    import torch
-
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)

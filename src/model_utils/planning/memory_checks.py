@@ -75,7 +75,8 @@ def check_activation_host_memory(plan: Plan, report: Report) -> None:
     report.estimate(f"host memory: ~{need / GIB:.1f} GiB per node for the offloaded layer inputs of "
                     f"{plan.hardware.ranks_per_node} rank(s) (--offload_activations)"
                     + (f"; {available / GIB:.0f} GiB available" if available is not None else ""))
-    if available is not None and need + plan.memory.host_bytes > HOST_MEMORY_SHARE * available:
+    room = host_room(plan)
+    if room is not None and need > room:
         report.problems.append(Problem(
             "--offload_activations", True, f"the layers' inputs need ~{need / GIB:.0f} GiB of host memory per node "
             f"beside ~{plan.memory.host_bytes / GIB:.0f} GiB of offloaded states, {available / GIB:.0f} GiB are "
@@ -102,7 +103,7 @@ def note_long_sequences(plan: Plan, report: Report) -> None:
     longest = longest_sequence(plan, split, layers)
     settings = ", ".join([f"--sequence_parallel {split}"] + (["--gradient_checkpointing"] if layers else [])
                          + (["--offload_activations"] if plan.cfg.model.offload_activations else []))
-    host = host_room(plan, layers)
+    host = plan.cfg.model.offload_activations and layers and host_room(plan) is not None
     report.estimate(f"long sequences: the longest that fits is ~{longest:,} tokens per sequence at micro-batch 1 "
                     f"({settings}; {plan.hardware.gpu_memory_gib:.0f} GiB GPUs"
                     + (f", {plan.hardware.host_available / GIB:.0f} GiB of host memory free" if host else "")
@@ -122,12 +123,18 @@ def split_that_fits(plan: Plan) -> int | None:
     return None
 
 
-def host_room(plan: Plan, layers: int | None) -> float | None:
-    """The host memory a node's offloaded layer inputs may take (--offload_activations, beside the offloaded states,
-    HOST_MEMORY_SHARE of what is free); None where nothing is offloaded or the free memory is not known."""
-    if not (plan.cfg.model.offload_activations and layers) or plan.hardware.host_available is None:
-        return None
-    return HOST_MEMORY_SHARE * plan.hardware.host_available - plan.memory.host_bytes
+def host_room(plan: Plan) -> float | None:
+    """The host memory a node's offloaded layer inputs may take: HOST_MEMORY_SHARE of what is free, less the offloaded
+    states; None where the free memory is not known (a login node)."""
+    available = plan.hardware.host_available
+    return None if available is None else HOST_MEMORY_SHARE * available - plan.memory.host_bytes
+
+
+def offloaded_inputs_bytes(plan: Plan, rank_tokens: int, layers: int) -> float:
+    """A node's offloaded layer inputs at micro-batch 1 with `rank_tokens` tokens on each GPU
+    (models.memory.offloaded_activation_bytes for each of its ranks)."""
+    return plan.hardware.ranks_per_node * offloaded_activation_bytes(
+        plan.model.config, rank_tokens, 1, layers, dsc.precision(plan.ds_config) != "fp32")
 
 
 def longest_sequence(plan: Plan, split: int, layers: int | None) -> int:
@@ -135,11 +142,10 @@ def longest_sequence(plan: Plan, split: int, layers: int | None) -> int:
     budget by the memory model, each GPU holding 1/split of it, and, with --offload_activations, whose layer inputs
     fit the node's free host memory; 0 where none does."""
     memory_model, ds, step = plan.memory_model, plan.ds_config, split * 1024
-    room, bf16 = host_room(plan, layers), dsc.precision(ds) != "fp32"
+    room = host_room(plan) if plan.cfg.model.offload_activations and layers else None
 
     def fits(tokens: int) -> bool:
-        if room is not None and plan.hardware.ranks_per_node * offloaded_activation_bytes(
-                plan.model.config, tokens // split, 1, layers, bf16) > room:
+        if room is not None and offloaded_inputs_bytes(plan, tokens // split, layers) > room:
             return False
         model = dataclasses.replace(memory_model, seq_len=tokens // split)
         return model.phases(ds, 1, layers).train <= memory_model.budget
@@ -368,12 +374,8 @@ def offload_that_fits(plan: Plan) -> float | None:
     model = dataclasses.replace(plan.memory_model, offload_activations=True)
     if model.phases(plan.ds_config, 1, layers).train > model.budget:
         return None
-    need = plan.hardware.ranks_per_node * offloaded_activation_bytes(
-        plan.model.config, plan.rank_seq_len, 1, layers, dsc.precision(plan.ds_config) != "fp32")
-    available = plan.hardware.host_available
-    if available is not None and need + plan.memory.host_bytes > HOST_MEMORY_SHARE * available:
-        return None
-    return need
+    need, room = offloaded_inputs_bytes(plan, plan.rank_seq_len, layers), host_room(plan)
+    return None if room is not None and need > room else need
 
 
 # ----------------------------------------------------------------------------------------------------------------------
