@@ -101,7 +101,7 @@ def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
     summary = {"case": name, "model": args.model, "seq_len": seq_len, "sequence_parallel": split, "gpus": nproc,
                "status": status, "exit": code, "stopped_before_final_save": stopped,
                "wall_s": round(time.monotonic() - t0, 1), "steps": records, "extra_args": extra,
-               "side": "hf-trainer-ulysses" if args.peer else "ours",
+               "side": ("hf-trainer-ulysses" if split > 1 else "hf-trainer") if args.peer else "ours",
                "ds_config": args.ds_config, "log_tail": "" if status == "ok" else text[-3000:]}
     timed = records[args.skip:] or records
     if timed:
@@ -111,7 +111,7 @@ def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
                        peak_gib=max(r.get("peak_mem_gib", 0) or 0 for r in records))
     for line in text.splitlines():
         if line.startswith(("memory:", "tiled MLP", "sequence parallelism", "attention:", "activation checkpointing",
-                            "peer:")):
+                            "long sequences:", "peer:")):
             summary.setdefault("header", []).append(line[:300])
     return summary
 
@@ -136,8 +136,8 @@ def main() -> int:
                              "(a large model's save is not what is measured, and can outlast the call)")
     parser.add_argument("--title", default="")
     parser.add_argument("--peer", action="store_true", help="run Hugging Face Trainer's Ulysses path instead "
-                        "(long_context_peer.py; of the trainer flags after `--` it takes --gradient_checkpointing and "
-                        "--rope_scaling)")
+                        "(long_context_peer.py; of the trainer flags after `--` it takes --gradient_checkpointing, "
+                        "--lora_rank and --rope_scaling)")
     parser.add_argument("--peer-attn", dest="peer_attn", default="sdpa",
                         choices=("sdpa", "flash_attention_2", "flash_attention_3"))
     args, extra = parser.parse_known_args()

@@ -2,10 +2,13 @@
 parallelism through accelerate's `ParallelismConfig(sp_backend="deepspeed")`, configured as transformers' own guide
 does (docs/source/en/deepspeed_alst.md: `DeepSpeedSequenceParallelConfig`, `sp_seq_length_is_variable`, its
 attention among "sdpa", "flash_attention_2" and "flash_attention_3"), with Liger and activation checkpointing; the
-same preset, random-token sequences, micro-batch 1 and DeepSpeed config as the trainer's runs. Started by torchrun,
-one process per GPU. Each step's record goes to CHECKPOINT_DIR/metrics.jsonl in the trainer's form (`step`, `loss`,
-`lr`, `step_time_s`, `tokens_per_s_per_device`, `mfu`, `peak_mem_gib`, `host_peak_mem_gib`), so long_context.py reads
-both sides alike. The guide's Trainer has no tiled MLP and no offloaded checkpoints (ALST's other parts).
+same preset, random-token sequences, micro-batch 1 and DeepSpeed config as the trainer's runs; `--sequence_parallel 1`
+is the plain Trainer on each GPU (no ParallelismConfig), `--lora_rank` the adapters our run builds
+(models.lora.lora_config), GPU_MEMORY_GIB the allocator held as ours is (a larger GPU standing in for a smaller
+one). Started by torchrun, one process per GPU. Each step's record goes to CHECKPOINT_DIR/metrics.jsonl in the
+trainer's form (`step`, `loss`, `lr`, `step_time_s`, `tokens_per_s_per_device`, `mfu`, `peak_mem_gib`,
+`host_peak_mem_gib`), so long_context.py reads both sides alike. The guide's Trainer has no tiled MLP and no
+offloaded checkpoints (ALST's other parts).
 
     torchrun --nproc_per_node 2 benchmarks/long_context_peer.py --model llama-8b --seq_len 131072 \\
         --sequence_parallel 2 --steps 3 --ds_config configs/zero3.json --checkpoint_dir /tmp/peer -- \\
@@ -43,6 +46,8 @@ def main() -> int:
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--rope_scaling", default=None)
     parser.add_argument("--no-liger", dest="liger", action="store_false")
+    parser.add_argument("--lora_rank", type=int, default=0, help="LoRA adapters of this rank (ours' defaults "
+                        "otherwise)")
     args, ignored = parser.parse_known_args([a for a in sys.argv[1:] if a != "--"])  # the trainer's other flags
 
     normalize_env()
@@ -52,6 +57,7 @@ def main() -> int:
 
     from model_utils.data.tokenizer import load_tokenizer
     from model_utils.models.build import build_model, gpu_peak_tflops, model_config
+    from model_utils.runtime.distributed import cap_gpu_memory
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -59,13 +65,17 @@ def main() -> int:
     out = Path(args.checkpoint_dir)
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        cap_gpu_memory(torch.cuda.current_device())
 
     tokenizer = load_tokenizer(None)
     config = model_config(args.model, tokenizer, rope_scaling=args.rope_scaling)
     raw = json.loads(Path(args.ds_config).read_text())
     parallelism = ParallelismConfig(
         sp_backend="deepspeed", sp_size=split, dp_replicate_size=world // split,
-        sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation=args.attn))
+        sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation=args.attn)
+    ) if split > 1 else None
     # TrainingArguments first: under ZeRO-3 its DeepSpeed config partitions the model as it is created
     training = TrainingArguments(
         output_dir=str(out / "hf"), per_device_train_batch_size=1, gradient_accumulation_steps=1,
@@ -74,6 +84,15 @@ def main() -> int:
         parallelism_config=parallelism, use_liger_kernel=args.liger, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=1234, use_cpu=not cuda)
     model = build_model(args.model, config, torch.float32, args.attn, False)
+    if args.lora_rank:  # peft's model, as Trainer takes it; the checkpointed layers' inputs carry gradients to it
+        from peft import get_peft_model
+
+        from model_utils.config.settings import LoraSettings
+        from model_utils.models.lora import lora_config
+
+        model = get_peft_model(model, lora_config(config, LoraSettings(rank=args.lora_rank)))
+        if args.gradient_checkpointing:
+            model.enable_input_require_grads()
     if not cuda:  # accelerate starts DeepSpeed's communication on GPUs only; a CPU check runs it on gloo
         import deepspeed
 
@@ -88,7 +107,7 @@ def main() -> int:
             # DeepSpeed's Ulysses data loader adapter shards by the positions: it requires them in every batch
             return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq_len)}
 
-    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for name, p in model.named_parameters() if "lora_" not in name)
     flops_12, _ = flops_per_token(config, num_params, seq_len)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
     tokens_per_device = seq_len * (world // split) / world  # a step trains one sequence per data-parallel group
@@ -114,7 +133,10 @@ def main() -> int:
                   f"peak_mem {record['peak_mem_gib'] or 0:.1f}GiB", flush=True)
 
     if rank == 0:
-        print(f"peer: HF Trainer + DeepSpeed, Ulysses over {split} GPUs (accelerate ParallelismConfig), attention "
+        print("peer: HF Trainer + DeepSpeed, "
+              + (f"Ulysses over {split} GPUs (accelerate ParallelismConfig)" if split > 1 else "no sequence "
+                 "parallelism")
+              + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "") + ", attention "
               f"{args.attn}, Liger {'on' if args.liger else 'off'}, checkpointing "
               f"{'on' if args.gradient_checkpointing else 'off'}, {num_params / 1e9:.2f}B parameters"
               + (f"; not its flags, left out: {' '.join(ignored)}" if ignored else ""), flush=True)

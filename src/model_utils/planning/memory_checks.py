@@ -331,7 +331,8 @@ def check_memory(plan: Plan, report: Report) -> None:
                     f"step {phases.train / GIB:.1f}: model states, ZeRO buckets, activations; evaluation "
                     f"{phases.evaluation / GIB:.1f}; export {phases.export / GIB:.1f}"
                     + (f"; generation {phases.generation / GIB:.1f}" if phases.generation else "")
-                    + f"); GPU: {f'{memory:.0f} GiB' if memory else where}")
+                    + f"); GPU: {f'{memory:.0f} GiB' if memory else where}"
+                    + (f" ({where})" if memory and where.startswith("GPU_MEMORY_GIB,") else ""))
     if plan.parameters_choice:
         report.estimate(f"parameters: {plan.parameters_choice}")
     chunk = cfg.speed.flce_chunk_budget

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from model_utils.checkpoint.protocol import (ResumeError, find_resume_checkpoint, list_checkpoints,
@@ -119,14 +118,21 @@ class Plan:
 
 
 def gpu_memory_gib() -> tuple[float | None, str]:
-    """This machine's GPU memory, or GPU_MEMORY_GIB (planning for the GPU nodes from a login node)."""
+    """This machine's GPU memory, or GPU_MEMORY_GIB: on a login node, the GPU nodes' size; beside a larger GPU, the
+    size the run plans for and holds itself to (runtime.distributed.cap_gpu_memory: a larger GPU standing in for a
+    smaller one, or a GPU shared)."""
     import torch
 
+    from model_utils.runtime.distributed import gpu_memory_override
+
+    override = gpu_memory_override()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return props.total_memory / GIB, props.name
-    override = os.environ.get("GPU_MEMORY_GIB")
-    return (float(override), "GPU_MEMORY_GIB") if override else (None, "no GPU visible here")
+        total = props.total_memory / GIB
+        if override is not None and override < total:
+            return override, f"GPU_MEMORY_GIB, of the {props.name}'s {total:.1f}"
+        return total, props.name
+    return (override, "GPU_MEMORY_GIB") if override is not None else (None, "no GPU visible here")
 
 
 def host_memory_available() -> float | None:

@@ -85,6 +85,9 @@ def distributed_env_problems() -> list[Problem]:
     except ValueError as e:
         return [Problem("TORCH_CUDA_ARCH_LIST", env["TORCH_CUDA_ARCH_LIST"], str(e).split(": fix")[0],
                         "list architectures such as 8.0;9.0 (9.0a and +PTX are accepted), or unset it")]
+    if env.get("GPU_MEMORY_GIB") and gpu_memory_override() is None:
+        return [Problem("GPU_MEMORY_GIB", env["GPU_MEMORY_GIB"], "is not a positive number of GiB",
+                        "give one GPU's memory in GiB (GPU_MEMORY_GIB=79.2 for an 80 GB H100), or unset it")]
     if "RANK" not in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_LOCALID"], env["SLURM_NTASKS"]
         env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1"))  # the ranks sharing this node's cores
@@ -116,11 +119,35 @@ def setup_distributed(timeout_minutes: int = 30) -> Dist:
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+        cap_gpu_memory(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
     return Dist(rank, local_rank, world, device, backend)
+
+
+def gpu_memory_override() -> float | None:
+    """GPU_MEMORY_GIB as a number of GiB, None where it is unset or not a positive number (distributed_env_problems
+    stops a run on the latter before anything plans)."""
+    try:
+        value = float(os.environ.get("GPU_MEMORY_GIB") or "nan")
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def cap_gpu_memory(device: int) -> float | None:
+    """Hold PyTorch's allocator on this GPU to GPU_MEMORY_GIB where that is less than the GPU has, the size the plan
+    sized everything for (planning.plan.gpu_memory_gib): a step that would not fit the smaller GPU runs out of memory
+    here as it would there. The fraction given, or None where nothing is capped."""
+    override = gpu_memory_override()
+    total = torch.cuda.get_device_properties(device).total_memory
+    if override is None or override * 2**30 >= total:
+        return None
+    fraction = override * 2**30 / total
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
 
 
 def bf16_supported() -> bool:
