@@ -487,26 +487,27 @@ EOF
     wait
     ;;
   long-context-one-gpu)  # issue 59's one-GPU goal on an 80 GB H100's memory (GPU_MEMORY_GIB=79.2 on a larger GPU: each
-    # run plans for it and its allocator is held to it): llama-8b LoRA rank 16 (yarn:2, checkpointing, ds_config.json),
-    # one optimizer step each, ended once it is logged: ours at LC1_SEQ_LEN with its recomputed layers' inputs in pinned
-    # host memory and the MLPs tiled (auto), eager (its one step would otherwise time the compilation); the peer (HF
-    # Trainer + DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until it runs out of
-    # memory; the preflight at twice ours (~9 min)
-    export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2}
-    read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-131072 196608}"
+    # run plans for it and its allocator is held to it), both sides with expandable segments (the allocator's setting
+    # for long sequences): llama-8b LoRA rank 16 (yarn:2, checkpointing, ds_config.json), one optimizer step each,
+    # ended once it is logged: ours at LC1_SEQ_LEN with its recomputed layers' inputs in pinned host memory and the MLPs
+    # tiled (auto), compiled (its one step includes the compilation; --compile off needs more memory by the estimate);
+    # the peer (HF Trainer + DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until
+    # it runs out of memory; the preflight at twice ours (~8 min)
+    export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-98304 131072}"
     LC1=(--model llama-8b --sequence_parallel 1 --ds_config ds_config.json --steps 2 --skip 0 --stop-after-steps 1)
     LC1_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:2 --lora_rank 16)
     run_bench benchmarks/long_context.py lc1-ours 240 "${LC1[@]}" --seq_len "${LC1_SEQ_LEN:-262144}" \
       --timeout "${LC1_TIMEOUT:-330}" --workdir /tmp/lc1-ours \
-      --title "ours, LoRA, one GPU held to $GPU_MEMORY_GIB GiB, inputs offloaded, MLPs tiled (auto), eager" \
-      "${LC1_TRAINER[@]}" --offload_activations --tiled_mlp auto --compile off
+      --title "ours, LoRA, one GPU held to $GPU_MEMORY_GIB GiB, inputs offloaded, MLPs tiled (auto), compiled" \
+      "${LC1_TRAINER[@]}" --offload_activations --tiled_mlp auto
     run_bench benchmarks/long_context.py lc1-peer 90 "${LC1[@]}" --seq_len "${lc1_peer_lens[@]}" --peer --stop-at-oom \
-      --timeout "${LC1_PEER_TIMEOUT:-180}" --workdir /tmp/lc1-peer \
+      --timeout "${LC1_PEER_TIMEOUT:-150}" --workdir /tmp/lc1-peer \
       --title "HF Trainer + DeepSpeed + Liger, LoRA, one GPU held to $GPU_MEMORY_GIB GiB" "${LC1_TRAINER[@]}"
     python3 src/train_deepspeed.py --model llama-8b --seq_len $((2 * ${LC1_SEQ_LEN:-262144})) --rope_scaling yarn:4 \
       --gradient_checkpointing --lora_rank 16 --offload_activations --dummy_data 8 --preflight 2>&1 \
       | tee "$OUT/lc1-preflight-past-longest.txt" | grep -E "long sequences|needs|fix|host" | cut -c1-400
-    unset GPU_MEMORY_GIB
+    unset GPU_MEMORY_GIB PYTORCH_CUDA_ALLOC_CONF
     ;;
   long-context-peer)  # ours against Hugging Face Trainer's Ulysses path (long_context_peer.py: accelerate's
     # ParallelismConfig as transformers' guide sets it, SDPA, Liger, checkpointing), LC_MODEL split over LC_GPUS GPUs,
