@@ -123,6 +123,29 @@ def split_that_fits(plan: Plan) -> int | None:
     return None
 
 
+NODE_SIZES = (2, 4, 8)  # GPUs per node that clusters have; Ulysses splits a sequence within one node
+
+
+def split_on_a_larger_node(plan: Plan) -> tuple[int, float] | None:
+    """Where no split of this node's GPUs fits the plan's sequences: the fewest GPUs of a larger node (NODE_SIZES)
+    that, each sequence split across them at micro-batch 1, fit it on GPUs of this size by the estimate, with the host
+    memory such a node's offloaded layer inputs take (0 without --offload_activations); None where none does."""
+    if not _sized(plan) or plan.batch.micro != 1:
+        return None
+    layers, config = plan.memory.checkpointed_layers, plan.model.config
+    for n in NODE_SIZES:
+        if n <= plan.hardware.ranks_per_node or sequence_parallel_problems(
+                config, n, plan.seq_len, n, plan.cfg.model.attn_implementation):
+            continue
+        model = dataclasses.replace(plan.memory_model, seq_len=plan.seq_len // n)
+        if model.phases(plan.ds_config, 1, layers).train <= plan.memory_model.budget:
+            host = (n * offloaded_activation_bytes(config, plan.seq_len // n, 1, layers,
+                                                   dsc.precision(plan.ds_config) != "fp32")
+                    if plan.cfg.model.offload_activations and layers else 0.0)
+            return n, host
+    return None
+
+
 def host_room(plan: Plan) -> float | None:
     """The host memory a node's offloaded layer inputs may take: HOST_MEMORY_SHARE of what is free, less the offloaded
     states; None where the free memory is not known (a login node)."""
@@ -356,13 +379,17 @@ def check_memory(plan: Plan, report: Report) -> None:
                             plan.hardware.ranks_per_node, adapters=plan.model.adapters,
                             frozen_params=plan.model.frozen_params)
         offload = offload_that_fits(plan)
+        larger = split_on_a_larger_node(plan) if split is None and not offload else None
         report.problems.append(Problem(
             "train_micro_batch_size_per_gpu / zero_optimization", f"micro {micro}, ZeRO {stage}",
             f"needs ~{total / GIB:.0f} GiB per GPU, more than the {memory:.0f} GiB available",
             (f"keep the recomputed layers' inputs in host memory: --offload_activations (~{offload / GIB:.0f} GiB of "
              "host memory per node, by the estimate); or " if offload else "")
             + (f"split each sequence across {split} GPUs: --sequence_parallel {split} (by the estimate); or "
-               if split else "") + fits))
+               if split else "")
+            + (f"on a node of {larger[0]} GPUs, split each sequence across them: --sequence_parallel {larger[0]} "
+               + (f"(~{larger[1] / GIB:.0f} GiB of host memory for the offloaded inputs, " if larger[1] else "(")
+               + "by the estimate); or " if larger else "") + fits))
 
 
 def offload_that_fits(plan: Plan) -> float | None:

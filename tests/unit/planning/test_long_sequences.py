@@ -187,3 +187,40 @@ def test_tiled_mlps_keep_one_tile_of_the_mlp_instead_of_the_sequence(monkeypatch
     mlp = mlp_bytes_per_token(config, True)
     assert (evaluation_bytes(config, 65536, 1, True) - evaluation_bytes(config, 65536, 1, True, tiled_mlp=True)
             == pytest.approx((65536 - 2048) * mlp))
+
+
+def test_a_sequence_no_split_of_this_node_fits_gets_the_node_size_that_would(monkeypatch, session_cache):
+    """llama-8b LoRA with its inputs offloaded at 524,288 tokens on a one-GPU node of 80 GiB: no split exists here, so
+    the fix names the fewest GPUs of a larger node that fit it and the host memory their offloaded inputs take there;
+    at 262,144 the same node needs none of it."""
+    from model_utils.models import speed
+    from model_utils.planning import plan as plan_module
+    from model_utils.planning.memory_checks import check_memory, longest_sequence, split_on_a_larger_node
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
+    monkeypatch.setattr(speed, "liger_available", lambda: True)
+
+    def plan(seq_len):
+        cfg = parse_args(["--model", "llama-8b", "--micro_batch_size", "1", "--dummy_data", "8", "--seq_len",
+                          str(seq_len), "--rope_scaling", "yarn:4", "--gradient_checkpointing", "--lora_rank", "16",
+                          "--offload_activations", "--checkpoint_dir", "/nonexistent/ckpt", "--no-export"])
+        made = plan_module.make_plan(cfg, 1, decides=False)
+        return dataclasses.replace(made, hardware=dataclasses.replace(made.hardware, host_available=1000 * GIB))
+
+    long = plan(524288)
+    n, host = split_on_a_larger_node(long)
+    layers = long.memory.checkpointed_layers
+    assert n in (2, 4, 8) and longest_sequence(long, 1, layers) < 524288
+    fits = lambda gpus: dataclasses.replace(long.memory_model, seq_len=524288 // gpus).phases(  # noqa: E731
+        long.ds_config, 1, layers).train <= long.memory_model.budget
+    assert fits(n) and (n == 2 or not fits(n // 2))
+    assert host == n * offloaded_activation_bytes(long.model.config, 524288 // n, 1, layers, True)
+    report = Report(long)
+    check_memory(long, report)
+    assert [p.setting for p in report.problems] == ["train_micro_batch_size_per_gpu / zero_optimization"]
+    assert report.problems[0].fix.startswith(
+        f"on a node of {n} GPUs, split each sequence across them: --sequence_parallel {n} (~{host / GIB:.0f} GiB of "
+        "host memory for the offloaded inputs, by the estimate); or ")
+    report = Report(plan(262144))
+    check_memory(report.plan, report)
+    assert report.problems == []
