@@ -492,13 +492,14 @@ EOF
     # ended once it is logged: ours at LC1_SEQ_LEN with its recomputed layers' inputs in pinned host memory and the MLPs
     # tiled (auto), compiled (its one step includes the compilation; --compile off needs more memory by the estimate);
     # the peer (HF Trainer + DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until
-    # it runs out of memory; the preflight at twice ours (~8 min)
+    # it runs out of memory (after ours, where the call's BUDGET leaves time); the preflight at twice ours (~10 min:
+    # ours alone takes ~2 min to start and longer than 220 s for its compiling step)
     export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-98304 131072}"
     LC1=(--model llama-8b --sequence_parallel 1 --ds_config ds_config.json --steps 2 --skip 0 --stop-after-steps 1)
     LC1_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:2 --lora_rank 16)
     run_bench benchmarks/long_context.py lc1-ours 240 "${LC1[@]}" --seq_len "${LC1_SEQ_LEN:-262144}" \
-      --timeout "${LC1_TIMEOUT:-330}" --workdir /tmp/lc1-ours \
+      --timeout "${LC1_TIMEOUT:-480}" --workdir /tmp/lc1-ours \
       --title "ours, LoRA, one GPU held to $GPU_MEMORY_GIB GiB, inputs offloaded, MLPs tiled (auto), compiled" \
       "${LC1_TRAINER[@]}" --offload_activations --tiled_mlp auto
     run_bench benchmarks/long_context.py lc1-peer 90 "${LC1[@]}" --seq_len "${lc1_peer_lens[@]}" --peer --stop-at-oom \
