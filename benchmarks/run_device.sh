@@ -36,7 +36,9 @@ run_bench() {  # run_bench SCRIPT NAME SECONDS_NEEDED ARGS...: one invocation of
     | cut -c1-400
 }
 bench() { run_bench benchmarks/bench.py "$@"; }  # bench NAME SECONDS_NEEDED bench.py-ARGS...
-sft() { run_bench benchmarks/sft_bench.py "$@"; }  # sft NAME SECONDS_NEEDED sft_bench.py-ARGS...
+# sft NAME SECONDS_NEEDED sft_bench.py-ARGS...; each recompilation of a compiled layer is logged with its reason (a
+# stalled step at a new shape names the shape in the run's log)
+sft() { TORCH_LOGS=${SFT_TORCH_LOGS-recompiles} run_bench benchmarks/sft_bench.py "$@"; }
 # Qwen3-4B at 131,072 tokens per step with the offload preset (ZeRO-2, the optimizer offloaded) and under ZeRO-3 with
 # parameters and optimizer offloaded: the setups of the offload and zero3-* plans
 Q4B_ZERO2=(--model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072)
