@@ -495,17 +495,19 @@ EOF
     # tiled (auto), compiled (its one step includes the compilation; --compile off needs more memory by the estimate);
     # the peer (HF Trainer + DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until
     # it runs out of memory (after ours, where the call's BUDGET leaves time); the preflight at twice ours (~10 min:
-    # ours alone takes ~2 min to start and longer than 220 s for its compiling step)
+    # ours alone takes ~2 min to start and longer than 220 s for its compiling step; LC1_SIDES="ours" or "peer" runs
+    # one side, a call each)
     export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-98304 131072}"
     LC1=(--model llama-8b --sequence_parallel 1 --ds_config ds_config.json --steps 2 --skip 0 --stop-after-steps 1)
     LC1_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:2 --lora_rank 16)
-    run_bench benchmarks/long_context.py lc1-ours 240 "${LC1[@]}" --seq_len "${LC1_SEQ_LEN:-262144}" \
+    lc1_sides=" ${LC1_SIDES:-ours peer} "
+    [[ $lc1_sides == *" ours "* ]] && run_bench benchmarks/long_context.py lc1-ours 240 "${LC1[@]}" --seq_len "${LC1_SEQ_LEN:-262144}" \
       --timeout "${LC1_TIMEOUT:-480}" --workdir /tmp/lc1-ours \
       --title "ours, LoRA, one GPU held to $GPU_MEMORY_GIB GiB, inputs offloaded, MLPs tiled (auto), compiled" \
       "${LC1_TRAINER[@]}" --offload_activations --tiled_mlp auto
-    run_bench benchmarks/long_context.py lc1-peer 90 "${LC1[@]}" --seq_len "${lc1_peer_lens[@]}" --peer --stop-at-oom \
-      --timeout "${LC1_PEER_TIMEOUT:-150}" --workdir /tmp/lc1-peer \
+    [[ $lc1_sides == *" peer "* ]] && run_bench benchmarks/long_context.py lc1-peer 90 "${LC1[@]}" --seq_len "${lc1_peer_lens[@]}" --peer --stop-at-oom \
+      --timeout "${LC1_PEER_TIMEOUT:-240}" --workdir /tmp/lc1-peer \
       --title "HF Trainer + DeepSpeed + Liger, LoRA, one GPU held to $GPU_MEMORY_GIB GiB" "${LC1_TRAINER[@]}"
     python3 src/train_deepspeed.py --model llama-8b --seq_len $((2 * ${LC1_SEQ_LEN:-262144})) --rope_scaling yarn:4 \
       --gradient_checkpointing --lora_rank 16 --offload_activations --dummy_data 8 --preflight 2>&1 \
