@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from common import host_peak_gib, normalize_env  # noqa: E402
 from hf_peer import optimizer_arguments, step_timer, trainer_ds_config  # noqa: E402
-from report import flops_per_token  # noqa: E402
+from report import base_parameters, flops_per_token  # noqa: E402
 
 GIB = 2**30
 
@@ -107,7 +107,7 @@ def main() -> int:
             # DeepSpeed's Ulysses data loader adapter shards by the positions: it requires them in every batch
             return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq_len)}
 
-    num_params = sum(getattr(p, "ds_numel", p.numel()) for name, p in model.named_parameters() if "lora_" not in name)
+    num_params = base_parameters(model)
     flops_12, _ = flops_per_token(config, num_params, seq_len)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
     tokens_per_device = seq_len * (world // split) / world  # a step trains one sequence per data-parallel group

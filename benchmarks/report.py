@@ -24,6 +24,12 @@ def throughput(tokens_per_step_per_gpu: int, step_times: list[float], flops_per_
     return out
 
 
+def base_parameters(model) -> int:
+    """The model's parameters less LoRA adapters' (ZeRO-3's partitioned ones by their full size): what the FLOPs and
+    MFU of both sides count."""
+    return sum(getattr(p, "ds_numel", p.numel()) for name, p in model.named_parameters() if "lora_" not in name)
+
+
 def flops_per_token(config, num_params: int, seq_len: int, attention_span: float | None = None) -> tuple[float, float]:
     """Under both attention conventions. `attention_span`: the attention query-key pairs per token, seq_len unless
     attention stays within documents (then the mean over the timed tokens)."""

@@ -60,7 +60,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory  # noqa: E402
-from report import flops_per_token, throughput, versions  # noqa: E402
+from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
 from telemetry import GpuTelemetry  # noqa: E402
 
 SIDES = {"ours": "ours", "trl": "TRL SFTTrainer"}
@@ -106,11 +106,6 @@ def peer_example_lengths(packing: str, numel: int, positions, rows_lengths) -> l
 def work_of(lengths: list[int]) -> tuple[int, int]:
     """(tokens, attention query-key pairs) of examples of these lengths, each attending within itself."""
     return sum(lengths), sum(n * n for n in lengths)
-
-
-def base_parameters(model) -> int:
-    """The model's parameters less LoRA adapters' (ZeRO-3's partitioned ones by their full size)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for name, p in model.named_parameters() if "lora_" not in name)
 
 
 def figures(config, num_params: int, seq_len: int, tokens: int, area: int, loss_tokens: int, times: list[float],

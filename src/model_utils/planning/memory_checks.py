@@ -98,12 +98,12 @@ def note_long_sequences(plan: Plan, report: Report) -> None:
     run's sequences do not fit, the fewest GPUs per sequence (--sequence_parallel) that would fit them."""
     if not _sized(plan) or (plan.sequence_parallel == 1 and plan.seq_len < LONG_SEQUENCE):
         return
-    layers = plan.memory.checkpointed_layers
     split = plan.sequence_parallel
-    longest = longest_sequence(plan, split, layers)
-    settings = ", ".join([f"--sequence_parallel {split}"] + (["--gradient_checkpointing"] if layers else [])
+    longest = longest_sequence(plan, split)
+    settings = ", ".join([f"--sequence_parallel {split}"]
+                         + (["--gradient_checkpointing"] if plan.memory.checkpointed_layers else [])
                          + (["--offload_activations"] if plan.cfg.model.offload_activations else []))
-    host = plan.cfg.model.offload_activations and layers and host_room(plan) is not None
+    host = offloads_inputs(plan) and host_room(plan) is not None
     report.estimate(f"long sequences: the longest that fits is ~{longest:,} tokens per sequence at micro-batch 1 "
                     f"({settings}; {plan.hardware.gpu_memory_gib:.0f} GiB GPUs"
                     + (f", {plan.hardware.host_available / GIB:.0f} GiB of host memory free" if host else "")
@@ -118,7 +118,7 @@ def split_that_fits(plan: Plan) -> int | None:
     gpus = plan.hardware.ranks_per_node
     for n in range(plan.sequence_parallel + 1, gpus + 1):
         if not sequence_parallel_problems(plan.model.config, n, plan.seq_len, gpus, plan.cfg.model.attn_implementation):
-            if longest_sequence(plan, n, plan.memory.checkpointed_layers) >= plan.seq_len:
+            if longest_sequence(plan, n) >= plan.seq_len:
                 return n
     return None
 
@@ -132,18 +132,25 @@ def split_on_a_larger_node(plan: Plan) -> tuple[int, float] | None:
     memory such a node's offloaded layer inputs take (0 without --offload_activations); None where none does."""
     if not _sized(plan) or plan.batch.micro != 1:
         return None
-    layers, config = plan.memory.checkpointed_layers, plan.model.config
     for n in NODE_SIZES:
         if n <= plan.hardware.ranks_per_node or sequence_parallel_problems(
-                config, n, plan.seq_len, n, plan.cfg.model.attn_implementation):
+                plan.model.config, n, plan.seq_len, n, plan.cfg.model.attn_implementation):
             continue
-        model = dataclasses.replace(plan.memory_model, seq_len=plan.seq_len // n)
-        if model.phases(plan.ds_config, 1, layers).train <= plan.memory_model.budget:
-            host = (n * offloaded_activation_bytes(config, plan.seq_len // n, 1, layers,
-                                                   dsc.precision(plan.ds_config) != "fp32")
-                    if plan.cfg.model.offload_activations and layers else 0.0)
-            return n, host
+        if train_fits(plan, seq_len=plan.seq_len // n):
+            return n, offloaded_inputs_bytes(plan, plan.seq_len // n, ranks=n) if offloads_inputs(plan) else 0.0
     return None
+
+
+def offloads_inputs(plan: Plan) -> bool:
+    """Whether the recomputed layers' inputs go to host memory (--offload_activations, and layers that recompute)."""
+    return bool(plan.cfg.model.offload_activations and plan.memory.checkpointed_layers)
+
+
+def train_fits(plan: Plan, **changes) -> bool:
+    """Whether the training step at micro-batch 1 fits the GPU budget by the memory model, with `changes` to it
+    (seq_len: the tokens on each GPU; offload_activations)."""
+    model = dataclasses.replace(plan.memory_model, **changes)
+    return model.phases(plan.ds_config, 1, plan.memory.checkpointed_layers).train <= plan.memory_model.budget
 
 
 def host_room(plan: Plan) -> float | None:
@@ -153,25 +160,24 @@ def host_room(plan: Plan) -> float | None:
     return None if available is None else HOST_MEMORY_SHARE * available - plan.memory.host_bytes
 
 
-def offloaded_inputs_bytes(plan: Plan, rank_tokens: int, layers: int) -> float:
-    """A node's offloaded layer inputs at micro-batch 1 with `rank_tokens` tokens on each GPU
-    (models.memory.offloaded_activation_bytes for each of its ranks)."""
-    return plan.hardware.ranks_per_node * offloaded_activation_bytes(
-        plan.model.config, rank_tokens, 1, layers, dsc.precision(plan.ds_config) != "fp32")
+def offloaded_inputs_bytes(plan: Plan, rank_tokens: int, ranks: int | None = None) -> float:
+    """A node's offloaded layer inputs at micro-batch 1 with `rank_tokens` tokens on each of its `ranks` GPUs (None:
+    this node's), models.memory.offloaded_activation_bytes for each."""
+    return (ranks or plan.hardware.ranks_per_node) * offloaded_activation_bytes(
+        plan.model.config, rank_tokens, 1, plan.memory.checkpointed_layers, dsc.precision(plan.ds_config) != "fp32")
 
 
-def longest_sequence(plan: Plan, split: int, layers: int | None) -> int:
+def longest_sequence(plan: Plan, split: int) -> int:
     """The longest sequence (a multiple of split x 1,024 tokens) whose training step at micro-batch 1 fits the GPU
     budget by the memory model, each GPU holding 1/split of it, and, with --offload_activations, whose layer inputs
     fit the node's free host memory; 0 where none does."""
-    memory_model, ds, step = plan.memory_model, plan.ds_config, split * 1024
-    room = host_room(plan) if plan.cfg.model.offload_activations and layers else None
+    step = split * 1024
+    room = host_room(plan) if offloads_inputs(plan) else None
 
     def fits(tokens: int) -> bool:
-        if room is not None and offloaded_inputs_bytes(plan, tokens // split, layers) > room:
+        if room is not None and offloaded_inputs_bytes(plan, tokens // split) > room:
             return False
-        model = dataclasses.replace(memory_model, seq_len=tokens // split)
-        return model.phases(ds, 1, layers).train <= memory_model.budget
+        return train_fits(plan, seq_len=tokens // split)
 
     low, high = 0, 1 << 15  # in steps: up to 32M x split tokens
     while low < high:
@@ -354,8 +360,7 @@ def check_memory(plan: Plan, report: Report) -> None:
                     f"step {phases.train / GIB:.1f}: model states, ZeRO buckets, activations; evaluation "
                     f"{phases.evaluation / GIB:.1f}; export {phases.export / GIB:.1f}"
                     + (f"; generation {phases.generation / GIB:.1f}" if phases.generation else "")
-                    + f"); GPU: {f'{memory:.0f} GiB' if memory else where}"
-                    + (f" ({where})" if memory and where.startswith("GPU_MEMORY_GIB,") else ""))
+                    + f"); GPU: {f'{memory:.0f} GiB ({where})' if memory else where}")
     if plan.parameters_choice:
         report.estimate(f"parameters: {plan.parameters_choice}")
     chunk = cfg.speed.flce_chunk_budget
@@ -396,13 +401,10 @@ def offload_that_fits(plan: Plan) -> float | None:
     """The host memory per node with which --offload_activations fits the plan's sequences at micro-batch 1 on its
     GPUs and in the node's free memory, by the estimate; None where it is on already, nothing recomputes, or it does
     not fit."""
-    layers = plan.memory.checkpointed_layers
-    if not _sized(plan) or plan.cfg.model.offload_activations or not layers or plan.batch.micro != 1:
+    if (not _sized(plan) or plan.cfg.model.offload_activations or not plan.memory.checkpointed_layers
+            or plan.batch.micro != 1 or not train_fits(plan, offload_activations=True)):
         return None
-    model = dataclasses.replace(plan.memory_model, offload_activations=True)
-    if model.phases(plan.ds_config, 1, layers).train > model.budget:
-        return None
-    need, room = offloaded_inputs_bytes(plan, plan.rank_seq_len, layers), host_room(plan)
+    need, room = offloaded_inputs_bytes(plan, plan.rank_seq_len), host_room(plan)
     return None if room is not None and need > room else need
 
 

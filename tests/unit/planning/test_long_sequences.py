@@ -32,7 +32,7 @@ def test_the_longest_sequence_grows_with_the_split_and_fits_the_estimate(monkeyp
 
     plan = _plan(monkeypatch, 4, "--seq_len", "262144", "--sequence_parallel", "2", "--rope_scaling", "yarn:4")
     layers = plan.memory.checkpointed_layers
-    one, two, four = (longest_sequence(plan, n, layers) for n in (1, 2, 4))
+    one, two, four = (longest_sequence(plan, n) for n in (1, 2, 4))
     assert 0 < one < two < four and two % 2048 == 0
     budget = plan.memory_model.budget
     at = lambda tokens, n: dataclasses.replace(plan.memory_model, seq_len=tokens // n).phases(  # noqa: E731
@@ -55,8 +55,7 @@ def test_with_offloaded_inputs_the_longest_sequence_fits_the_nodes_free_host_mem
     assert [pinned_bytes(n) for n in (0, 1, 3 * 2**30, 2**31)] == [0, 1, 2**32, 2**31]
     flags = ("--seq_len", "262144", "--rope_scaling", "yarn:8", "--offload_activations")
     plenty, tight = _plan(monkeypatch, 1, *flags, host_gib=1000), _plan(monkeypatch, 1, *flags, host_gib=20)
-    layers = tight.memory.checkpointed_layers
-    assert longest_sequence(tight, 1, layers) == 262144 < longest_sequence(plenty, 1, layers)
+    assert longest_sequence(tight, 1) == 262144 < longest_sequence(plenty, 1)
     report = Report(tight)
     note_long_sequences(tight, report)
     assert "the longest that fits is ~262,144 tokens" in report.estimates[-1]
@@ -67,9 +66,9 @@ def test_a_sequence_that_does_not_fit_gets_the_split_that_fits(monkeypatch, sess
     from model_utils.planning.memory_checks import check_memory, longest_sequence, split_that_fits
 
     plan = _plan(monkeypatch, 4, "--seq_len", "1048576", "--rope_scaling", "yarn:8")
-    assert longest_sequence(plan, 1, plan.memory.checkpointed_layers) < 1048576
+    assert longest_sequence(plan, 1) < 1048576
     split = split_that_fits(plan)
-    assert split in (2, 4) and longest_sequence(plan, split, plan.memory.checkpointed_layers) >= 1048576
+    assert split in (2, 4) and longest_sequence(plan, split) >= 1048576
     report = Report(plan)
     check_memory(plan, report)
     assert len(report.problems) == 1
@@ -210,7 +209,7 @@ def test_a_sequence_no_split_of_this_node_fits_gets_the_node_size_that_would(mon
     long = plan(524288)
     n, host = split_on_a_larger_node(long)
     layers = long.memory.checkpointed_layers
-    assert n in (2, 4, 8) and longest_sequence(long, 1, layers) < 524288
+    assert n in (2, 4, 8) and longest_sequence(long, 1) < 524288
     fits = lambda gpus: dataclasses.replace(long.memory_model, seq_len=524288 // gpus).phases(  # noqa: E731
         long.ds_config, 1, layers).train <= long.memory_model.budget
     assert fits(n) and (n == 2 or not fits(n // 2))
