@@ -492,11 +492,11 @@ EOF
     # run plans for it and its allocator is held to it), both sides with expandable segments (the allocator's setting
     # for long sequences): llama-8b LoRA rank 16 (yarn:2, checkpointing, ds_config.json), one optimizer step each,
     # ended once it is logged: ours at LC1_SEQ_LEN with its recomputed layers' inputs in pinned host memory and the MLPs
-    # tiled (auto), compiled (its one step includes the compilation; --compile off needs more memory by the estimate);
-    # the peer (HF Trainer + DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until
-    # it runs out of memory (after ours, where the call's BUDGET leaves time); the preflight at twice ours (~10 min:
-    # ours alone takes ~2 min to start and longer than 220 s for its compiling step; LC1_SIDES="ours" or "peer" runs
-    # one side, a call each)
+    # tiled (auto), its layers as LC1_COMPILE says (auto: compiled, the default a user gets; off: eager), attention as
+    # LC1_ATTENTION says (sdpa: PyTorch's, as the peer's; auto: flash-attn-4 where installed); the peer (HF Trainer +
+    # DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until it runs out of memory
+    # (after ours, where the call's BUDGET leaves time); the preflight at twice ours (~10 min: ours alone takes ~2 min
+    # to start and 3-5 min for its step; LC1_SIDES="ours" or "peer" runs one side)
     export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-98304 131072}"
     LC1=(--model llama-8b --sequence_parallel 1 --ds_config ds_config.json --steps 2 --skip 0 --stop-after-steps 1)
@@ -504,8 +504,9 @@ EOF
     lc1_sides=" ${LC1_SIDES:-ours peer} "
     [[ $lc1_sides == *" ours "* ]] && run_bench benchmarks/long_context.py lc1-ours 240 "${LC1[@]}" --seq_len "${LC1_SEQ_LEN:-262144}" \
       --timeout "${LC1_TIMEOUT:-480}" --workdir /tmp/lc1-ours \
-      --title "ours, LoRA, one GPU held to $GPU_MEMORY_GIB GiB, inputs offloaded, MLPs tiled (auto), compiled" \
-      "${LC1_TRAINER[@]}" --offload_activations --tiled_mlp auto
+      --title "ours, LoRA, one GPU held to $GPU_MEMORY_GIB GiB, inputs offloaded, MLPs tiled (auto), --compile ${LC1_COMPILE:-auto}, attention ${LC1_ATTENTION:-sdpa}" \
+      "${LC1_TRAINER[@]}" --offload_activations --tiled_mlp auto --compile "${LC1_COMPILE:-auto}" \
+      --attention_kernel "${LC1_ATTENTION:-sdpa}"
     [[ $lc1_sides == *" peer "* ]] && run_bench benchmarks/long_context.py lc1-peer 90 "${LC1[@]}" --seq_len "${lc1_peer_lens[@]}" --peer --stop-at-oom \
       --timeout "${LC1_PEER_TIMEOUT:-240}" --workdir /tmp/lc1-peer \
       --title "HF Trainer + DeepSpeed + Liger, LoRA, one GPU held to $GPU_MEMORY_GIB GiB" "${LC1_TRAINER[@]}"

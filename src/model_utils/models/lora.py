@@ -155,13 +155,16 @@ def meta_model(model_config, settings: LoraSettings | None):
 
 def adapter_activations(model, settings: LoraSettings, layers: int):
     """models.memory.AdapterActivations of a wrapped model with `layers` decoder layers: its adapters' input widths and
-    ranks summed over the model and shared out over the layers."""
+    ranks summed over the model and shared out over the layers, those inside the layers' MLPs (a module named `mlp`,
+    what models.sequence_parallel.tile_mlps tiles) also on their own."""
     from peft.tuners.lora import LoraLayer
 
     adapted = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    inputs = sum(m.in_features for m in adapted)
-    ranks = sum(sum(m.r.values()) for m in adapted)
-    return AdapterActivations(inputs // max(layers, 1), ranks // max(layers, 1), settings.dropout > 0)
+    in_mlps = [m for name, m in model.named_modules() if isinstance(m, LoraLayer) and "mlp" in name.split(".")]
+    share = max(layers, 1)
+    inputs, mlp_inputs = (sum(m.in_features for m in group) // share for group in (adapted, in_mlps))
+    ranks, mlp_ranks = (sum(sum(m.r.values()) for m in group) // share for group in (adapted, in_mlps))
+    return AdapterActivations(inputs, ranks, settings.dropout > 0, mlp_inputs, mlp_ranks)
 
 
 def lora_parameter_counts(model_config, settings: LoraSettings | None) -> ParameterCounts:

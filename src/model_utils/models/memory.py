@@ -138,20 +138,43 @@ def eager_layer_activation_bytes_per_token(config) -> float:
 @dataclass(frozen=True)
 class AdapterActivations:
     """One decoder layer's LoRA adapters as their activations scale (models.lora.adapter_activations reads them from the
-    wrapped model): the sum of the adapted layers' input widths, the sum of their ranks, and whether dropout is on."""
+    wrapped model): the sum of the adapted layers' input widths, the sum of their ranks, and whether dropout is on;
+    `mlp_inputs` and `mlp_ranks`, the part of each sum inside the layer's MLP (gate, up and down on the families'
+    default layers), which a tiled MLP recomputes tile by tile with the MLP's own tensors."""
 
     inputs: int
     ranks: int
     dropout: bool
+    mlp_inputs: int = 0
+    mlp_ranks: int = 0
 
-    def bytes_per_token(self, compiled: bool) -> float:
+    def bytes_per_token(self, compiled: bool, tiled_mlp: bool = False) -> float:
         """What the adapters add to one layer's kept activations per token: 4 bytes per rank element (A x, which B's
         gradient reads) and, with dropout, per input element 1 byte compiled (the mask: the layer's input is kept
         anyway and the dropped copy is recomputed from it) or 4 eager (the mask, the dropped 16-bit copy A's gradient
         reads, and what the eager layer keeps beside them). benchmarks/layer_activations.py --lora_rank measures them
-        (docs/PERFORMANCE.md)."""
-        per_input = (1 if compiled else 4) if self.dropout else 0
-        return per_input * self.inputs + 4 * self.ranks
+        (docs/PERFORMANCE.md). `tiled_mlp`: without the MLP's adapters, which keep theirs for one tile only
+        (mlp_bytes_per_token)."""
+        inputs, ranks = (self.inputs - self.mlp_inputs, self.ranks - self.mlp_ranks) if tiled_mlp else (
+            self.inputs, self.ranks)
+        return self._per_input(compiled) * inputs + 4 * ranks
+
+    def backward_bytes_per_token(self, compiled: bool, tiled_mlp: bool = False) -> float:
+        """What a compiled layer's backward pass holds beside its kept activations while it runs, per token: with
+        dropout, each adapter's dropped 16-bit copy and its mask recomputed from the kept input (3 bytes per input
+        element; the MLP's within its tiles where they are tiled). One layer's at a time. Eager layers keep both
+        instead (bytes_per_token). Measured: the compiled LoRA runs' peaks above their kept activations, 27.8 GiB
+        for llama-8b at 262,144 tokens and 2.4-2.7 GiB for Llama 3.2 1B's shape at 27-29 x 2048 (docs/PERFORMANCE.md)."""
+        if not (compiled and self.dropout):
+            return 0.0
+        return 3 * (self.inputs - self.mlp_inputs if tiled_mlp else self.inputs)
+
+    def mlp_bytes_per_token(self, compiled: bool) -> float:
+        """The MLP's adapters' share of bytes_per_token: what a tiled MLP holds of them for one tile."""
+        return self._per_input(compiled) * self.mlp_inputs + 4 * self.mlp_ranks
+
+    def _per_input(self, compiled: bool) -> int:
+        return (1 if compiled else 4) if self.dropout else 0
 
 
 def mlp_bytes_per_token(config, compiled: bool) -> float:
@@ -161,13 +184,15 @@ def mlp_bytes_per_token(config, compiled: bool) -> float:
     return 2 * 2 * inter if compiled else EAGER_ACTIVATION_MARGIN * 2 * 3 * inter
 
 
-def tiled_mlp_bytes(config, micro: int, seq_len: int, compiled: bool, gradients: bool = True) -> float:
+def tiled_mlp_bytes(config, micro: int, seq_len: int, compiled: bool, gradients: bool = True,
+                    adapters: AdapterActivations | None = None) -> float:
     """With tiled MLPs (--tiled_mlp, models.sequence_parallel.tile_mlps), the MLP keeps none of its tensors of width I
-    for the backward pass: it recomputes them one tile at a time (~hidden-size tokens of each row), their values and,
-    in training, their gradients. Those of one tile, the transient that replaces the layer's MLP share of its working
-    set."""
+    for the backward pass, nor its LoRA `adapters`' (they run inside it): it recomputes them one tile at a time
+    (~hidden-size tokens of each row), their values and, in training, their gradients. Those of one tile, the
+    transient that replaces the layer's MLP share of its working set."""
     tile = min(seq_len, config.hidden_size)
-    return (2 if gradients else 1) * micro * tile * mlp_bytes_per_token(config, compiled)
+    per_token = mlp_bytes_per_token(config, compiled) + (adapters.mlp_bytes_per_token(compiled) if adapters else 0.0)
+    return (2 if gradients else 1) * micro * tile * per_token
 
 
 def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fused_ce: bool, bf16: bool,
@@ -181,21 +206,23 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     those before it reaches a recomputed layer, so the peak holds the kept working sets or the one being recomputed,
     not both (docs/PERFORMANCE.md sets this beside measured peaks). Logits: 16-bit logits, their fp32 upcast and its
     gradient, unless the fused linear cross-entropy avoids them. `offloaded` (--offload_activations): the recomputed
-    layers' inputs are in host memory. `tiled_mlp`: the MLPs keep one tile's tensors (tiled_mlp_bytes), not the
-    sequence's."""
+    layers' inputs are in host memory. `tiled_mlp`: the MLPs, with their adapters, keep one tile's tensors
+    (tiled_mlp_bytes), not the sequence's. With compiled LoRA layers, one layer's backward adds what it recomputes
+    (AdapterActivations.backward_bytes_per_token)."""
     h, layers = config.hidden_size, config.num_hidden_layers
     scale = 1 if bf16 else 2
     # Eager layers keep more of their working set than compiled ones; a checkpointed layer's kept input is the same.
     per_token = layer_activation_bytes_per_token(config) if compiled else eager_layer_activation_bytes_per_token(config)
     if tiled_mlp:
         per_token -= mlp_bytes_per_token(config, compiled)
-    working_set = micro * seq_len * (per_token + (adapters.bytes_per_token(compiled) if adapters else 0.0))
+    working_set = micro * seq_len * (per_token + (adapters.bytes_per_token(compiled, tiled_mlp) if adapters else 0.0))
     if tiled_mlp:
-        working_set += tiled_mlp_bytes(config, micro, seq_len, compiled)
+        working_set += tiled_mlp_bytes(config, micro, seq_len, compiled, adapters=adapters)
     recomputed = min(layers, layers if checkpointed_layers is None else checkpointed_layers) if checkpointing else 0
     kept = layers - recomputed
     inputs = 0 if offloaded else recomputed * 2 * micro * seq_len * h
-    acts = inputs + max(kept, 1 if recomputed else 0) * working_set
+    backward = micro * seq_len * adapters.backward_bytes_per_token(compiled, tiled_mlp) if adapters else 0.0
+    acts = inputs + max(kept, 1 if recomputed else 0) * working_set + backward
     # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes). Beside
     # compiled layers, also what the fused loss's forward keeps for the backward: the LM head's 16-bit gradient and 8·h
     # bytes per token (benchmarks/layer_activations.py, exact for Qwen3-0.6B, 4B and 8B); beside eager layers their

@@ -188,6 +188,33 @@ def test_tiled_mlps_keep_one_tile_of_the_mlp_instead_of_the_sequence(monkeypatch
             == pytest.approx((65536 - 2048) * mlp))
 
 
+def test_a_tiled_mlp_keeps_its_lora_adapters_for_one_tile_too(monkeypatch, session_cache):
+    """LoRA's gate, up and down adapters run inside the MLP that --tiled_mlp recomputes tile by tile: tiled, the layer's
+    working set counts the attention's adapters per token (q, k, v, o) and the MLP's for one tile, eager and compiled;
+    so does what a compiled layer's backward recomputes of them (the dropped copies and masks, 3 bytes per element)."""
+    from model_utils.models.memory import activation_bytes, mlp_bytes_per_token, tiled_mlp_bytes
+
+    plan = _plan(monkeypatch, 1, "--seq_len", "65536", "--lora_rank", "16")
+    config, adapters = plan.model.config, plan.model.adapters
+    h, inter = config.hidden_size, config.intermediate_size
+    assert (adapters.inputs, adapters.mlp_inputs, adapters.ranks, adapters.mlp_ranks) == (
+        6 * h + inter, 2 * h + inter, 7 * 16, 3 * 16)
+    for compiled, per_input, recomputed in ((True, 1, 3), (False, 4, 0)):
+        mlp_adapters = per_input * (2 * h + inter) + 4 * 3 * 16
+        assert adapters.backward_bytes_per_token(compiled) - adapters.backward_bytes_per_token(compiled, True) == (
+            recomputed * (2 * h + inter))
+        assert adapters.mlp_bytes_per_token(compiled) == mlp_adapters
+        assert adapters.bytes_per_token(compiled, tiled_mlp=True) == adapters.bytes_per_token(compiled) - mlp_adapters
+        args = (config, 65536, 1, True, True, True, 8, compiled)
+        whole = activation_bytes(*args, adapters=adapters)
+        tiled = activation_bytes(*args, adapters=adapters, tiled_mlp=True)
+        tile = 2 * min(65536, h)  # tokens of one tile, values and gradients
+        assert whole - tiled == pytest.approx((65536 - tile) * (mlp_bytes_per_token(config, compiled) + mlp_adapters)
+                                              + 65536 * recomputed * (2 * h + inter))
+        assert tiled_mlp_bytes(config, 1, 65536, compiled, adapters=adapters) == pytest.approx(
+            tile * (mlp_bytes_per_token(config, compiled) + mlp_adapters))
+
+
 def test_a_sequence_no_split_of_this_node_fits_gets_the_node_size_that_would(monkeypatch, session_cache):
     """llama-8b LoRA with its inputs offloaded at 524,288 tokens on a one-GPU node of 80 GiB: no split exists here, so
     the fix names the fewest GPUs of a larger node that fit it and the host memory their offloaded inputs take there;
