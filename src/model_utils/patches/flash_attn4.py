@@ -23,7 +23,8 @@ FA4_KERNELS = Patch(
     "loss check against the unfused SDPA path stays within bf16 noise",
 
     ("tests/unit/patches/test_patches.py::test_fa4_attention_wrapper_layout_and_fallbacks",
-     "tests/unit/patches/test_patches.py::test_fa4_attention_takes_documents_as_boundaries"))
+     "tests/unit/patches/test_patches.py::test_fa4_attention_takes_documents_as_boundaries",
+     "tests/unit/patches/test_patches.py::test_fa4_probe_compiles_both_variants_of_the_variable_length_kernels"))
 FA4_NAME = "dslm_fa4"  # the attention implementation name registered with transformers
 
 
@@ -179,11 +180,28 @@ def enable_fa4(model, log) -> None:
     log("attention: FlashAttention-4 (flash-attn-4 CuTe kernels) for causal attention; SDPA for anything else")
 
 
+# FlashAttention-4 compiles its variable-length kernels (forward, backward and their pre/post passes) in one variant
+# for batches of up to this many sequences and in another, with a batch-lookup aid, above it
+# (flash_attn.cute.interface.BIN_BATCH_SEARCH_THRESH in 4.0.0b36). Packed chats of ~150 tokens put more than 256
+# examples into a micro-batch of 16 x 2048 tokens now and then: the first such micro-batch paid ~11 s of compilation
+# inside a timed step (docs/PERFORMANCE.md, Fine-tuning), so the probe compiles both.
+FA4_VARLEN_SCHEDULER_THRESHOLD = 256
+_PROBE_TOKENS = 512  # the probe's batch: 2 rows of 256 tokens
+
+
+def probe_document_boundaries() -> list[list[int]]:
+    """The probe's variable-length batches as their documents' boundaries over its 512 tokens: 2 rows of 2 documents,
+    and more documents than FlashAttention-4's scheduler threshold (short ones, and the rest of the tokens in one)."""
+    many = FA4_VARLEN_SCHEDULER_THRESHOLD + 44
+    return [[0, 100, 256, 300, _PROBE_TOKENS], [*range(many), _PROBE_TOKENS]]
+
+
 def fa4_probe_failure(model, documents: bool = False) -> str | None:
     """Run one small forward and backward through FlashAttention-4 at the model's head shape (compiling its kernels
-    once, as training would; with `documents`, also its variable-length kernels for --document_mask) and return why it
-    failed, or None. `auto` falls back to SDPA on a failure, so an environment FA4 does not support (CUDA or driver
-    version, a GPU variant) costs speed, not the run."""
+    once, as training would; with `documents`, also its variable-length kernels for --document_mask and packed
+    examples, in both of their variants: probe_document_boundaries) and return why it failed, or None. `auto` falls
+    back to SDPA on a failure, so an environment FA4 does not support (CUDA or driver version, a GPU variant) costs
+    speed, not the run."""
     import torch
 
     config = model.config
@@ -192,11 +210,12 @@ def fa4_probe_failure(model, documents: bool = False) -> str | None:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     try:
         _register_fa4()
-        boundaries = torch.tensor([0, 100, 256, 300, 512], device="cuda", dtype=torch.int32)  # 2 rows of 2 documents
-        for kwargs in [{}] + ([{"cu_seq_lens_q": boundaries, "max_length_q": 256}] if documents else []):
-            q = torch.randn(2, heads, 256, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            k, v = (torch.randn(2, kv_heads, 256, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                    for _ in range(2))
+        varlen = [{"cu_seq_lens_q": torch.tensor(b, device="cuda", dtype=torch.int32), "max_length_q": 256}
+                  for b in probe_document_boundaries()] if documents else []
+        for kwargs in [{}] + varlen:
+            q = torch.randn(2, heads, _PROBE_TOKENS // 2, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(2, kv_heads, _PROBE_TOKENS // 2, dim, device="cuda", dtype=torch.bfloat16,
+                                requires_grad=True) for _ in range(2))
             out, _ = fa4_attention(None, q, k, v, None, scaling=dim ** -0.5, is_causal=True, **kwargs)
             out.float().square().mean().backward()
             torch.cuda.synchronize()

@@ -208,6 +208,26 @@ def _reference_fa4_varlen(q, k, v, cu_seqlens, max_seqlen, scale):
     return out, torch.zeros(q.shape[1], q.shape[0])
 
 
+def test_fa4_probe_compiles_both_variants_of_the_variable_length_kernels():
+    """FlashAttention-4 compiles its variable-length kernels once for batches of up to 256 sequences and once for more
+    (its scheduler's threshold); a micro-batch of many short packed examples crossing it mid-run paid the second
+    compilation inside a step. The probe's batches (its GPU forward and backward cannot run here) hold documents on
+    both sides of the threshold, each a valid boundary list over the probe's tokens; where flash-attn-4 is installed,
+    the threshold is its own."""
+    cases = flash_attn4.probe_document_boundaries()
+    for boundaries in cases:
+        assert boundaries[0] == 0 and boundaries[-1] == 512
+        assert all(a < b for a, b in zip(boundaries, boundaries[1:]))
+    documents = sorted(len(b) - 1 for b in cases)
+    threshold = flash_attn4.FA4_VARLEN_SCHEDULER_THRESHOLD
+    assert documents[0] <= threshold < documents[-1]
+    try:
+        from flash_attn.cute import interface
+    except ImportError:  # CI: flash-attn-4 runs on Hopper and Blackwell GPUs only
+        return
+    assert interface.BIN_BATCH_SEARCH_THRESH == threshold
+
+
 def test_fa4_attention_takes_documents_as_boundaries(monkeypatch):
     """--document_mask through FA4 on CPU (the kernels are stand-ins): with the documents' boundaries the variable-
     length op gets the flattened tokens, and the result equals SDPA under the dense per-document mask transformers
