@@ -495,10 +495,11 @@ EOF
     # tiled (auto), its layers as LC1_COMPILE says (auto: compiled, the default a user gets; off: eager), attention as
     # LC1_ATTENTION says (sdpa: PyTorch's, as the peer's; auto: flash-attn-4 where installed); the peer (HF Trainer +
     # DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until it runs out of memory
-    # (after ours, where the call's BUDGET leaves time); the preflight at twice ours (~10 min: ours alone takes ~2 min
-    # to start and 3-5 min for its step; LC1_SIDES="ours" or "peer" runs one side)
+    # (114,688 by default: 98,304 trains and 131,072 does not, as measured), after ours where the call's BUDGET leaves
+    # time; the preflight at twice ours (~10 min: ours alone takes ~2 min to start and 3-5 min for its step; LC1_SIDES=
+    # "ours" or "peer" runs one side)
     export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-98304 131072}"
+    read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-114688}"
     LC1=(--model llama-8b --sequence_parallel 1 --ds_config ds_config.json --steps 2 --skip 0 --stop-after-steps 1)
     LC1_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:2 --lora_rank 16)
     lc1_sides=" ${LC1_SIDES:-ours peer} "
