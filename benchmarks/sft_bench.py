@@ -345,6 +345,11 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
     return out if rank == 0 else None
 
 
+def median_tokens_per_s(result: dict) -> float:
+    """A run's tokens per second at its median step: its mean example tokens per step over its median step time."""
+    return result["tokens_per_step_per_gpu"] / result["step_s_median"]
+
+
 def mean_example_tokens(tokenizer, rows, seq_len: int) -> float:
     """The examples' mean length in tokens as the chat template renders them, each cut at seq_len as TRL cuts it."""
     lengths = [min(len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)), seq_len)
@@ -530,8 +535,10 @@ def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[st
             lines.append(f"{mode}: no pair ran")
             continue
         ratio = ours[1]["tokens_per_s_per_gpu"] / peer[1]["tokens_per_s_per_gpu"]  # by mean step time
-        # the same tokens per step on both sides: the ratio of median step times, which a stall does not move
-        median_ratio = peer[1]["step_s_median"] / ours[1]["step_s_median"] if ours[1].get("step_s_median") else None
+        # tokens/s at each side's median step, which a stall does not move: each side's mean tokens per step (the
+        # sides pack the same block tokens into different example tokens) over its median step time
+        median_ratio = median_tokens_per_s(ours[1]) / median_tokens_per_s(peer[1]) if (
+            ours[1].get("step_s_median") and peer[1].get("step_s_median")) else None
         losses = compare_losses(ours[1].get("losses", []), peer[1].get("losses", []))
         record[mode] = {"ours": ours[0]["name"], "peer": peer[0]["name"], "ratio": ratio,
                         "ratio_by_median_step": median_ratio, "losses": losses,

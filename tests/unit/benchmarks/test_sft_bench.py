@@ -101,22 +101,26 @@ def test_losses_compared_over_the_same_steps():
 
 
 def test_the_summary_gives_both_ratios_and_the_kernels_each_side_ran():
-    """The headline ratio is by mean step time (tokens/s over the timed steps), beside the ratio of the median steps,
-    which a stall does not move; each side's attention and Liger are the ones recorded from the runs."""
+    """The headline ratio is by mean step time (tokens/s over the timed steps), beside the ratio of tokens/s at the
+    median steps, which a stall does not move, each side at its own tokens per step (the sides pack the same blocks
+    into different example tokens); each side's attention and Liger are the ones recorded from the runs."""
     import sft_bench
 
     jobs = [{"name": f"{side}-{mb}", "side": side, "mode": "full", "micro_batch_size": mb}
             for side, mb in (("ours", 8), ("trl", 4), ("trl", 8))]
     run = {"data_loss_tokens": 100, "losses": [2.0, 1.5]}
-    results = [{**run, "tokens_per_s_per_gpu": 300.0, "step_s_median": 1.0, "attention": "varlen", "liger": "flce"},
-               {**run, "tokens_per_s_per_gpu": 150.0, "step_s_median": 1.6, "attention": "sdpa", "liger": True},
-               {**run, "tokens_per_s_per_gpu": 100.0, "step_s_median": 1.2, "attention": "sdpa", "liger": True}]
+    results = [{**run, "tokens_per_s_per_gpu": 300.0, "step_s_median": 1.0, "tokens_per_step_per_gpu": 320.0,
+                "attention": "varlen", "liger": "flce"},
+               {**run, "tokens_per_s_per_gpu": 150.0, "step_s_median": 1.6, "tokens_per_step_per_gpu": 300.0,
+                "attention": "sdpa", "liger": True},
+               {**run, "tokens_per_s_per_gpu": 100.0, "step_s_median": 1.2, "tokens_per_step_per_gpu": 300.0,
+                "attention": "sdpa", "liger": True}]
     text, record = sft_bench.summary(jobs, results, ["full"])
     assert record["full"]["peer"] == "trl-4" and record["full"]["ratio"] == pytest.approx(2.0)
-    assert record["full"]["ratio_by_median_step"] == pytest.approx(1.6)
+    assert record["full"]["ratio_by_median_step"] == pytest.approx((320 / 1.0) / (300 / 1.6))  # 1.71, not 1.6
     assert record["full"]["kernels"] == {"ours": {"attention": "varlen", "liger": "flce"},
                                          "peer": {"attention": "sdpa", "liger": True}}
-    assert "2.00x by mean step time, 1.60x by median (attention: ours varlen, TRL sdpa" in text
+    assert "2.00x by mean step time, 1.71x by median (attention: ours varlen, TRL sdpa" in text
 
 
 def test_liger_is_found_where_trainer_put_it():
