@@ -190,10 +190,12 @@ _PROBE_TOKENS = 512  # the probe's batch: 2 rows of 256 tokens
 
 
 def probe_document_boundaries() -> list[list[int]]:
-    """The probe's variable-length batches as their documents' boundaries over its 512 tokens: 2 rows of 2 documents,
-    and more documents than FlashAttention-4's scheduler threshold (short ones, and the rest of the tokens in one)."""
-    many = FA4_VARLEN_SCHEDULER_THRESHOLD + 44
-    return [[0, 100, 256, 300, _PROBE_TOKENS], [*range(many), _PROBE_TOKENS]]
+    """The probe's variable-length batches as their documents' boundaries over its 2 rows of 256 tokens, each row's
+    documents within it as the trainer's are: 2 documents a row, and more documents than FlashAttention-4's scheduler
+    threshold (in each row 149 of one token and the rest of the row in one: 300 in all)."""
+    row = _PROBE_TOKENS // 2
+    many = [*range(0, 150), row, *range(row + 1, row + 150), _PROBE_TOKENS]
+    return [[0, 100, row, row + 44, _PROBE_TOKENS], many]
 
 
 def fa4_probe_failure(model, documents: bool = False) -> str | None:
