@@ -499,15 +499,15 @@ EOF
     # time; the preflight at twice ours (~10 min: ours alone takes ~2 min to start and 3-5 min for its step; LC1_SIDES=
     # "ours" or "peer" runs one side)
     export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    : "${LC1_COMPILE:=auto}" "${LC1_ATTENTION:=sdpa}"
     read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-114688}"
     LC1=(--model llama-8b --sequence_parallel 1 --ds_config ds_config.json --steps 2 --skip 0 --stop-after-steps 1)
     LC1_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:2 --lora_rank 16)
     lc1_sides=" ${LC1_SIDES:-ours peer} "
     [[ $lc1_sides == *" ours "* ]] && run_bench benchmarks/long_context.py lc1-ours 240 "${LC1[@]}" --seq_len "${LC1_SEQ_LEN:-262144}" \
       --timeout "${LC1_TIMEOUT:-480}" --workdir /tmp/lc1-ours \
-      --title "ours, LoRA, one GPU held to $GPU_MEMORY_GIB GiB, inputs offloaded, MLPs tiled (auto), --compile ${LC1_COMPILE:-auto}, attention ${LC1_ATTENTION:-sdpa}" \
-      "${LC1_TRAINER[@]}" --offload_activations --tiled_mlp auto --compile "${LC1_COMPILE:-auto}" \
-      --attention_kernel "${LC1_ATTENTION:-sdpa}"
+      --title "ours, LoRA, one GPU held to $GPU_MEMORY_GIB GiB, inputs offloaded, MLPs tiled (auto), --compile $LC1_COMPILE, attention $LC1_ATTENTION" \
+      "${LC1_TRAINER[@]}" --offload_activations --tiled_mlp auto --compile "$LC1_COMPILE" --attention_kernel "$LC1_ATTENTION"
     [[ $lc1_sides == *" peer "* ]] && run_bench benchmarks/long_context.py lc1-peer 90 "${LC1[@]}" --seq_len "${lc1_peer_lens[@]}" --peer --stop-at-oom \
       --timeout "${LC1_PEER_TIMEOUT:-240}" --workdir /tmp/lc1-peer \
       --title "HF Trainer + DeepSpeed + Liger, LoRA, one GPU held to $GPU_MEMORY_GIB GiB" "${LC1_TRAINER[@]}"

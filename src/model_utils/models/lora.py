@@ -159,8 +159,8 @@ def adapter_activations(model, settings: LoraSettings, layers: int):
     what models.sequence_parallel.tile_mlps tiles) also on their own."""
     from peft.tuners.lora import LoraLayer
 
-    adapted = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    in_mlps = [m for name, m in model.named_modules() if isinstance(m, LoraLayer) and "mlp" in name.split(".")]
+    named = [(name.split("."), m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    adapted, in_mlps = [m for _, m in named], [m for path, m in named if "mlp" in path]
     share = max(layers, 1)
     inputs, mlp_inputs = (sum(m.in_features for m in group) // share for group in (adapted, in_mlps))
     ranks, mlp_ranks = (sum(sum(m.r.values()) for m in group) // share for group in (adapted, in_mlps))

@@ -155,9 +155,8 @@ class AdapterActivations:
         reads, and what the eager layer keeps beside them). benchmarks/layer_activations.py --lora_rank measures them
         (docs/PERFORMANCE.md). `tiled_mlp`: without the MLP's adapters, which keep theirs for one tile only
         (mlp_bytes_per_token)."""
-        inputs, ranks = (self.inputs - self.mlp_inputs, self.ranks - self.mlp_ranks) if tiled_mlp else (
-            self.inputs, self.ranks)
-        return self._per_input(compiled) * inputs + 4 * ranks
+        ranks = self.ranks - self.mlp_ranks if tiled_mlp else self.ranks
+        return self._per_input(compiled) * self._inputs(tiled_mlp) + 4 * ranks
 
     def backward_bytes_per_token(self, compiled: bool, tiled_mlp: bool = False) -> float:
         """What a compiled layer's backward pass holds beside its kept activations while it runs, per token: with
@@ -165,9 +164,7 @@ class AdapterActivations:
         element; the MLP's within its tiles where they are tiled). One layer's at a time. Eager layers keep both
         instead (bytes_per_token). Measured: the compiled LoRA runs' peaks above their kept activations, 27.8 GiB
         for llama-8b at 262,144 tokens and 2.4-2.7 GiB for Llama 3.2 1B's shape at 27-29 x 2048 (docs/PERFORMANCE.md)."""
-        if not (compiled and self.dropout):
-            return 0.0
-        return 3 * (self.inputs - self.mlp_inputs if tiled_mlp else self.inputs)
+        return 3 * self._inputs(tiled_mlp) if compiled and self.dropout else 0.0
 
     def mlp_bytes_per_token(self, compiled: bool) -> float:
         """The MLP's adapters' share of bytes_per_token: what a tiled MLP holds of them for one tile."""
@@ -175,6 +172,10 @@ class AdapterActivations:
 
     def _per_input(self, compiled: bool) -> int:
         return (1 if compiled else 4) if self.dropout else 0
+
+    def _inputs(self, tiled_mlp: bool) -> int:
+        """The input elements per token whose activations span the sequence: all, or with tiled MLPs the attention's."""
+        return self.inputs - self.mlp_inputs if tiled_mlp else self.inputs
 
 
 def mlp_bytes_per_token(config, compiled: bool) -> float:

@@ -183,8 +183,8 @@ def enable_fa4(model, log) -> None:
 # FlashAttention-4 compiles its variable-length kernels (forward, backward and their pre/post passes) in one variant
 # for batches of up to this many sequences and in another, with a batch-lookup aid, above it
 # (flash_attn.cute.interface.BIN_BATCH_SEARCH_THRESH in 4.0.0b36). Packed chats of ~150 tokens put more than 256
-# examples into a micro-batch of 16 x 2048 tokens now and then: the first such micro-batch paid ~11 s of compilation
-# inside a timed step (docs/PERFORMANCE.md, Fine-tuning), so the probe compiles both.
+# examples into a micro-batch of 16 x 2048 tokens now and then, and the first such micro-batch would compile the second
+# variant inside a training step (~11 s; docs/PERFORMANCE.md, Fine-tuning), so the probe compiles both.
 FA4_VARLEN_SCHEDULER_THRESHOLD = 256
 _PROBE_TOKENS = 512  # the probe's batch: 2 rows of 256 tokens
 

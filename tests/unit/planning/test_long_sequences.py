@@ -151,33 +151,29 @@ MEASURED_BELOW_THE_ESTIMATE = [
 ]
 
 
-@pytest.mark.parametrize("model, world, flags, peak_gib", MEASURED_AT_LENGTH)
-def test_the_estimate_at_length_is_within_a_tenth_of_the_measured_peak(monkeypatch, session_cache, model, world, flags,
-                                                                       peak_gib):
+def _train_estimate_gib(monkeypatch, model, world, flags, gpu_gib) -> float:
+    """The estimated training peak of a measured run at micro-batch 1 on GPUs of `gpu_gib` (yarn:2 for Llamas)."""
     from model_utils.models import speed
     from model_utils.planning import plan as plan_module
 
-    monkeypatch.setenv("GPU_MEMORY_GIB", "139")
+    monkeypatch.setenv("GPU_MEMORY_GIB", str(gpu_gib))
     monkeypatch.setattr(speed, "liger_available", lambda: True)
     rope = ("--rope_scaling", "yarn:2") if model.startswith("llama") else ()
     cfg = parse_args(["--model", model, "--micro_batch_size", "1", "--dummy_data", "64", "--checkpoint_dir",
                       "/nonexistent/ckpt", "--no-export", *rope, *flags])
-    plan = plan_module.make_plan(cfg, world, decides=False)
-    assert plan.memory.phases.train / GIB == pytest.approx(peak_gib, rel=0.10)
+    return plan_module.make_plan(cfg, world, decides=False).memory.phases.train / GIB
+
+
+@pytest.mark.parametrize("model, world, flags, peak_gib", MEASURED_AT_LENGTH)
+def test_the_estimate_at_length_is_within_a_tenth_of_the_measured_peak(monkeypatch, session_cache, model, world, flags,
+                                                                       peak_gib):
+    assert _train_estimate_gib(monkeypatch, model, world, flags, 139) == pytest.approx(peak_gib, rel=0.10)
 
 
 @pytest.mark.parametrize("model, flags, peak_gib", MEASURED_BELOW_THE_ESTIMATE)
 def test_the_lora_estimate_at_length_is_never_below_the_measured_peak(monkeypatch, session_cache, model, flags,
                                                                        peak_gib):
-    from model_utils.models import speed
-    from model_utils.planning import plan as plan_module
-
-    monkeypatch.setenv("GPU_MEMORY_GIB", "79.2")
-    monkeypatch.setattr(speed, "liger_available", lambda: True)
-    cfg = parse_args(["--model", model, "--micro_batch_size", "1", "--dummy_data", "64", "--checkpoint_dir",
-                      "/nonexistent/ckpt", "--no-export", "--rope_scaling", "yarn:2", *flags])
-    estimate = plan_module.make_plan(cfg, 1, decides=False).memory.phases.train / GIB
-    assert peak_gib <= estimate <= 1.35 * peak_gib
+    assert peak_gib <= _train_estimate_gib(monkeypatch, model, 1, flags, 79.2) <= 1.35 * peak_gib
 
 
 def test_tiled_mlps_auto_tiles_only_where_the_step_would_not_fit_without_them(monkeypatch, session_cache):
