@@ -148,11 +148,14 @@ case "$1" in
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 off on both: ours (varlen) against TRL"
     ;;
   gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch, the pinned
-    # buffers of background saves
+    # buffers of background saves and of offloaded activations
     echo "=== gpu-tests ($(($(date +%s) - START))s)"
-    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_delayed_update.py -k prefetch \
-      "tests/distributed/test_background_save.py::test_pinned_save_buffers_copy_from_the_gpu_exactly" 2>&1 \
-      | tail -15 | tee "$OUT/gpu-tests.txt"
+    # (-k selects among every test named, so the prefetch's tests run apart from the others)
+    { timeout 300 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_delayed_update.py -k prefetch 2>&1 | tail -8
+      timeout 200 python3 -m pytest -q -p no:cacheprovider \
+        "tests/distributed/test_background_save.py::test_pinned_save_buffers_copy_from_the_gpu_exactly" \
+        "tests/unit/models/test_offload.py::test_pinned_buffers_are_registered_at_their_exact_size_and_copy_back_exactly" \
+        2>&1 | tail -8; } | tee "$OUT/gpu-tests.txt"
     ;;
   delayed-losses)  # Qwen3-0.6B, offload preset: 50 steps of the delayed update against the synchronous one
     bench q06_delayed_losses 300 --model qwen3-0.6b --ds_config configs/zero2-offload.json --global_batch_tokens 65536 \

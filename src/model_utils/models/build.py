@@ -6,7 +6,6 @@ can recompute, its FLOPs per token (MFU), the GPU's peak, and the optimizer's pa
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from model_utils.config.presets import PRESET_ARCHITECTURES, PRESETS, is_preset
@@ -106,21 +105,6 @@ def build_model(name: str, config, dtype, attn_implementation: str, gradient_che
                 layer.gradient_checkpointing = False  # transformers reads the flag at each call
     model.config.use_cache = False
     return model
-
-
-@contextmanager
-def offloaded_activations(enabled: bool, pin_memory: bool):
-    """While active (a micro-batch's forward), every tensor autograd saves goes to host memory, pinned on GPUs, and
-    comes back in the backward pass (torch.autograd.graph.save_on_cpu): with checkpointing, each recomputed layer's
-    input (torch's checkpoint saves it as a tensor of the graph) and what the parts outside the layers keep; the
-    recomputation in the backward pass runs outside it, on the GPU."""
-    if not enabled:
-        yield
-        return
-    import torch
-
-    with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
-        yield
 
 
 def checkpointable_layers(model) -> list:

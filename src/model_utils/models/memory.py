@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from model_utils.models.build import head_dim
 from model_utils.models.evaluation import CHUNK_TOKENS
 from model_utils.models.speed import zero3_keeps_eager_layers
+from model_utils.patches.liger import chunk_budget_in_force
 
 GIB = 1024**3
 # The automatic micro-batch (`"train_micro_batch_size_per_gpu": "auto"`, `--micro_batch_size auto`) fills at most this
@@ -24,6 +25,10 @@ AUTO_MAX_MICRO_TOKENS = 65_536
 # final hidden states and the backward's transients), fitted to the eager peaks measured (docs/PERFORMANCE.md): each
 # lies within 5% of its estimate.
 EAGER_ACTIVATION_MARGIN = 1.06
+# --offload_activations keeps each saved tensor from this size on in a host buffer of its exact size (models/offload.py);
+# below it, PyTorch's pinned allocator's rounding up to a power of two costs little and its cache serves tensors whose
+# shapes vary (positions, masks, a packed batch's boundaries).
+OFFLOAD_EXACT_BYTES = 64 * 1024**2
 # Where no GPU memory is known (CPU runs; a login node without GPU_MEMORY_GIB): the micro-batch ds_config.json held.
 AUTO_MICRO_WITHOUT_GPU = 8
 
@@ -224,11 +229,12 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     inputs = 0 if offloaded else recomputed * 2 * micro * seq_len * h
     backward = micro * seq_len * adapters.backward_bytes_per_token(compiled, tiled_mlp) if adapters else 0.0
     acts = inputs + max(kept, 1 if recomputed else 0) * working_set + backward
-    # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes). Beside
+    # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes, lowered at
+    # long sequences: patches.liger.chunk_budget_in_force). Beside
     # compiled layers, also what the fused loss's forward keeps for the backward: the LM head's 16-bit gradient and 8·h
     # bytes per token (benchmarks/layer_activations.py, exact for Qwen3-0.6B, 4B and 8B); beside eager layers their
     # margin (EAGER_ACTIVATION_MARGIN) holds it.
-    logits = (chunk_budget * micro * seq_len * h * 2
+    logits = (chunk_budget_in_force(chunk_budget, micro * seq_len, h) * micro * seq_len * h * 2
               + (2 * config.vocab_size * h + 8 * micro * seq_len * h if compiled else 0) if fused_ce
               else micro * seq_len * config.vocab_size * (2 + 4 + 4))
     return acts * scale + logits
@@ -236,13 +242,15 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
 
 def offloaded_activation_bytes(config, seq_len: int, micro: int, recomputed_layers: int, bf16: bool) -> float:
     """Host memory of one rank's offloaded layer inputs (--offload_activations): each recomputed layer's input, micro x
-    seq_len x hidden values in 16-bit (fp32 without bf16), each as pinned_bytes counts it."""
-    return recomputed_layers * pinned_bytes(micro * seq_len * config.hidden_size * (2 if bf16 else 4))
+    seq_len x hidden values in 16-bit (fp32 without bf16), in a buffer of its exact size from OFFLOAD_EXACT_BYTES on,
+    below it as pinned_bytes counts it."""
+    nbytes = micro * seq_len * config.hidden_size * (2 if bf16 else 4)
+    return recomputed_layers * (nbytes if nbytes >= OFFLOAD_EXACT_BYTES else pinned_bytes(nbytes))
 
 
 def pinned_bytes(nbytes: int) -> int:
-    """What one pinned host allocation of `nbytes` takes: PyTorch's caching host allocator rounds it up to the next
-    power of two (docs/PERFORMANCE.md, Checkpoint saves, measures it)."""
+    """What one pinned host allocation of `nbytes` takes from PyTorch's caching host allocator: it rounds it up to the
+    next power of two (docs/PERFORMANCE.md, Checkpoint saves, measures it)."""
     return 1 << (int(nbytes) - 1).bit_length() if nbytes > 1 else int(nbytes)
 
 

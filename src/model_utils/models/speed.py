@@ -83,7 +83,8 @@ def use_fa4(cuda: bool, model, speed: SpeedConfig) -> bool:
 
 
 def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, documents: bool = False,
-                       fused: bool | None = None, compiled: bool | None = None, seq_len: int | None = None) -> dict:
+                       fused: bool | None = None, compiled: bool | None = None, seq_len: int | None = None,
+                       loss_tokens: int | None = None) -> dict:
     """Patch `model` in place with the options that apply; return what is in force (recorded in the checkpoint's
     manifest and summary.json). `log` reports what was applied (rank 0 is enough: every rank applies the same, except
     that a rank whose FlashAttention-4 probe fails keeps SDPA); `warn` (default `log`) reports that failure, from the
@@ -92,7 +93,8 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
     documents go to models.document_attention (on sequences of `seq_len`). `fused`: the run's plan's decision on the
     fused loss (planning.plan.fused_loss, which its memory estimate assumed); None decides here, as the plan does.
     `compiled`: the plan's decision on the compiled layers (plan.compiled_layers); None decides here, as the plan does
-    for parameters on the GPUs."""
+    for parameters on the GPUs. `loss_tokens`: the tokens one forward's loss covers on a GPU (the micro-batch times its
+    share of each sequence), which bound the fused loss's chunks (liger.chunk_budget_in_force)."""
     warn = warn or log
     zero3 = _is_zero3(model)
     if compiled is None:
@@ -107,8 +109,13 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
             which = "flce" if compiled else "all"
         applied["fused_kernels"] = _apply_liger(model, which, log)
         if applied["fused_kernels"] != "off":
-            if liger.set_flce_chunk_budget(speed.flce_chunk_budget, log):
-                applied["flce_chunk_budget"] = speed.flce_chunk_budget
+            budget = liger.chunk_budget_in_force(speed.flce_chunk_budget, loss_tokens, model.config.hidden_size)
+            if budget < speed.flce_chunk_budget:
+                log(f"kernels: the fused loss's chunk budget lowered from {speed.flce_chunk_budget} (--flce_chunk_budget) "
+                    f"to {budget} for {loss_tokens:,} tokens a micro-batch: its transient logits stay within "
+                    f"{liger.FLCE_LOGITS_BYTES / 1024**3:.0f} GiB")
+            if liger.set_flce_chunk_budget(budget, log):
+                applied["flce_chunk_budget"] = budget
             if zero3:
                 _register_lm_head_for_zero3(model, log)
     elif speed.fused_kernels == "auto" and cuda:

@@ -22,6 +22,21 @@ FLCE_CHUNK_BUDGET = Patch(
     ("tests/unit/patches/test_patches.py::test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function",))
 
 
+# Long sequences: Liger's transient logits stay within this many bytes (a micro-batch of 65,536 tokens of a 4,096-wide
+# model keeps the default budget, 8). At 262,144 tokens the default would hold 16 GiB of logits (65,536 tokens of a
+# 128k vocabulary) beside the step; chunks of 16,384 tokens fill the LM head's matmuls as well.
+FLCE_LOGITS_BYTES = 4 * 1024**3
+
+
+def chunk_budget_in_force(budget: int, tokens: int | None, hidden_size: int) -> int:
+    """The chunk budget a run's loss uses: --flce_chunk_budget, lowered where its transient logits (budget x the 16-bit
+    hidden states of the `tokens` one forward's loss covers on a GPU) would pass FLCE_LOGITS_BYTES, to 1 at the least
+    (Liger's smallest: logits the size of the hidden states)."""
+    if not tokens:
+        return budget
+    return max(1, min(budget, FLCE_LOGITS_BYTES // (2 * tokens * hidden_size)))
+
+
 @functools.cache
 def _original():
     from liger_kernel.transformers import functional

@@ -26,6 +26,7 @@ from model_utils.data.tokens import token_fingerprint, tokenizer_identity
 from model_utils.models.build import build_model, decay_groups, gpu_peak_tflops
 from model_utils.models.document_attention import KERNEL_LABELS, takes_document_boundaries
 from model_utils.models.lora import LoraError, apply_lora, summary
+from model_utils.models.offload import HostActivations
 from model_utils.models.sequence_parallel import enable_ulysses, tile_mlps, uses_tiled_mlp
 from model_utils.models.speed import apply_speed_options, streamline_zero_step
 from model_utils.patches.deepspeed_offload import delay_offload_updates
@@ -68,7 +69,8 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
               document_eos=plan.tokenizer.eos_token_id if cfg.data.document_mask and not loaded.examples else None,
               document_boundaries=documents and (takes_document_boundaries(model) or dist.sequence_parallel > 1),
               lora=cfg.model.lora_settings(),
-              examples=loaded.examples)
+              examples=loaded.examples,
+              offload=HostActivations(pinned=dist.device.type == "cuda") if cfg.model.offload_activations else None)
     describe_run(run, plan, loaded.length)
     if plan.resume:
         load_checkpoint(run, plan.resume, resume_tag)
@@ -137,7 +139,8 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     in_force = apply_speed_options(model, cfg.speed, dist.device.type == "cuda", log.info,
                                    warn=lambda message: log.warn(message, all_ranks=True),
                                    documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss,
-                                   compiled=plan.compiled_layers, seq_len=plan.seq_len)
+                                   compiled=plan.compiled_layers, seq_len=plan.seq_len,
+                                   loss_tokens=plan.batch.micro * plan.rank_seq_len)
     mpu = None
     if dist.sequence_parallel > 1:
         mpu = enable_ulysses(model, dist.sequence_parallel, plan.batch.micro, plan.seq_len, log.info)

@@ -56,6 +56,8 @@ def train(run: Run) -> int:
         result = train_step(run)
         interval.add(result, time.perf_counter() - t0)
         trace.write(run.step, result.blocks)
+        if run.offload:
+            run.offload.tell_once(log)  # the host memory the first step's offloaded activations took
 
         # --- logging: the interval's loss averaged over its micro-batches on all ranks ---
         if run.step % cfg.logging.log_interval == 0 or run.step == cfg.batch.max_steps:

@@ -14,6 +14,7 @@ from model_utils.config.settings import TrainConfig
 from model_utils.core.run_dir import RunDir
 from model_utils.data.blocks import BlockOrder, DataPosition, PackedData
 from model_utils.models.build import FlopsModel
+from model_utils.models.offload import HostActivations
 from model_utils.runtime.distributed import Dist
 from model_utils.runtime.run_log import Logger
 
@@ -41,6 +42,7 @@ class Run:
     document_boundaries: bool = False  # the attention takes documents as boundaries (FlashAttention-4), not a mask
     lora: object = None  # config.settings.LoraSettings of a LoRA run; None: every weight trains
     examples: bool = False  # fine-tuning data (sft_data): blocks of examples with their labels and positions
+    offload: HostActivations | None = None  # --offload_activations: the host buffers of what each forward keeps
     step: int = 0
     tokens_seen: int = 0
     position: DataPosition | None = None

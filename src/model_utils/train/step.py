@@ -14,7 +14,7 @@ import torch
 from model_utils.data.blocks import attention_area as document_area
 from model_utils.data.blocks import document_boundaries, document_positions
 from model_utils.data.sft.packing import ExampleBatch
-from model_utils.models.build import offloaded_activations
+from model_utils.models.offload import HostActivations
 from model_utils.models.sequence_parallel import shard_inputs
 from model_utils.patches.deepspeed_zero import device_skip_flag, settle_device_skip
 from model_utils.train.run import Run
@@ -79,10 +79,10 @@ def attention_area(run: Run, blocks) -> int:
     return document_area(document_positions(blocks[:, :-1], run.document_eos))
 
 
-def compute_loss(engine, batch: dict, offload: bool = False):
+def compute_loss(engine, batch: dict, offload: HostActivations | None = None):
     """Mean next-token loss over the batch (`model_inputs`); with `offload` (--offload_activations), what the forward
-    keeps for the backward pass in host memory."""
-    with offloaded_activations(offload, pin_memory=batch["input_ids"].is_cuda):
+    keeps for the backward pass in its host buffers."""
+    with offload.saving() if offload else contextlib.nullcontext():
         return engine(**batch, use_cache=False).loss
 
 
@@ -136,7 +136,7 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
             inputs = model_inputs(run, blocks)
             if loss_items is not None:
                 inputs["num_items_in_batch"] = loss_items
-            loss = compute_loss(engine, inputs, run.cfg.model.offload_activations)
+            loss = compute_loss(engine, inputs, run.offload)
             if weights is not None:
                 loss = loss * weights[micro]
         with phase("backward"):

@@ -1,6 +1,6 @@
 """The long-sequence pieces on CPU (models/sequence_parallel.py; the offload and RoPE scaling of models/build.py): the
-tiled MLPs against the MLPs, each rank's slice of the inputs, what --sequence_parallel refuses, the recomputed layers'
-inputs offloaded, the scaled RoPE. The attention under Ulysses (models/document_attention.py) is held against
+tiled MLPs against the MLPs, each rank's slice of the inputs, what --sequence_parallel refuses, what
+--offload_activations needs, the scaled RoPE (the offload itself: test_offload.py). The attention under Ulysses (models/document_attention.py) is held against
 transformers' dense-mask SDPA in test_document_attention.py; the split runs (2 gloo ranks) are in
 tests/distributed/test_sequence_parallel_runs.py."""
 
@@ -127,42 +127,8 @@ def test_the_flag_and_its_help():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Memory at length: the recomputed layers' inputs in host memory; RoPE past the model's positions
+# Memory at length: what offloading the layers' inputs needs; RoPE past the model's positions
 # ----------------------------------------------------------------------------------------------------------------------
-def test_offloaded_activations_are_the_recomputed_layers_inputs():
-    """What the forward saves for the backward pass goes through torch's saved-tensor hooks, where
-    `offloaded_activations` (torch.autograd.graph.save_on_cpu) moves it to host memory: with --gradient_checkpointing,
-    each decoder layer's input among it (torch's checkpoint saves it as a tensor of the graph), and no layer's
-    working set."""
-    from model_utils.data.tokenizer import load_tokenizer
-    from model_utils.models.build import build_model, checkpointable_layers, model_config, offloaded_activations
-
-    torch.manual_seed(0)
-    model = build_model("tiny", model_config("tiny", load_tokenizer(None)), torch.float32, "sdpa", True)
-    model.train()
-    tokens = torch.randint(0, 500, (2, 32))
-    inputs, saved = [], []
-    for layer in checkpointable_layers(model):
-        layer.register_forward_pre_hook(lambda module, args, kwargs: inputs.append(
-            (args[0] if args else kwargs["hidden_states"]).data_ptr()), with_kwargs=True)
-
-    def pack(tensor):
-        saved.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    first_pass = inputs[:4]  # the backward pass recomputes each layer: those calls come after
-    assert len(first_pass) == 4 and set(first_pass) <= {t.data_ptr() for t in saved}
-    hidden_sized = [t for t in saved if tuple(t.shape) == (2, 32, 192)]
-    assert len(hidden_sized) <= 4 + 3  # the layers' inputs, the final norm's and the head's: no layer's working set
-    with offloaded_activations(True, pin_memory=False):  # the trainer's context: the same loss (on CPU, a copy)
-        again = model(input_ids=tokens, labels=tokens).loss
-    again.backward()
-    assert torch.equal(again, loss)
-
-
 def test_offload_activations_needs_gradient_checkpointing():
     from model_utils.config.checks import validate_args
 

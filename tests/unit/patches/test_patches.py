@@ -151,6 +151,24 @@ class _Attention:
 BF16_PATHS = dict(atol=1e-2, rtol=2**-6)
 
 
+
+def test_the_fused_losss_chunk_budget_is_lowered_where_its_logits_would_pass_4_gib():
+    """Liger 0.8.5 cuts BT tokens into chunks of next_power_of_2(BT / ceil(V / (budget x H))) tokens: Llama 3.1 8B
+    (H 4,096, V 128,256) at the default budget 8 would hold 65,536 tokens' logits (15.7 GiB) at 262,144 tokens a
+    micro-batch; lowered to 2 they are 16,384 tokens' (3.9 GiB), as at 458,752 tokens with 1. Fine-tuning's 16 x 2,048
+    tokens of a 2,048-wide model and pretraining's 65,536 of a 4,096-wide one keep the budget they ask for."""
+    def logits_gib(budget, tokens, hidden=4096, vocab=128256):
+        chunk = 1 << (-(-tokens // -(-vocab // (budget * hidden))) - 1).bit_length()
+        return min(chunk, tokens) * vocab * 2 / 2**30
+
+    assert liger.FLCE_LOGITS_BYTES == 4 * 2**30
+    assert [liger.chunk_budget_in_force(8, tokens, 4096) for tokens in (65536, 131072, 262144, 458752)] == [8, 4, 2, 1]
+    assert liger.chunk_budget_in_force(8, 32768, 2048) == 8 and liger.chunk_budget_in_force(4, 32768, 2048) == 4
+    assert liger.chunk_budget_in_force(8, None, 4096) == 8  # tokens not known: the flag's
+    assert round(logits_gib(8, 262144), 1) == 15.7
+    assert all(logits_gib(liger.chunk_budget_in_force(8, tokens, 4096), tokens) < 4
+               for tokens in (65536, 131072, 262144, 458752))
+
 def _reference_fa4(q, k, v, scale):
     """Stand-in for the FlashAttention-4 custom op (its CuTe kernels need a Hopper/Blackwell GPU): the same contract,
     (batch, seq, heads, head_dim) in, out and log-sum-exp out, computed by SDPA's math path."""

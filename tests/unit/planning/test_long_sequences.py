@@ -46,26 +46,34 @@ def test_the_longest_sequence_grows_with_the_split_and_fits_the_estimate(monkeyp
 
 def test_with_offloaded_inputs_the_longest_sequence_fits_the_nodes_free_host_memory(monkeypatch, session_cache):
     """--offload_activations on one 80 GiB GPU (llama-1b: 16 layers, 4 KiB of input per token): the GPU alone would
-    take far more than 262,144 tokens, but 20 GiB of free host memory hold 16 pinned inputs of 1 GiB (262,144 tokens)
-    and not of 2 GiB (PyTorch's pinned allocator rounds each input up to a power of two: one token more doubles it);
-    1,000 GiB leave the GPU as the limit. The preflight's line names the host memory it counted."""
-    from model_utils.models.memory import pinned_bytes
-    from model_utils.planning.memory_checks import longest_sequence, note_long_sequences
+    take far more than 262,144 tokens, but 20 GiB of free host memory (90% of it for the inputs: HOST_MEMORY_SHARE)
+    hold 16 inputs of 1.125 GiB (294,912 tokens), each in a buffer of its exact size (models/offload.py), and not
+    1,024 tokens more; 1,000 GiB leave the GPU as the limit. Inputs below OFFLOAD_EXACT_BYTES go to PyTorch's pinned
+    allocator, which rounds each up to a power of two. The preflight's line names the host memory it counted."""
+    from model_utils.models.memory import OFFLOAD_EXACT_BYTES, pinned_bytes
+    from model_utils.planning.memory_checks import HOST_MEMORY_SHARE, longest_sequence, note_long_sequences
 
     assert [pinned_bytes(n) for n in (0, 1, 3 * 2**30, 2**31)] == [0, 1, 2**32, 2**31]
     flags = ("--seq_len", "262144", "--rope_scaling", "yarn:8", "--offload_activations")
     plenty, tight = _plan(monkeypatch, 1, *flags, host_gib=1000), _plan(monkeypatch, 1, *flags, host_gib=20)
-    assert longest_sequence(tight, 1) == 262144 < longest_sequence(plenty, 1)
+    longest = longest_sequence(tight, 1)
+    assert longest == 294912 < longest_sequence(plenty, 1)
+    config = tight.model.config
+    assert 16 * longest * 4096 == offloaded_activation_bytes(config, longest, 1, 16, True) <= HOST_MEMORY_SHARE * 20 * GIB
+    assert offloaded_activation_bytes(config, longest + 1024, 1, 16, True) > HOST_MEMORY_SHARE * 20 * GIB
+    small = 6144 * 4096  # 24 MiB an input: below the exact buffers' size, rounded to 32 MiB
+    assert small < OFFLOAD_EXACT_BYTES and offloaded_activation_bytes(config, 6144, 1, 16, True) == 16 * 32 * 2**20
     report = Report(tight)
     note_long_sequences(tight, report)
-    assert "the longest that fits is ~262,144 tokens" in report.estimates[-1]
+    assert "the longest that fits is ~294,912 tokens" in report.estimates[-1]
     assert "80 GiB GPUs, 20 GiB of host memory free, by the estimate" in report.estimates[-1]
 
 
 def test_a_sequence_that_does_not_fit_gets_the_split_that_fits(monkeypatch, session_cache):
     from model_utils.planning.memory_checks import check_memory, longest_sequence, split_that_fits
 
-    plan = _plan(monkeypatch, 4, "--seq_len", "1048576", "--rope_scaling", "yarn:8")
+    # 100 GiB of free host memory: too little for the inputs of 4 ranks offloaded (~256 GiB), the other fix
+    plan = _plan(monkeypatch, 4, "--seq_len", "1048576", "--rope_scaling", "yarn:8", host_gib=100)
     assert longest_sequence(plan, 1) < 1048576
     split = split_that_fits(plan)
     assert split in (2, 4) and longest_sequence(plan, split) >= 1048576
@@ -76,18 +84,18 @@ def test_a_sequence_that_does_not_fit_gets_the_split_that_fits(monkeypatch, sess
 
 
 def test_a_sequence_that_fits_with_its_inputs_offloaded_gets_that_fix(monkeypatch, session_cache):
-    """524,288 tokens of llama-1b on one 80 GiB GPU: too much with the layers' inputs on the GPU; with them in host
-    memory (32 GiB) it fits, and the fix says so first, with the host memory it takes; where the node has 20 GiB free,
+    """655,360 tokens of llama-1b on one 80 GiB GPU: too much with the layers' inputs on the GPU; with them in host
+    memory (40 GiB) it fits, and the fix says so first, with the host memory it takes; where the node has 20 GiB free,
     it does not offer it."""
     from model_utils.planning.memory_checks import check_memory
 
-    flags = ("--seq_len", "524288", "--rope_scaling", "yarn:8")
+    flags = ("--seq_len", "655360", "--rope_scaling", "yarn:8")
     for host_gib, offered in ((1000, True), (20, False)):
         report = Report(_plan(monkeypatch, 1, *flags, host_gib=host_gib))
         check_memory(report.plan, report)
         assert [p.setting for p in report.problems] == ["train_micro_batch_size_per_gpu / zero_optimization"]
         assert report.problems[0].fix.startswith("keep the recomputed layers' inputs in host memory: "
-                                                 "--offload_activations (~32 GiB of host memory per node") == offered
+                                                 "--offload_activations (~40 GiB of host memory per node") == offered
 
 
 def test_offloaded_layer_inputs_count_in_the_nodes_host_memory(monkeypatch, session_cache):
@@ -151,13 +159,18 @@ MEASURED_BELOW_THE_ESTIMATE = [
 ]
 
 
-def _train_estimate_gib(monkeypatch, model, world, flags, gpu_gib) -> float:
-    """The estimated training peak of a measured run at micro-batch 1 on GPUs of `gpu_gib` (yarn:2 for Llamas)."""
+def _train_estimate_gib(monkeypatch, model, world, flags, gpu_gib, chunks_as_then=True) -> float:
+    """The estimated training peak of a measured run at micro-batch 1 on GPUs of `gpu_gib` (yarn:2 for Llamas).
+    `chunks_as_then`: the fused loss's chunks as those runs had them, at --flce_chunk_budget whatever the length (the
+    budget is lowered at long sequences since: liger.chunk_budget_in_force)."""
     from model_utils.models import speed
+    from model_utils.patches import liger
     from model_utils.planning import plan as plan_module
 
     monkeypatch.setenv("GPU_MEMORY_GIB", str(gpu_gib))
     monkeypatch.setattr(speed, "liger_available", lambda: True)
+    if chunks_as_then:
+        monkeypatch.setattr(liger, "FLCE_LOGITS_BYTES", 1 << 62)
     rope = ("--rope_scaling", "yarn:2") if model.startswith("llama") else ()
     cfg = parse_args(["--model", model, "--micro_batch_size", "1", "--dummy_data", "64", "--checkpoint_dir",
                       "/nonexistent/ckpt", "--no-export", *rope, *flags])
@@ -179,7 +192,7 @@ def test_the_lora_estimate_at_length_is_never_below_the_measured_peak(monkeypatc
 def test_tiled_mlps_auto_tiles_only_where_the_step_would_not_fit_without_them(monkeypatch, session_cache):
     """--tiled_mlp auto on llama-1b (80 GiB GPUs): below 32,768 tokens per GPU never; at 65,536 tokens on one GPU
     the step fits untiled, so the MLPs stay whole (inside the compiled layer, no recomputation of their own: the
-    8B pair at 65,536 tokens on 2 H200s measured the peer faster than a tiled run); at 786,432 only tiles fit; "on"
+    8B pair at 65,536 tokens on 2 H200s measured the peer faster than a tiled run); at 917,504 (inputs offloaded) only tiles fit; "on"
     tiles wherever asked. The estimate follows the choice."""
     budget = 0.9 * 80 * GIB
     assert not _plan(monkeypatch, 1, "--seq_len", "16384").memory.tiled_mlp
@@ -187,7 +200,7 @@ def test_tiled_mlps_auto_tiles_only_where_the_step_would_not_fit_without_them(mo
     forced = _plan(monkeypatch, 1, "--seq_len", "65536", "--tiled_mlp", "on")
     assert not whole.memory.tiled_mlp and forced.memory.tiled_mlp
     assert forced.memory.phases.train < whole.memory.phases.train <= budget
-    longest = _plan(monkeypatch, 1, "--seq_len", "786432", "--offload_activations")
+    longest = _plan(monkeypatch, 1, "--seq_len", "917504", "--offload_activations")
     assert longest.memory.tiled_mlp and longest.memory.phases.train <= budget
     lora = _plan(monkeypatch, 1, "--seq_len", "65536", "--lora_rank", "16")  # LoRA keeps them (its estimate at length)
     assert lora.memory.tiled_mlp
