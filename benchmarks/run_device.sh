@@ -505,16 +505,18 @@ EOF
     : "${LC1_COMPILE:=auto}" "${LC1_ATTENTION:=sdpa}"
     read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-114688}"
     LC1=(--model llama-8b --sequence_parallel 1 --ds_config ds_config.json --steps 2 --skip 0 --stop-after-steps 1)
-    LC1_TRAINER=(-- --gradient_checkpointing --rope_scaling yarn:2 --lora_rank 16)
+    : "${LC1_SEQ_LEN:=262144}"
+    lc1_yarn=$(((LC1_SEQ_LEN + 131071) / 131072))  # Llama 3.1's 131,072 positions, scaled to hold the sequence
+    LC1_TRAINER=(-- --gradient_checkpointing --rope_scaling "yarn:$lc1_yarn" --lora_rank 16)
     lc1_sides=" ${LC1_SIDES:-ours peer} "
-    [[ $lc1_sides == *" ours "* ]] && run_bench benchmarks/long_context.py lc1-ours 240 "${LC1[@]}" --seq_len "${LC1_SEQ_LEN:-262144}" \
+    [[ $lc1_sides == *" ours "* ]] && run_bench benchmarks/long_context.py lc1-ours 240 "${LC1[@]}" --seq_len "$LC1_SEQ_LEN" \
       --timeout "${LC1_TIMEOUT:-480}" --workdir /tmp/lc1-ours \
       --title "ours, LoRA, one GPU held to $GPU_MEMORY_GIB GiB, inputs offloaded, MLPs tiled (auto), --compile $LC1_COMPILE, attention $LC1_ATTENTION" \
       "${LC1_TRAINER[@]}" --offload_activations --tiled_mlp auto --compile "$LC1_COMPILE" --attention_kernel "$LC1_ATTENTION"
     [[ $lc1_sides == *" peer "* ]] && run_bench benchmarks/long_context.py lc1-peer 90 "${LC1[@]}" --seq_len "${lc1_peer_lens[@]}" --peer --stop-at-oom \
       --timeout "${LC1_PEER_TIMEOUT:-240}" --workdir /tmp/lc1-peer \
       --title "HF Trainer + DeepSpeed + Liger, LoRA, one GPU held to $GPU_MEMORY_GIB GiB" "${LC1_TRAINER[@]}"
-    python3 src/train_deepspeed.py --model llama-8b --seq_len $((2 * ${LC1_SEQ_LEN:-262144})) --rope_scaling yarn:4 \
+    python3 src/train_deepspeed.py --model llama-8b --seq_len $((2 * LC1_SEQ_LEN)) --rope_scaling "yarn:$((2 * lc1_yarn))" \
       --gradient_checkpointing --lora_rank 16 --offload_activations --dummy_data 8 --preflight 2>&1 \
       | tee "$OUT/lc1-preflight-past-longest.txt" | grep -E "long sequences|needs|fix|host" | cut -c1-400
     unset GPU_MEMORY_GIB PYTORCH_CUDA_ALLOC_CONF

@@ -94,9 +94,13 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True, mea
             report.problems.append(p)
         max_pos = getattr(mconf, "max_position_embeddings", None)
         if max_pos and seq_len > max_pos:
-            report.problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings ({max_pos})",
-                                           f"use --seq_len {max_pos} or less, or scale its rotary embeddings: "
-                                           f"--rope_scaling yarn:{math.ceil(seq_len / max_pos)}"))
+            # the factor counts from the model's own positions, also where --rope_scaling scaled them already
+            own = ((getattr(mconf, "rope_parameters", None) or {}).get("original_max_position_embeddings")
+                   if cfg.model.rope_scaling else None) or max_pos
+            scaled = f" with --rope_scaling {cfg.model.rope_scaling}" if cfg.model.rope_scaling else ""
+            report.problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings "
+                                           f"({max_pos}{scaled})", f"use --seq_len {max_pos} or less, or scale its "
+                                           f"rotary embeddings: --rope_scaling yarn:{math.ceil(seq_len / own)}"))
         if cfg.data.document_mask and not masks_documents_by_position(mconf):
             report.problems.append(Problem("--document_mask", True, f"this model ({type(mconf).__name__}) does not build "
                                            "its attention mask with transformers' create_causal_mask, which turns "
