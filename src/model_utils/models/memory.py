@@ -240,12 +240,24 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     return acts * scale + logits
 
 
-def offloaded_activation_bytes(config, seq_len: int, micro: int, recomputed_layers: int, bf16: bool) -> float:
-    """Host memory of one rank's offloaded layer inputs (--offload_activations): each recomputed layer's input, micro x
-    seq_len x hidden values in 16-bit (fp32 without bf16), in a buffer of its exact size from OFFLOAD_EXACT_BYTES on,
-    below it as pinned_bytes counts it."""
+# Beside the recomputed layers' inputs, --offload_activations moves what the model keeps after its last layer, tensors
+# of as many values as a layer's input: the final norm's input and the fused loss's gradient of the hidden states
+# (Liger's RMSNorm and loss: 34 buffers of one size at 360,448 tokens of Llama 3.1 8B's 32 layers), and where PyTorch's
+# RMSNorm runs the final norm (beside compiled layers, with Liger's loss alone) its fp32 copies, three more in 16-bit
+# sizes (the compiled run's host peak lay 6.2 GiB above the eager one's at 262,144 tokens: docs/LONG-CONTEXT.md).
+OFFLOADED_AFTER_THE_LAYERS = 2
+OFFLOADED_BY_TORCH_FINAL_NORM = 3
+
+
+def offloaded_activation_bytes(config, seq_len: int, micro: int, recomputed_layers: int, bf16: bool,
+                               torch_final_norm: bool = False) -> float:
+    """Host memory of one rank's offloaded activations (--offload_activations): each recomputed layer's input, micro x
+    seq_len x hidden values in 16-bit (fp32 without bf16), and those of their size after the last layer
+    (OFFLOADED_AFTER_THE_LAYERS, with `torch_final_norm` OFFLOADED_BY_TORCH_FINAL_NORM more), each in a buffer of its
+    exact size from OFFLOAD_EXACT_BYTES on, below it as pinned_bytes counts it."""
     nbytes = micro * seq_len * config.hidden_size * (2 if bf16 else 4)
-    return recomputed_layers * (nbytes if nbytes >= OFFLOAD_EXACT_BYTES else pinned_bytes(nbytes))
+    count = recomputed_layers + OFFLOADED_AFTER_THE_LAYERS + (OFFLOADED_BY_TORCH_FINAL_NORM if torch_final_norm else 0)
+    return count * (nbytes if nbytes >= OFFLOAD_EXACT_BYTES else pinned_bytes(nbytes))
 
 
 def pinned_bytes(nbytes: int) -> int:

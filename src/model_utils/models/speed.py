@@ -67,6 +67,12 @@ def use_compile(cuda: bool, zero3_eager: bool, speed: SpeedConfig) -> bool:
     return speed.compile in ("layers", "auto") and cuda and not zero3_eager
 
 
+def liger_kernels_in_force(which: str, compiled: bool) -> str:
+    """--liger_kernels as it applies: auto is the fused linear cross-entropy alone beside compiled layers (Inductor fuses
+    the norms, RoPE and SwiGLU inside them), all four beside eager ones."""
+    return ("flce" if compiled else "all") if which == "auto" else which
+
+
 def zero3_keeps_eager_layers(zero_stage: int, offloaded: bool, lora: bool) -> bool:
     """ZeRO-3 runs eager layers, hooks on every submodule, where it offloads the parameters or the optimizer (a whole
     layer's gather from host memory would not overlap the layer's compute as the per-submodule ones do; the offload
@@ -104,10 +110,7 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
     if fused is None:
         fused = use_fused_kernels(speed.fused_kernels, cuda)
     if fused:
-        which = speed.liger_kernels
-        if which == "auto":
-            which = "flce" if compiled else "all"
-        applied["fused_kernels"] = _apply_liger(model, which, log)
+        applied["fused_kernels"] = _apply_liger(model, liger_kernels_in_force(speed.liger_kernels, compiled), log)
         if applied["fused_kernels"] != "off":
             budget = liger.chunk_budget_in_force(speed.flce_chunk_budget, loss_tokens, model.config.hidden_size)
             if budget < speed.flce_chunk_budget:

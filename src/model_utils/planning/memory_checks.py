@@ -164,7 +164,8 @@ def offloaded_inputs_bytes(plan: Plan, rank_tokens: int, ranks: int | None = Non
     """A node's offloaded layer inputs at micro-batch 1 with `rank_tokens` tokens on each of its `ranks` GPUs (None:
     this node's), models.memory.offloaded_activation_bytes for each."""
     return (ranks or plan.hardware.ranks_per_node) * offloaded_activation_bytes(
-        plan.model.config, rank_tokens, 1, plan.memory.checkpointed_layers, dsc.precision(plan.ds_config) != "fp32")
+        plan.model.config, rank_tokens, 1, plan.memory.checkpointed_layers, dsc.precision(plan.ds_config) != "fp32",
+        plan.torch_final_norm)
 
 
 def longest_sequence(plan: Plan, split: int) -> int:

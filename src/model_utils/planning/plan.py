@@ -44,7 +44,7 @@ from model_utils.models.lora import LoraError, adapter_activations, meta_model, 
 from model_utils.models.memory import (GIB, PhaseMemory, choose_micro_batch, offloaded_activation_bytes,
                                        resume_host_bytes)
 from model_utils.models.sequence_parallel import sequence_parallel_problems
-from model_utils.models.speed import use_fused_kernels
+from model_utils.models.speed import liger_kernels_in_force, use_fused_kernels
 from model_utils.planning.memory_model import (Hardware, MemoryModel, ModelPlan, choose_checkpointed_layers,
                                                choose_prefetch, choose_whole_parameters)
 
@@ -110,6 +110,13 @@ class Plan:
     def ranks(self) -> int:
         """The GPUs: data-parallel ranks x the GPUs that share each sequence (ZeRO partitions over all of them)."""
         return self.world * self.sequence_parallel
+
+    @property
+    def torch_final_norm(self) -> bool:
+        """Whether PyTorch's own RMSNorm runs the model's final norm (not Liger's): what --offload_activations moves to
+        the host depends on it (models.memory.offloaded_activation_bytes)."""
+        return not (self.fused_loss
+                    and liger_kernels_in_force(self.cfg.speed.liger_kernels, self.compiled_layers) == "all")
 
     @property
     def rank_seq_len(self) -> int:
@@ -316,7 +323,7 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
         resume_host_bytes=resume_host_bytes(model.trainable_params, plan.ranks, plan.hardware.ranks_per_node,
                                             dsc.offloads(ds)[0], memory_model.gpu_optimizer_share(ds)),
         activation_host_bytes=plan.hardware.ranks_per_node * offloaded_activation_bytes(
-            model.config, plan.rank_seq_len, batch.micro, layers, bf16) if offloaded else 0.0,
+            model.config, plan.rank_seq_len, batch.micro, layers, bf16, plan.torch_final_norm) if offloaded else 0.0,
         tiled_mlp=memory_model.tiles_mlp(ds, batch.micro, layers, prefetch))
     checkpoint_bytes = model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05  # LoRA: no frozen weight
     writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,
