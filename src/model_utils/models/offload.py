@@ -19,7 +19,6 @@ import torch
 from model_utils.models.memory import OFFLOAD_EXACT_BYTES
 
 
-
 class HostActivations:
     """Host buffers for the saved tensors of micro-batch forwards (`saving()`), pinned where `pinned` (a GPU run): a
     buffer returns to the pool when autograd releases the saved tensor it holds (after the backward pass read it) and

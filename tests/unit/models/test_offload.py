@@ -136,5 +136,6 @@ def test_pinned_buffers_are_registered_at_their_exact_size_and_copy_back_exactly
     the gradient through it exact, the second step on the same buffer."""
     env = gpu_environment()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", PINNED_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", PINNED_CHECK], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0 and "pinned ok" in done.stdout, done.stderr[-2000:]
