@@ -41,7 +41,9 @@ class SpeedConfig:
     flce_chunk_budget: int = _f(8, "Transient logits of Liger's fused linear cross-entropy, in multiples of the hidden "
                                    "states' size (Liger's chunk_mem_const; its own default, 1, cuts a 32k-token batch "
                                    "with a 152k vocabulary into 128 chunks that each re-read the LM-head gradient; 8 "
-                                   "makes 16 chunks of 2,048 tokens).", choices=(1, 2, 4, 8, 16), numerics=True)
+                                   "makes 16 chunks of 2,048 tokens). Lowered where a micro-batch's "
+                                   "transient logits would pass 4 GiB (long sequences).", choices=(1, 2, 4, 8, 16),
+                                numerics=True)
     compile: str = _f("auto", "torch.compile each decoder layer in place (one graph shared by all layers): layers, off; "
                               "auto = layers with CUDA, except where ZeRO-3 keeps them eager (with offload, or with "
                               "LoRA); under ZeRO-3 each compiled layer is gathered whole by hooks outside its graph.",

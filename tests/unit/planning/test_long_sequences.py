@@ -311,3 +311,15 @@ def test_a_sequence_no_split_of_this_node_fits_gets_the_node_size_that_would(mon
     report = Report(plan(262144))
     check_memory(report.plan, report)
     assert report.problems == []
+
+
+def test_a_sequence_past_the_positions_gets_the_rope_factor_counted_from_the_models_own(monkeypatch, session_cache):
+    """llama-1b has 131,072 positions: 360,448 tokens need yarn:3, also where --rope_scaling yarn:2 already scaled them
+    to 262,144 (the fix once divided by the scaled positions and proposed yarn:2 again)."""
+    from model_utils.planning.preflight import check_plan
+
+    for flags in ((), ("--rope_scaling", "yarn:2")):
+        report = check_plan(_plan(monkeypatch, 1, "--seq_len", "360448", *flags), check_data=False, check_disk=False)
+        (problem,) = [p for p in report.problems if p.setting == "--seq_len"]
+        assert problem.fix.endswith("or scale its rotary embeddings: --rope_scaling yarn:3")
+    assert problem.message == "exceeds the model's max_position_embeddings (262144 with --rope_scaling yarn:2)"
