@@ -493,19 +493,19 @@ EOF
     ;;
   long-context-one-gpu)  # issue 59's one-GPU goal on an 80 GB H100's memory (GPU_MEMORY_GIB=79.2 on a larger GPU: each
     # run plans for it and its allocator is held to it), both sides with expandable segments (the allocator's setting
-    # for long sequences): llama-8b LoRA rank 16 (yarn:2, checkpointing, ds_config.json), one optimizer step each,
-    # ended once it is logged: ours at LC1_SEQ_LEN with its recomputed layers' inputs in pinned host memory and the MLPs
-    # tiled (auto), its layers as LC1_COMPILE says (auto: compiled, the default a user gets; off: eager), attention as
-    # LC1_ATTENTION says (sdpa: PyTorch's, as the peer's; auto: flash-attn-4 where installed); the peer (HF Trainer +
-    # DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until it runs out of memory
-    # (114,688 by default: 98,304 trains and 131,072 does not, as measured), after ours where the call's BUDGET leaves
-    # time; the preflight at twice ours (~10 min: ours alone takes ~2 min to start and 3-5 min for its step; LC1_SIDES=
-    # "ours" or "peer" runs one side)
+    # for long sequences): llama-8b LoRA rank 16 (RoPE scaled by YaRN to the length, checkpointing, ds_config.json), one
+    # optimizer step each, ended once it is logged: ours at LC1_SEQ_LEN (360,448 by default, the longest measured) with
+    # its offloaded tensors in pinned host memory and the MLPs tiled (auto), its layers as LC1_COMPILE says (off: eager,
+    # as measured; auto: compiled, the default a user gets), attention as LC1_ATTENTION says (sdpa: PyTorch's, as the
+    # peer's; auto: flash-attn-4 where installed); the peer (HF Trainer + DeepSpeed + Liger, no sequence parallelism, the
+    # same adapters) at LC1_PEER_SEQ_LENS until it runs out of memory (114,688 by default: it trains, 131,072 does not,
+    # as measured), after ours where the call's BUDGET leaves time; the preflight at twice ours (ours alone takes ~8 min
+    # at 360,448: ~2 to start, ~6 for its step; the peer ~2.5 min: LC1_SIDES="ours" or "peer" runs one side a call)
     export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    : "${LC1_COMPILE:=auto}" "${LC1_ATTENTION:=sdpa}"
+    : "${LC1_COMPILE:=off}" "${LC1_ATTENTION:=sdpa}"
     read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-114688}"
     LC1=(--model llama-8b --sequence_parallel 1 --ds_config ds_config.json --steps 2 --skip 0 --stop-after-steps 1)
-    : "${LC1_SEQ_LEN:=262144}"
+    : "${LC1_SEQ_LEN:=360448}"
     lc1_yarn=$(((LC1_SEQ_LEN + 131071) / 131072))  # Llama 3.1's 131,072 positions, scaled to hold the sequence
     LC1_TRAINER=(-- --gradient_checkpointing --rope_scaling "yarn:$lc1_yarn" --lora_rank 16)
     lc1_sides=" ${LC1_SIDES:-ours peer} "
