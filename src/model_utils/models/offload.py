@@ -3,14 +3,15 @@ memory and comes back in the backward pass, through torch's saved-tensor hooks. 
 recomputed layer's input and what the parts outside the layers keep; the recomputation in the backward pass runs on
 the GPU.
 
-The large tensors (`OFFLOAD_EXACT_BYTES` and up: the layers' inputs at long sequences) go to host buffers of their exact size,
-pinned on GPUs, kept and reused from micro-batch to micro-batch. torch.autograd.graph.save_on_cpu takes its copies from
-PyTorch's pinned allocator instead, which rounds each allocation up to a power of two: 32 inputs of 3 GiB (Llama 3.1
-8B at 393,216 tokens) would take 128 GiB of host memory instead of 96. The smaller ones go the way save_on_cpu takes
-them."""
+The large tensors (`OFFLOAD_EXACT_BYTES` and up: the layers' inputs at long sequences) go to host buffers of their
+exact size, pinned on GPUs, kept and reused from micro-batch to micro-batch. torch.autograd.graph.save_on_cpu takes its
+copies from PyTorch's pinned allocator instead, which rounds each allocation up to a power of two: 32 inputs of 3 GiB
+(Llama 3.1 8B at 393,216 tokens) would take 128 GiB of host memory instead of 96. The smaller ones go the way
+save_on_cpu takes them."""
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -124,8 +125,9 @@ class _Buffer:
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
             self.pinned = False
 
-    def __del__(self):  # before its memory returns to the host (a run's end, a benchmark's next run)
-        self.unpin()
+    def __del__(self):  # before its memory returns to the host (a benchmark's next run); at the interpreter's exit
+        if not sys.is_finalizing():  # the driver releases it with the process
+            self.unpin()
 
 
 class _Held:
