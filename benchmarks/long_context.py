@@ -111,7 +111,8 @@ def run_case(args, extra, seq_len: int, split: int, nproc: int) -> dict:
                        peak_gib=max(r.get("peak_mem_gib", 0) or 0 for r in records))
     for line in text.splitlines():
         if line.startswith(("memory:", "tiled MLP", "sequence parallelism", "attention:", "activation checkpointing",
-                            "long sequences:", "peer:")):
+                            "long sequences:", "peer:", "host memory:", "offloaded activations:",
+                            "kernels: the fused loss's chunk budget")):
             summary.setdefault("header", []).append(line[:300])
     return summary
 
