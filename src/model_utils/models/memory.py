@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from model_utils.models.build import head_dim
 from model_utils.models.evaluation import CHUNK_TOKENS
 from model_utils.models.speed import zero3_keeps_eager_layers
-from model_utils.patches.liger import chunk_budget_in_force
+from model_utils.patches.liger import chunk_budget_in_force, logits_chunk_bytes
 
 GIB = 1024**3
 # The automatic micro-batch (`"train_micro_batch_size_per_gpu": "auto"`, `--micro_batch_size auto`) fills at most this
@@ -229,35 +229,43 @@ def activation_bytes(config, seq_len: int, micro: int, checkpointing: bool, fuse
     inputs = 0 if offloaded else recomputed * 2 * micro * seq_len * h
     backward = micro * seq_len * adapters.backward_bytes_per_token(compiled, tiled_mlp) if adapters else 0.0
     acts = inputs + max(kept, 1 if recomputed else 0) * working_set + backward
-    # Fused: one chunk of transient 16-bit logits (the chunk budget, --flce_chunk_budget, in hidden-state sizes, lowered at
-    # long sequences: patches.liger.chunk_budget_in_force). Beside
+    # Fused: one chunk of transient 16-bit logits at the chunk budget in force (--flce_chunk_budget, lowered at long
+    # sequences: patches.liger.chunk_budget_in_force), the budget's hidden-state sizes (the measured peaks' fit) or
+    # Liger's chunk where its rounding makes that larger (patches.liger.logits_chunk_bytes). Beside
     # compiled layers, also what the fused loss's forward keeps for the backward: the LM head's 16-bit gradient and 8·h
     # bytes per token (benchmarks/layer_activations.py, exact for Qwen3-0.6B, 4B and 8B); beside eager layers their
     # margin (EAGER_ACTIVATION_MARGIN) holds it.
-    logits = (chunk_budget_in_force(chunk_budget, micro * seq_len, h) * micro * seq_len * h * 2
+    tokens = micro * seq_len
+    budget = chunk_budget_in_force(chunk_budget, tokens, h, config.vocab_size)
+    logits = (max(budget * tokens * h * 2, logits_chunk_bytes(budget, tokens, h, config.vocab_size))
               + (2 * config.vocab_size * h + 8 * micro * seq_len * h if compiled else 0) if fused_ce
               else micro * seq_len * config.vocab_size * (2 + 4 + 4))
     return acts * scale + logits
 
 
 # Beside the recomputed layers' inputs, --offload_activations moves what the model keeps after its last layer, tensors
-# of as many values as a layer's input: the final norm's input and the fused loss's gradient of the hidden states
-# (Liger's RMSNorm and loss: 34 buffers of one size at 360,448 tokens of Llama 3.1 8B's 32 layers), and where PyTorch's
-# RMSNorm runs the final norm (beside compiled layers, with Liger's loss alone) its fp32 copies, three more in 16-bit
-# sizes (the compiled run's host peak lay 6.2 GiB above the eager one's at 262,144 tokens: docs/LONG-CONTEXT.md).
+# of as many values as a layer's input: with Liger's final norm and loss, the norm's input and the loss's gradient of
+# the hidden states (34 buffers of one size at 360,448 tokens of Llama 3.1 8B's 32 layers); with PyTorch's RMSNorm as
+# the final norm (beside compiled layers, Liger's loss alone), its fp32 input, saved twice, and its 16-bit output instead
+# of the input: four more in 16-bit sizes (transformers' RMSNorm; the compiled run's host peak lay 6.2 GiB above the
+# eager one's at 262,144 tokens, three of them: the count errs above). Without the fused loss, its fp32 log-probabilities
+# over the vocabulary besides.
 OFFLOADED_AFTER_THE_LAYERS = 2
-OFFLOADED_BY_TORCH_FINAL_NORM = 3
+OFFLOADED_BY_TORCH_FINAL_NORM = 4
 
 
 def offloaded_activation_bytes(config, seq_len: int, micro: int, recomputed_layers: int, bf16: bool,
-                               torch_final_norm: bool = False) -> float:
+                               torch_final_norm: bool = False, fused_loss: bool = True) -> float:
     """Host memory of one rank's offloaded activations (--offload_activations): each recomputed layer's input, micro x
     seq_len x hidden values in 16-bit (fp32 without bf16), and those of their size after the last layer
-    (OFFLOADED_AFTER_THE_LAYERS, with `torch_final_norm` OFFLOADED_BY_TORCH_FINAL_NORM more), each in a buffer of its
-    exact size from OFFLOAD_EXACT_BYTES on, below it as pinned_bytes counts it."""
+    (OFFLOADED_AFTER_THE_LAYERS, with `torch_final_norm` OFFLOADED_BY_TORCH_FINAL_NORM more; without the `fused_loss`,
+    the loss's fp32 log-probabilities), each in a buffer of its exact size from OFFLOAD_EXACT_BYTES on, below it as
+    pinned_bytes counts it."""
     nbytes = micro * seq_len * config.hidden_size * (2 if bf16 else 4)
     count = recomputed_layers + OFFLOADED_AFTER_THE_LAYERS + (OFFLOADED_BY_TORCH_FINAL_NORM if torch_final_norm else 0)
-    return count * (nbytes if nbytes >= OFFLOAD_EXACT_BYTES else pinned_bytes(nbytes))
+    logits = 0 if fused_loss else micro * seq_len * config.vocab_size * 4
+    exact = lambda size: size if size >= OFFLOAD_EXACT_BYTES else pinned_bytes(size)  # noqa: E731
+    return count * exact(nbytes) + (exact(logits) if logits else 0)
 
 
 def pinned_bytes(nbytes: int) -> int:

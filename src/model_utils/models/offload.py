@@ -23,9 +23,9 @@ from model_utils.models.memory import OFFLOAD_EXACT_BYTES
 class HostActivations:
     """Host buffers for the saved tensors of micro-batch forwards (`saving()`), pinned where `pinned` (a GPU run): a
     buffer returns to the pool when autograd releases the saved tensor it holds (after the backward pass read it) and
-    serves the next tensor of its exact size once the copy back to the GPU has finished. Shapes repeat from micro-batch
-    to micro-batch (blocks of --seq_len tokens), so after the first micro-batch nothing is allocated; a size that does not
-    recur is released at the next miss."""
+    serves the next tensor of its exact size, the GPU ordering the copy into it after the copy out of it. Shapes repeat
+    from micro-batch to micro-batch (blocks of --seq_len tokens), so after the first micro-batch nothing is allocated; a
+    size that does not recur is released at the next miss."""
 
     def __init__(self, pinned: bool, pooled_bytes: int = OFFLOAD_EXACT_BYTES):
         self.pinned = pinned
@@ -56,11 +56,12 @@ class HostActivations:
 
     def _pack(self, tensor: torch.Tensor):
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < self.pooled_bytes or tensor.is_sparse or tensor.layout != torch.strided:
+        if nbytes == 0 or nbytes < self.pooled_bytes or tensor.is_sparse or tensor.layout != torch.strided:
             return self._pack_small(tensor)
         buffer = self._take(nbytes)
-        host = buffer.data[:nbytes].view(tensor.dtype).view(tensor.shape)
+        host = buffer.data.view(tensor.dtype).view(tensor.shape)
         host.copy_(tensor, non_blocking=self.pinned)
+        buffer.record_copy()
         return _Held(self, buffer, host, tensor.device)
 
     def _pack_small(self, tensor: torch.Tensor):
@@ -80,22 +81,22 @@ class HostActivations:
     def _take(self, nbytes: int) -> _Buffer:
         if self.free[nbytes]:
             buffer = self.free[nbytes].pop()
-            buffer.wait()
+            buffer.order_after_copies()  # the GPU copies into it wait for those from it, the host does not
             return buffer
         for size in [size for size, buffers in self.free.items() if buffers]:  # sizes of an earlier shape
             for stale in self.free.pop(size):
-                stale.wait()
                 self._release(stale)
+        buffer = _Buffer(nbytes, self.pinned)
         self.allocations += 1
         self.held_bytes += nbytes
-        return _Buffer(nbytes, self.pinned)
+        return buffer
 
     def _give_back(self, buffer: _Buffer) -> None:
         self.free[buffer.nbytes].append(buffer)
 
     def _release(self, buffer: _Buffer) -> None:
         self.held_bytes -= buffer.nbytes
-        buffer.unpin()
+        buffer.unpin()  # after its last copy, either way
 
 
 class _Buffer:
@@ -105,7 +106,7 @@ class _Buffer:
     def __init__(self, nbytes: int, pinned: bool):
         self.nbytes = nbytes
         self.data = torch.empty(nbytes, dtype=torch.uint8)
-        self.copied_back = None  # the CUDA event after the last copy from this buffer to the GPU
+        self.last_copy = None  # the CUDA event after the last copy into or out of this buffer
         self.pinned = False
         if pinned:
             self.data.zero_()
@@ -115,13 +116,22 @@ class _Buffer:
                                    f"(CUDA error {int(error)}): the node has less free host memory than the run needs")
             self.pinned = True
 
-    def wait(self) -> None:
-        if self.copied_back is not None:
-            self.copied_back.synchronize()
-            self.copied_back = None
+    def record_copy(self) -> None:
+        """After a copy into or out of the buffer is queued on the current stream (GPU runs)."""
+        if self.pinned:
+            self.last_copy = torch.cuda.Event()
+            self.last_copy.record()
+
+    def order_after_copies(self) -> None:
+        """The current stream's next copies wait for the buffer's last one; the host goes on."""
+        if self.last_copy is not None:
+            torch.cuda.current_stream().wait_event(self.last_copy)
 
     def unpin(self) -> None:
+        """Once its last copy has run (a forward dropped before its backward may leave one in flight)."""
         if self.pinned:
+            if self.last_copy is not None:
+                self.last_copy.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
             self.pinned = False
 
@@ -137,10 +147,10 @@ class _Held:
         self.pool, self.buffer, self.host, self.device = pool, buffer, host, device
 
     def back(self) -> torch.Tensor:
+        if self.device.type == "cpu":  # a copy: the backward may keep what it returns (a gradient) past its reuse
+            return self.host.clone()
         tensor = self.host.to(self.device, non_blocking=self.buffer.pinned)
-        if self.buffer.pinned:
-            self.buffer.copied_back = torch.cuda.Event()
-            self.buffer.copied_back.record()
+        self.buffer.record_copy()
         return tensor
 
     def __del__(self):

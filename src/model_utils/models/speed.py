@@ -112,11 +112,12 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
     if fused:
         applied["fused_kernels"] = _apply_liger(model, liger_kernels_in_force(speed.liger_kernels, compiled), log)
         if applied["fused_kernels"] != "off":
-            budget = liger.chunk_budget_in_force(speed.flce_chunk_budget, loss_tokens, model.config.hidden_size)
+            widths = model.config.hidden_size, model.config.vocab_size
+            budget = liger.chunk_budget_in_force(speed.flce_chunk_budget, loss_tokens, *widths)
             if budget < speed.flce_chunk_budget:
+                logits = liger.logits_chunk_bytes(budget, loss_tokens, *widths) / 1024**3
                 log(f"kernels: the fused loss's chunk budget lowered from {speed.flce_chunk_budget} (--flce_chunk_budget) "
-                    f"to {budget} for {loss_tokens:,} tokens a micro-batch: its transient logits stay within "
-                    f"{liger.FLCE_LOGITS_BYTES / 1024**3:.0f} GiB")
+                    f"to {budget} for {loss_tokens:,} tokens a micro-batch: its transient logits take {logits:.1f} GiB")
             if liger.set_flce_chunk_budget(budget, log):
                 applied["flce_chunk_budget"] = budget
             if zero3:

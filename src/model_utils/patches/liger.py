@@ -22,19 +22,27 @@ FLCE_CHUNK_BUDGET = Patch(
     ("tests/unit/patches/test_patches.py::test_flce_chunk_budget_becomes_the_default_of_ligers_loss_function",))
 
 
-# Long sequences: Liger's transient logits stay within this many bytes (a micro-batch of 65,536 tokens of a 4,096-wide
-# model keeps the default budget, 8). At 262,144 tokens the default would hold 16 GiB of logits (65,536 tokens of a
-# 128k vocabulary) beside the step; chunks of 16,384 tokens fill the LM head's matmuls as well.
+# Long sequences: Liger's transient logits stay within this many bytes where a budget allows it (a micro-batch of
+# 65,536 tokens of Llama 3.1 8B keeps the default budget, 8). At 262,144 tokens the default would hold 15.7 GiB of
+# logits (65,536 tokens of a 128k vocabulary) beside the step; chunks of 16,384 tokens fill the LM head's matmuls as well.
 FLCE_LOGITS_BYTES = 4 * 1024**3
 
 
-def chunk_budget_in_force(budget: int, tokens: int | None, hidden_size: int) -> int:
-    """The chunk budget a run's loss uses: --flce_chunk_budget, lowered where its transient logits (budget x the 16-bit
-    hidden states of the `tokens` one forward's loss covers on a GPU) would pass FLCE_LOGITS_BYTES, to 1 at the least
-    (Liger's smallest: logits the size of the hidden states)."""
+def logits_chunk_bytes(budget: int, tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """The 16-bit transient logits of Liger 0.8.5's fused linear cross-entropy over `tokens` at chunk_mem_const `budget`:
+    chunks of next_power_of_2(ceil(tokens / ceil(vocab / (budget x hidden)))) tokens, at most `tokens`."""
+    per_chunk = -(-tokens // -(-vocab_size // (budget * hidden_size)))
+    return min(1 << (per_chunk - 1).bit_length(), tokens) * vocab_size * 2
+
+
+def chunk_budget_in_force(budget: int, tokens: int | None, hidden_size: int, vocab_size: int) -> int:
+    """The chunk budget a run's loss uses: --flce_chunk_budget, or the largest below it whose transient logits over the
+    `tokens` one forward's loss covers on a GPU stay within FLCE_LOGITS_BYTES, 1 at the least (Liger's smallest: its
+    logits can then pass the bound, from 524,289 tokens of Llama 3.1 8B)."""
     if not tokens:
         return budget
-    return max(1, min(budget, FLCE_LOGITS_BYTES // (2 * tokens * hidden_size)))
+    return next((c for c in range(budget, 1, -1)
+                 if logits_chunk_bytes(c, tokens, hidden_size, vocab_size) <= FLCE_LOGITS_BYTES), 1)
 
 
 @functools.cache

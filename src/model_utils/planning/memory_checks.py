@@ -165,7 +165,7 @@ def offloaded_inputs_bytes(plan: Plan, rank_tokens: int, ranks: int | None = Non
     this node's), models.memory.offloaded_activation_bytes for each."""
     return (ranks or plan.hardware.ranks_per_node) * offloaded_activation_bytes(
         plan.model.config, rank_tokens, 1, plan.memory.checkpointed_layers, dsc.precision(plan.ds_config) != "fp32",
-        plan.torch_final_norm)
+        plan.torch_final_norm, plan.fused_loss)
 
 
 def longest_sequence(plan: Plan, split: int) -> int:

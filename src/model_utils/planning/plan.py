@@ -323,7 +323,7 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
         resume_host_bytes=resume_host_bytes(model.trainable_params, plan.ranks, plan.hardware.ranks_per_node,
                                             dsc.offloads(ds)[0], memory_model.gpu_optimizer_share(ds)),
         activation_host_bytes=plan.hardware.ranks_per_node * offloaded_activation_bytes(
-            model.config, plan.rank_seq_len, batch.micro, layers, bf16, plan.torch_final_norm) if offloaded else 0.0,
+            model.config, plan.rank_seq_len, batch.micro, layers, bf16, plan.torch_final_norm, plan.fused_loss) if offloaded else 0.0,
         tiled_mlp=memory_model.tiles_mlp(ds, batch.micro, layers, prefetch))
     checkpoint_bytes = model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05  # LoRA: no frozen weight
     writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,

@@ -77,7 +77,7 @@ def test_the_host_buffers_give_back_the_same_loss_and_gradients_and_are_reused(p
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(input_ids=tokens, labels=tokens).loss.backward()
-    pooled = [n for n in sizes if n >= pooled_bytes]
+    pooled = [n for n in sizes if n and n >= pooled_bytes]  # an empty tensor goes the small way
     assert len(pooled) > 4 and (pooled_bytes == 0 or len(pooled) < len(sizes))
 
     offload = HostActivations(pinned=False, pooled_bytes=pooled_bytes)
@@ -109,6 +109,34 @@ def test_a_buffer_serves_the_next_tensor_only_after_the_backward_pass_released_i
         w = torch.randn(16, requires_grad=True).exp().sum()  # 64 bytes: a miss; the free 256-byte buffers go
     assert offload.allocations == 3 and offload.held_bytes == 64
     del w
+
+
+class _ReturnsItsSavedGradient(torch.autograd.Function):
+    """As Liger's fused loss does where the loss's gradient is 1: the backward returns a tensor it saved."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x.detach() + 2.0)
+        return (2 * x).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        return saved
+
+
+def test_a_gradient_returned_from_a_saved_tensor_outlives_the_buffers_reuse():
+    """On CPU the copy back is a copy too: a gradient that is the saved tensor itself keeps its values when the next
+    micro-batch's forward writes into the buffer it came from."""
+    offload = HostActivations(pinned=False, pooled_bytes=0)
+    x = torch.zeros(64, requires_grad=True)
+    with offload.saving():
+        loss = _ReturnsItsSavedGradient.apply(x)
+    loss.backward()
+    del loss
+    with offload.saving():
+        _ReturnsItsSavedGradient.apply(torch.full((64,), 5.0, requires_grad=True))  # the same size: that buffer
+    assert offload.allocations == 1 and torch.equal(x.grad, torch.full((64,), 2.0))
 
 
 PINNED_CHECK = """

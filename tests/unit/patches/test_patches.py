@@ -153,21 +153,26 @@ BF16_PATHS = dict(atol=1e-2, rtol=2**-6)
 
 
 def test_the_fused_losss_chunk_budget_is_lowered_where_its_logits_would_pass_4_gib():
-    """Liger 0.8.5 cuts BT tokens into chunks of next_power_of_2(BT / ceil(V / (budget x H))) tokens: Llama 3.1 8B
+    """Liger 0.8.5 cuts BT tokens into chunks of next_power_of_2(ceil(BT / ceil(V / (budget x H)))) tokens: Llama 3.1 8B
     (H 4,096, V 128,256) at the default budget 8 would hold 65,536 tokens' logits (15.7 GiB) at 262,144 tokens a
-    micro-batch; lowered to 2 they are 16,384 tokens' (3.9 GiB), as at 458,752 tokens with 1. Fine-tuning's 16 x 2,048
-    tokens of a 2,048-wide model and pretraining's 65,536 of a 4,096-wide one keep the budget they ask for."""
-    def logits_gib(budget, tokens, hidden=4096, vocab=128256):
-        chunk = 1 << (-(-tokens // -(-vocab // (budget * hidden))) - 1).bit_length()
-        return min(chunk, tokens) * vocab * 2 / 2**30
+    micro-batch, 2 holds 16,384 tokens' (3.9 GiB). Over lengths in steps of 4,096 tokens for three widths and
+    vocabularies, the budget in force is the largest whose logits stay within 4 GiB, or 1, Liger's smallest (past
+    524,288 tokens of Llama 3.1 8B its logits are 7.8 GiB). Fine-tuning's 16 x 2,048 tokens keep the budget asked for."""
+    gib = 2**30
+    assert liger.FLCE_LOGITS_BYTES == 4 * gib
+    assert round(liger.logits_chunk_bytes(8, 262144, 4096, 128256) / gib, 2) == 15.66
+    assert [liger.chunk_budget_in_force(8, tokens, 4096, 128256) for tokens in (65536, 262144, 360448)] == [8, 2, 1]
+    assert liger.chunk_budget_in_force(8, 32768, 2048, 151936) == 8 and liger.chunk_budget_in_force(4, 32768, 2048,
+                                                                                                      151936) == 4
+    assert liger.chunk_budget_in_force(8, None, 4096, 128256) == 8  # tokens not known: the flag's
+    for hidden, vocab in ((4096, 128256), (2048, 128256), (4096, 151936)):  # Llama 3.1 8B, Llama 3.2 1B, Qwen3-8B
+        for tokens in range(4096, 1048577, 4096):
+            budget = liger.chunk_budget_in_force(8, tokens, hidden, vocab)
+            logits = liger.logits_chunk_bytes(budget, tokens, hidden, vocab)
+            assert logits <= liger.FLCE_LOGITS_BYTES or budget == 1, (hidden, vocab, tokens, budget)
+            assert budget == 8 or liger.logits_chunk_bytes(budget + 1, tokens, hidden, vocab) > liger.FLCE_LOGITS_BYTES
+    assert liger.logits_chunk_bytes(1, 528384, 4096, 128256) > liger.FLCE_LOGITS_BYTES
 
-    assert liger.FLCE_LOGITS_BYTES == 4 * 2**30
-    assert [liger.chunk_budget_in_force(8, tokens, 4096) for tokens in (65536, 131072, 262144, 458752)] == [8, 4, 2, 1]
-    assert liger.chunk_budget_in_force(8, 32768, 2048) == 8 and liger.chunk_budget_in_force(4, 32768, 2048) == 4
-    assert liger.chunk_budget_in_force(8, None, 4096) == 8  # tokens not known: the flag's
-    assert round(logits_gib(8, 262144), 1) == 15.7
-    assert all(logits_gib(liger.chunk_budget_in_force(8, tokens, 4096), tokens) < 4
-               for tokens in (65536, 131072, 262144, 458752))
 
 def _reference_fa4(q, k, v, scale):
     """Stand-in for the FlashAttention-4 custom op (its CuTe kernels need a Hopper/Blackwell GPU): the same contract,
