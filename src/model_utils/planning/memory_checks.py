@@ -15,8 +15,7 @@ from model_utils.config import deepspeed as dsc
 from model_utils.core.problems import Problem
 from model_utils.core.repo import REPO_ROOT
 from model_utils.models import speed
-from model_utils.models.memory import (AUTO_MEMORY_SHARE, GIB, activation_bytes, cheapest_fit,
-                                       offloaded_activation_bytes)
+from model_utils.models.memory import AUTO_MEMORY_SHARE, GIB, activation_bytes, cheapest_fit
 from model_utils.models.sequence_parallel import sequence_parallel_problems
 from model_utils.planning.report import Report
 
@@ -162,10 +161,9 @@ def host_room(plan: Plan) -> float | None:
 
 def offloaded_inputs_bytes(plan: Plan, rank_tokens: int, ranks: int | None = None) -> float:
     """A node's offloaded layer inputs at micro-batch 1 with `rank_tokens` tokens on each of its `ranks` GPUs (None:
-    this node's), models.memory.offloaded_activation_bytes for each."""
-    return (ranks or plan.hardware.ranks_per_node) * offloaded_activation_bytes(
-        plan.model.config, rank_tokens, 1, plan.memory.checkpointed_layers, dsc.precision(plan.ds_config) != "fp32",
-        plan.torch_final_norm, plan.fused_loss)
+    this node's), Plan.offloaded_bytes for each."""
+    ranks = ranks or plan.hardware.ranks_per_node
+    return ranks * plan.offloaded_bytes(rank_tokens, 1, plan.memory.checkpointed_layers)
 
 
 def longest_sequence(plan: Plan, split: int) -> int:

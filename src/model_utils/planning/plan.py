@@ -118,6 +118,14 @@ class Plan:
         return not (self.fused_loss
                     and liger_kernels_in_force(self.cfg.speed.liger_kernels, self.compiled_layers) == "all")
 
+    def offloaded_bytes(self, rank_tokens: int, micro: int, recomputed_layers: int) -> float:
+        """One rank's host memory for --offload_activations with `rank_tokens` tokens of each sequence and
+        `recomputed_layers` layers recomputing (models.memory.offloaded_activation_bytes with this plan's model,
+        precision, final norm and loss)."""
+        return offloaded_activation_bytes(self.model.config, rank_tokens, micro, recomputed_layers,
+                                          dsc.precision(self.ds_config) != "fp32", self.torch_final_norm,
+                                          self.fused_loss)
+
     @property
     def rank_seq_len(self) -> int:
         """The tokens of each sequence that one GPU holds (--seq_len / --sequence_parallel)."""
@@ -322,8 +330,8 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
         host_bytes=memory_model.host_bytes(ds),
         resume_host_bytes=resume_host_bytes(model.trainable_params, plan.ranks, plan.hardware.ranks_per_node,
                                             dsc.offloads(ds)[0], memory_model.gpu_optimizer_share(ds)),
-        activation_host_bytes=plan.hardware.ranks_per_node * offloaded_activation_bytes(
-            model.config, plan.rank_seq_len, batch.micro, layers, bf16, plan.torch_final_norm, plan.fused_loss) if offloaded else 0.0,
+        activation_host_bytes=(plan.hardware.ranks_per_node
+                               * plan.offloaded_bytes(plan.rank_seq_len, batch.micro, layers) if offloaded else 0.0),
         tiled_mlp=memory_model.tiles_mlp(ds, batch.micro, layers, prefetch))
     checkpoint_bytes = model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05  # LoRA: no frozen weight
     writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,
