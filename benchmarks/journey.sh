@@ -76,6 +76,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_LONG_TOKENS:=131072}" # long-sft: the sequence length; its chats are about this long
 : "${JOURNEY_LONG_SP:=0}" # long-sft: GPUs per sequence (0: every GPU of the node)
 : "${JOURNEY_LONG_LORA:=16}" # long-sft: the LoRA rank (0: full fine-tuning)
+: "${JOURNEY_LONG_FLAGS:=}" # long-sft: more trainer flags, e.g. "--offload_activations" (split on spaces)
 
 mkdir -p "$JOURNEY_DIR"
 failed=0
@@ -406,13 +407,16 @@ fi
 if wanted long-sft; then
     long_model=$(hf_model "$JOURNEY_LONG_MODEL")
     long_split=$JOURNEY_LONG_SP
-    ((long_split)) || long_split=$("$python" -c 'import torch; print(max(torch.cuda.device_count(), 2))')
+    # every GPU of the node; two processes where there is none (CPU, gloo)
+    ((long_split)) || long_split=$("$python" -c 'import torch; print(torch.cuda.device_count() or 2)')
+    read -r -a long_more <<<"$JOURNEY_LONG_FLAGS"
     "$python" benchmarks/long_chats.py --tokens "$JOURNEY_LONG_TOKENS" --examples 24 \
         --out "$JOURNEY_DIR/long-chats.jsonl" | tail -1
     long=(MODEL="$long_model" DATASET="$JOURNEY_DIR/long-chats.jsonl" DS_CONFIG=configs/zero3.json
           SEQUENCE_PARALLEL="$long_split" OUTPUT_DIR="$JOURNEY_DIR/long-hf")
     long_flags=(--seq_len "$JOURNEY_LONG_TOKENS" --micro_batch_size 1 --gradient_checkpointing --lora_rank
-                "$JOURNEY_LONG_LORA" --log_interval 1 --eval_iters 1 --checkpoint_freq 0 --keep_last_checkpoints 1)
+                "$JOURNEY_LONG_LORA" --log_interval 1 --eval_iters 1 --checkpoint_freq 0 --keep_last_checkpoints 1
+                "${long_more[@]}")
     long_export=$JOURNEY_DIR/long-hf
     if ((JOURNEY_LONG_LORA)); then  # the adapter and the merged model; the merged one is prompted
         long_flags+=(--export_merged)

@@ -516,7 +516,7 @@ EOF
     [[ $lc1_sides == *" peer "* ]] && run_bench benchmarks/long_context.py lc1-peer 90 "${LC1[@]}" --seq_len "${lc1_peer_lens[@]}" --peer --stop-at-oom \
       --timeout "${LC1_PEER_TIMEOUT:-240}" --workdir /tmp/lc1-peer \
       --title "HF Trainer + DeepSpeed + Liger, LoRA, one GPU held to $GPU_MEMORY_GIB GiB" "${LC1_TRAINER[@]}"
-    python3 src/train_deepspeed.py --model llama-8b --seq_len $((2 * LC1_SEQ_LEN)) --rope_scaling "yarn:$((2 * lc1_yarn))" \
+    (($(date +%s) - START + 60 < BUDGET)) && python3 src/train_deepspeed.py --model llama-8b --seq_len $((2 * LC1_SEQ_LEN)) --rope_scaling "yarn:$((2 * lc1_yarn))" \
       --gradient_checkpointing --lora_rank 16 --offload_activations --dummy_data 8 --preflight 2>&1 \
       | tee "$OUT/lc1-preflight-past-longest.txt" | grep -E "long sequences|needs|fix|host" | cut -c1-400
     unset GPU_MEMORY_GIB PYTORCH_CUDA_ALLOC_CONF
