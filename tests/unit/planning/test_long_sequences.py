@@ -191,21 +191,23 @@ def test_the_estimate_at_length_is_within_a_tenth_of_the_measured_peak(monkeypat
     assert _train_estimate_gib(monkeypatch, model, world, flags, 139) == pytest.approx(peak_gib, rel=0.10)
 
 
-def test_the_estimate_at_360448_tokens_on_an_h100s_memory_is_the_measured_peak_and_host_memory(monkeypatch,
-                                                                                              session_cache):
-    """h200-2026-11-29-long-context-one-gpu.jsonl (session 3): llama-8b LoRA rank 16, eager layers, MLPs tiled, inputs
-    offloaded, on one GPU held to 79.2 GiB, with the fused loss's chunks bounded (budget 1 at this length) and the
-    offloaded tensors in exact-size buffers: 61.7 GiB peak (the estimate 62.6), and 93.5 GiB of host buffers, 34 of
-    2.75 GiB (the 32 layers' inputs and 2 after them: Liger's final norm beside eager layers)."""
+@pytest.mark.parametrize("tokens, yarn, peak_gib", [(360448, 3, 61.7), (401408, 4, 66.9)])
+def test_the_estimate_on_an_h100s_memory_is_the_measured_peak_and_host_memory(monkeypatch, session_cache, tokens,
+                                                                             yarn, peak_gib):
+    """h200-2026-11-29-long-context-one-gpu.jsonl (sessions 3 and 4): llama-8b LoRA rank 16, eager layers, MLPs tiled,
+    inputs offloaded, on one GPU held to 79.2 GiB, with the fused loss's chunks bounded (budget 1 at these lengths)
+    and the offloaded tensors in exact-size buffers: 61.7 GiB peak at 360,448 tokens (the estimate 62.6) and 66.9 at
+    401,408 (67.2); host buffers 93.5 and 104.1 GiB, 34 each (the 32 layers' inputs and 2 after them: Liger's final
+    norm beside eager layers)."""
     from model_utils.planning import plan as plan_module
 
-    flags = (*LORA_FLAGS[2:], "--seq_len", "360448", "--rope_scaling", "yarn:3", *TILED, "--compile", "off")
+    flags = (*LORA_FLAGS[2:], "--seq_len", str(tokens), "--rope_scaling", f"yarn:{yarn}", *TILED, "--compile", "off")
     assert _train_estimate_gib(monkeypatch, "llama-8b", 1, flags, 79.2, chunks_as_then=False) == pytest.approx(
-        61.7, rel=0.02)
+        peak_gib, rel=0.02)
     cfg = parse_args(["--model", "llama-8b", "--micro_batch_size", "1", "--dummy_data", "64", "--checkpoint_dir",
                       "/nonexistent/ckpt", "--no-export", *flags])
     plan = plan_module.make_plan(cfg, 1, decides=False)
-    assert plan.memory.activation_host_bytes == 34 * 360448 * 4096 * 2
+    assert plan.memory.activation_host_bytes == 34 * tokens * 4096 * 2
 
 
 @pytest.mark.parametrize("model, flags, peak_gib", MEASURED_BELOW_THE_ESTIMATE)
