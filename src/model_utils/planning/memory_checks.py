@@ -277,6 +277,9 @@ def note_faster_zero3_setup(plan: Plan, report: Report) -> None:
             return
         why = ("it keeps whole parameters on every GPU and runs the same micro-batches without gathering each layer's "
                f"parameters for its forward and backward, as ZeRO-3 does{traffic}")
+        if plan.world == 1:
+            why = ("on one GPU ZeRO-3 partitions nothing, yet gathers each layer's parameters for its forward, its "
+                   "recomputation and its backward; ZeRO-2 runs the same micro-batches without")
     gpu = zero2_that_fits(plan)
     if gpu is not None:
         report.notes.append(
