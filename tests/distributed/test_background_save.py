@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import types
 from collections import OrderedDict
 
 import pytest
 import torch
-from conftest import assert_ok, run_trainer
+from conftest import SRC, assert_ok, gpu_count, gpu_environment, run_trainer
 from test_save_faults import run_with_fault
 from test_training import RESUME_ARGS
 
@@ -105,19 +108,39 @@ def test_an_optimizer_state_that_cannot_be_read_between_steps_leaves_the_saves_t
                      "checkpointing is deprecated); each save allocates what it lacks"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs a GPU (run by run_device.sh's "
-                                                           "gpu-tests plan; CI's machines have none)")
+PINNED_SAVE_CHECK = """
+import io
+import torch
+from model_utils.checkpoint.background import HostBuffers, host_copy
+
+def saved_bytes(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+state = {"odd": torch.randn(3 * 2**20 + 7, device="cuda"), "half": torch.randn(1000, dtype=torch.bfloat16,
+                                                                              device="cuda")}
+buffers, memo = HostBuffers(pinned=True), {"taken": []}
+copy = host_copy(state, memo, buffers)
+torch.cuda.synchronize()
+assert sorted(s.nbytes() for s in memo["taken"]) == sorted(t.untyped_storage().nbytes() for t in state.values())
+assert all(t.is_pinned() for t in copy.values())
+assert saved_bytes(copy) == saved_bytes({k: v.cpu() for k, v in state.items()})
+print("pinned save ok")
+"""
+
+
+@pytest.mark.skipif(gpu_count() == 0, reason="pinned host memory needs a GPU (run by run_device.sh's gpu-tests plan; "
+                                             "CI's machines have none)")
 def test_pinned_save_buffers_copy_from_the_gpu_exactly():
     """HostBuffers' pinned storages, as the trainer allocates them (runtime.process.pin_host_memory_by_threads): the
-    storages' own sizes, pinned, and a copy from the GPU into them pickles as the GPU state does."""
-    state = {"odd": torch.randn(3 * 2**20 + 7, device="cuda"), "half": torch.randn(1000, dtype=torch.bfloat16,
-                                                                                  device="cuda")}
-    buffers, memo = HostBuffers(pinned=True), {"taken": []}
-    copy = host_copy(state, memo, buffers)
-    torch.cuda.synchronize()
-    assert sorted(s.nbytes() for s in memo["taken"]) == sorted(t.untyped_storage().nbytes() for t in state.values())
-    assert all(t.is_pinned() for t in copy.values())
-    assert saved_bytes(copy) == saved_bytes({k: v.cpu() for k, v in state.items()})
+    storages' own sizes, pinned, and a copy from the GPU into them pickles as the GPU state does. On a GPU (the
+    session hides them: a subprocess with them visible)."""
+    env = gpu_environment()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", PINNED_SAVE_CHECK], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0 and "pinned save ok" in done.stdout, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("ds_config", ["ds_config.json", "configs/zero3.json"])
