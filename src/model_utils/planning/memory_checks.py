@@ -254,6 +254,7 @@ def note_faster_zero3_setup(plan: Plan, report: Report) -> None:
     user's."""
     if plan.memory_model is None or plan.ds_config is None:
         return
+    where = "ZeRO-3 on several GPUs"
     if plan.memory_model.keeps_whole_parameters(plan.ds_config):
         why = ("ZeRO-3 with whole parameters moves the same weights and gradients per step and adds DeepSpeed's hooks "
                "on every module, which cost most where the layers are small")
@@ -275,17 +276,19 @@ def note_faster_zero3_setup(plan: Plan, report: Report) -> None:
                 f"\"stage3_param_persistence_threshold\": \"auto\" (now {threshold}) in zero_optimization where the "
                 "run's speed matters (docs/PERFORMANCE.md, ZeRO-3 on several GPUs)")
             return
-        why = ("it keeps whole parameters on every GPU and runs the same micro-batches without gathering each layer's "
-               f"parameters for its forward and backward, as ZeRO-3 does{traffic}")
         if plan.world == 1:
             why = ("on one GPU ZeRO-3 partitions nothing, yet gathers each layer's parameters for its forward, its "
                    "recomputation and its backward; ZeRO-2 runs the same micro-batches without")
+            where = "Long sequences, ZeRO-3 on one GPU"
+        else:
+            why = ("it keeps whole parameters on every GPU and runs the same micro-batches without gathering each "
+                   f"layer's parameters for its forward and backward, as ZeRO-3 does{traffic}")
     gpu = zero2_that_fits(plan)
     if gpu is not None:
         report.notes.append(
             f"ZeRO-2 fits these GPUs at micro-batch {plan.batch.micro} by the estimate (~{gpu / GIB:.1f} GiB): {why}: "
             "\"stage\": 2 in the DeepSpeed config (ds_config.json has it) where the run's speed matters "
-            "(docs/PERFORMANCE.md, ZeRO-3 on several GPUs)")
+            f"(docs/PERFORMANCE.md, {where})")
 
 
 def zero_traffic_per_step(params: int, trainable: int, world: int, accumulation: int, value_bytes: int,

@@ -374,5 +374,6 @@ def test_the_preflight_says_zero3_partitions_nothing_on_one_gpu(monkeypatch):
     assert not plan.memory_model.keeps_whole_parameters(plan.ds_config)
     said = [n for n in check_plan(plan, check_data=False, check_disk=False).notes if n.startswith("ZeRO-2 fits")]
     assert len(said) == 1 and "one GPU" in said[0] and "partitions nothing" in said[0] and '"stage": 2' in said[0]
+    assert "ZeRO-3 on one GPU" in said[0]
     several = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", gpu_gib="110")
     assert not any("partitions nothing" in n for n in check_plan(several, check_data=False, check_disk=False).notes)
