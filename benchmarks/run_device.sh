@@ -496,12 +496,12 @@ EOF
     # for long sequences): llama-8b LoRA rank 16 (RoPE scaled by YaRN to the length, checkpointing, ds_config.json), one
     # optimizer step each, ended once it is logged: ours at LC1_SEQ_LEN (360,448 by default; 401,408, the longest
     # measured, with LC1_TIMEOUT=555 BUDGET=575) with its offloaded tensors in pinned host memory and the MLPs tiled
-    # (auto), its layers as LC1_COMPILE says (off: eager,
-    # as measured; auto: compiled, the default a user gets), attention as LC1_ATTENTION says (sdpa: PyTorch's, as the
-    # peer's; auto: flash-attn-4 where installed); the peer (HF Trainer + DeepSpeed + Liger, no sequence parallelism, the
-    # same adapters) at LC1_PEER_SEQ_LENS until it runs out of memory (114,688 by default: it trains, 131,072 does not,
-    # as measured), after ours where the call's BUDGET leaves time; the preflight at twice ours (ours alone takes ~8 min
-    # at 360,448: ~2 to start, ~6 for its step; the peer ~2.5 min: LC1_SIDES="ours" or "peer" runs one side a call)
+    # (auto), its layers as LC1_COMPILE says (off: eager, as measured; auto: compiled, the default a user gets),
+    # attention as LC1_ATTENTION says (sdpa: PyTorch's, as the peer's; auto: flash-attn-4 where installed); the peer (HF
+    # Trainer + DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until it runs out of
+    # memory (114,688 by default: it trains, 131,072 does not, as measured), after ours where the call's BUDGET leaves
+    # time; the preflight at twice ours (ours alone takes ~8 min at 360,448: ~2 to start, ~6 for its step; the peer ~2.5
+    # min: LC1_SIDES="ours" or "peer" runs one side a call)
     export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     : "${LC1_COMPILE:=off}" "${LC1_ATTENTION:=sdpa}"
     read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-114688}"
@@ -524,6 +524,19 @@ EOF
     else
       echo "SKIP the preflight past the longest (the call's budget)"
     fi
+    unset GPU_MEMORY_GIB PYTORCH_CUDA_ALLOC_CONF
+    ;;
+  zero3-one-gpu)  # configs/zero3.json against ds_config.json (ZeRO-2) on one GPU held to an H100's 79.2 GiB: the
+    # long-sft journey's settings on random blocks (llama-8b, LoRA rank 16, 65,536 tokens, checkpointing, inputs
+    # offloaded, MLPs tiled (auto), eager), 2 steps each, the second timed (~5 min)
+    export GPU_MEMORY_GIB=79.2 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    for cfg in configs/zero3.json ds_config.json; do
+      name=lc65-$(basename "$cfg" .json)
+      run_bench benchmarks/long_context.py "$name" 150 --model llama-8b --sequence_parallel 1 --ds_config "$cfg" \
+        --steps 2 --skip 1 --stop-after-steps --seq_len 65536 --timeout 185 --workdir "/tmp/$name" \
+        --title "ours, LoRA, 65,536 tokens, $cfg, journey settings (offload, tiled auto, eager)" \
+        -- --gradient_checkpointing --lora_rank 16 --offload_activations --tiled_mlp auto --compile off
+    done
     unset GPU_MEMORY_GIB PYTORCH_CUDA_ALLOC_CONF
     ;;
   long-context-peer)  # ours against Hugging Face Trainer's Ulysses path (long_context_peer.py: accelerate's

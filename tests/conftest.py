@@ -110,6 +110,15 @@ def gpu_environment() -> dict:
     return {name: value for name, value in os.environ.items() if name != "CUDA_VISIBLE_DEVICES"}
 
 
+def run_python_on_gpus(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python -c code` in a subprocess that sees this machine's GPUs and imports the package from src/: how a test
+    checks what only a GPU does (pinned host memory, CUDA streams) inside the hermetic session."""
+    env = gpu_environment()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
 @functools.cache
 def gpu_count() -> int:
     """This machine's GPUs, counted in a subprocess that sees them (0 without CUDA)."""

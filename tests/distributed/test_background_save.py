@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 import types
 from collections import OrderedDict
 
 import pytest
 import torch
-from conftest import SRC, assert_ok, gpu_count, gpu_environment, run_trainer
+from conftest import assert_ok, gpu_count, run_python_on_gpus, run_trainer
 from test_save_faults import run_with_fault
 from test_training import RESUME_ARGS
 
@@ -136,10 +133,7 @@ def test_pinned_save_buffers_copy_from_the_gpu_exactly():
     """HostBuffers' pinned storages, as the trainer allocates them (runtime.process.pin_host_memory_by_threads): the
     storages' own sizes, pinned, and a copy from the GPU into them pickles as the GPU state does. On a GPU (the
     session hides them: a subprocess with them visible)."""
-    env = gpu_environment()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", PINNED_SAVE_CHECK], env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = run_python_on_gpus(PINNED_SAVE_CHECK)
     assert done.returncode == 0 and "pinned save ok" in done.stdout, done.stderr[-2000:]
 
 

@@ -5,13 +5,9 @@ of benchmarks/run_device.sh runs the pinned case."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import SRC, gpu_count, gpu_environment
+from conftest import gpu_count, run_python_on_gpus
 
 from model_utils.models.offload import HostActivations
 
@@ -162,8 +158,5 @@ print("pinned ok")
 def test_pinned_buffers_are_registered_at_their_exact_size_and_copy_back_exactly():
     """On a GPU (the session hides them: a subprocess with them visible): a buffer pinned at its tensor's exact size,
     the gradient through it exact, the second step on the same buffer."""
-    env = gpu_environment()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", PINNED_CHECK], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
+    done = run_python_on_gpus(PINNED_CHECK)
     assert done.returncode == 0 and "pinned ok" in done.stdout, done.stderr[-2000:]
