@@ -55,6 +55,9 @@ ckpt=$(mktemp -d)
 PYTHON=$py CHECKPOINT_DIR=$ckpt MAX_STEPS=$OLDEST_MAX_STEPS ./train-singlenode.sh --generate_prompt "Return the"
 test -f "$ckpt/hf/model.safetensors"
 rm -rf "$ckpt"
-"$py" -m pytest -q tests/distributed/test_training.py -k "resume_after_kill_9 or loss_falls or export_loads"
-"$py" -m pytest -q tests/unit/runtime/test_build_locks.py
-"$py" -m pytest -q tests/unit/models/test_lora.py tests/unit/data/sft/test_sft_data.py tests/unit/config/test_fine_tuning_schedule.py
+# One test session (each session builds DeepSpeed's ops once, in its own extensions folder).
+training=tests/distributed/test_training.py
+"$py" -m pytest -q "$training::test_loss_falls_and_metrics_are_complete" \
+    "$training::test_export_loads_with_from_pretrained_and_generates" "$training::test_resume_after_kill_9_is_exact" \
+    "$training::test_resume_after_kill_9_restores_every_ranks_rng" tests/unit/runtime/test_build_locks.py \
+    tests/unit/models/test_lora.py tests/unit/data/sft/test_sft_data.py tests/unit/config/test_fine_tuning_schedule.py

@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_fixtures import *  # noqa: E402,F401,F403
 from slurm_fixtures import LAUNCHER_SETTINGS  # noqa: E402
 
+import preloaded  # noqa: E402
+
 from model_utils.runtime.distributed import free_port  # noqa: E402
 
 # Hermetic: what a user's shell commonly exports must not change a test's outcome. Every launcher setting
@@ -72,21 +74,36 @@ def pytest_configure(config):
     for name, folder in CACHE_SETTINGS.items():
         (root / folder).mkdir(parents=True, exist_ok=True)
         os.environ[name] = str(root / folder)
+    preloaded.SESSION_ENV.update(os.environ)  # the environment trainer ranks are forked with (tests/preloaded.py)
 
 
 def pytest_unconfigure(config):
+    preloaded.stop()
     for root in _CACHES:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# `pytest -m quick`: the unit tier and, of the slower tiers, one test of each journey a change most often breaks (a
+# run that trains, checkpoints and exports; an exact resume after kill -9; a fault in a save; supervised fine-tuning
+# with LoRA; a job across two SLURM nodes): the check before a commit. The whole suite is the check before a merge.
+QUICK = ("tests/distributed/test_training.py::test_zero_stage_trains_checkpoints_and_exports[ds_config.json]",
+         "tests/distributed/test_training.py::test_resume_after_kill_9_is_exact",
+         "tests/distributed/test_save_faults.py::test_kill_9_of_one_rank_before_the_manifest[in-the-background]",
+         "tests/distributed/test_supervised_fine_tuning.py::test_a_lora_run_resumes_exactly_from_adapters_and_optimizer_state",
+         "tests/slurm/test_slurm_jobs.py::test_sbatch_trains_on_two_nodes")
+
+
 def pytest_collection_modifyitems(items):
     """Each test is marked with its tier, the folder under tests/ it lives in (`pytest -m "not slurm"` and the like);
-    tests/unit has a folder per folder of src/model_utils."""
+    tests/unit has a folder per folder of src/model_utils. The unit tier and the tests named in QUICK are marked
+    quick."""
     tests = Path(__file__).resolve().parent
     for item in items:
         tier = Path(item.fspath).resolve().relative_to(tests).parts[0]
         if tier in TIERS:
             item.add_marker(tier)
+        if tier == "unit" or item.nodeid in QUICK:
+            item.add_marker("quick")
 
 
 @pytest.fixture(scope="session")
@@ -178,7 +195,7 @@ class Trainer:
         for rank in range(nproc):
             rank_env = rank_environment(rank, nproc, port, env)
             log = open(self.logs[rank], "w")
-            self.procs.append(subprocess.Popen(
+            self.procs.append(preloaded.Popen(
                 [sys.executable, str(TRAINER), "--checkpoint_dir", str(checkpoint_dir), *args],
                 cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
 
@@ -236,6 +253,6 @@ def preflight_command(args, env, cwd):
     full_env = dict(os.environ, **env)
     full_env.setdefault("WORLD_SIZE", "1")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(TRAINER), "--preflight", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=120)
+    proc = preloaded.run([sys.executable, str(TRAINER), "--preflight", *args], cwd=cwd, env=full_env,
+                         capture_output=True, text=True, timeout=120)
     return proc, time.monotonic() - t0

@@ -4,9 +4,9 @@ no traceback."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
+import preloaded
 from conftest import FAST_ARGS, REPO, TRAINER, run_trainer
 from inputs import bad_jsonl_line
 
@@ -20,7 +20,7 @@ def test_a_real_run_and_its_preflight_stop_before_any_step_naming_the_line(sessi
     assert run.returncode == 2, run.output
     assert f"--dataset = {path}: {words}" in run.output and "Traceback" not in run.output
     assert not (tmp_path / "ckpt" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "ckpt" / "metrics.jsonl").read_text()
-    proc = subprocess.run([sys.executable, str(TRAINER), "--preflight", *args, "--checkpoint_dir", str(tmp_path / "c")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="1"))
+    proc = preloaded.run([sys.executable, str(TRAINER), "--preflight", *args, "--checkpoint_dir", str(tmp_path / "c")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="1"))
     assert proc.returncode == 2 and f"--dataset = {path}: {words}" in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import preloaded
 from conftest import (FAST_ARGS, SRC, assert_ok, gpu_count, gpu_environment, kill_after_checkpoint_then_resume,
                       run_trainer)
 
@@ -107,9 +108,9 @@ print("RESULT " + json.dumps({"delayed": delayed, "losses": losses, "norms": nor
 def _run(mode: str, stage: int, accumulation: str, offload: str = "full") -> list[dict]:
     """Two ranks (gloo): each rank's result."""
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, "-c", SCRIPT, mode, port, str(SRC), str(stage), str(rank), accumulation,
-                               offload],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    ranks = [preloaded.Popen([sys.executable, "-c", SCRIPT, mode, port, str(SRC), str(stage), str(rank), accumulation,
+                              offload],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     results = []
     for rank in ranks:
         stdout, stderr = rank.communicate(timeout=400)
@@ -252,8 +253,8 @@ def test_a_process_ending_with_an_update_in_flight_exits_cleanly():
     """The update thread is no daemon: a process that ends while it runs waits for it. A daemon thread inside
     torch's AdamW kernel when the interpreter finalises aborts the process (SIGABRT, 'terminate called without an
     active exception'): a benchmark run of Qwen3-4B under ZeRO-3 ended so, and so would a run stopped by an error."""
-    done = subprocess.run([sys.executable, "-c", EXIT_IN_FLIGHT, str(free_port()), str(SRC)], capture_output=True,
-                          text=True, timeout=300)
+    done = preloaded.run([sys.executable, "-c", EXIT_IN_FLIGHT, str(free_port()), str(SRC)], capture_output=True,
+                         text=True, timeout=300)
     assert "IN FLIGHT True" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
 

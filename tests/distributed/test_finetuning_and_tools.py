@@ -4,11 +4,11 @@ check, and the export/generate commands. Real DeepSpeed runs on 2 CPU ranks."""
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+import preloaded
 from conftest import FAST_ARGS, REPO, SRC, assert_ok, run_trainer
 
 
@@ -93,19 +93,19 @@ def test_export_and_generate_commands(pretrained, tmp_path):
     import os
 
     env = dict(os.environ, **env_path)
-    gen = subprocess.run([sys.executable, "-m", "model_utils.generate", "--model", str(pretrained), "--prompt",
-                          "Return the", "--max_new_tokens", "12"], capture_output=True, text=True, env=env, cwd=REPO,
-                         timeout=300)
+    gen = preloaded.run([sys.executable, "-m", "model_utils.generate", "--model", str(pretrained), "--prompt",
+                         "Return the", "--max_new_tokens", "12"], capture_output=True, text=True, env=env, cwd=REPO,
+                        timeout=300)
     assert gen.returncode == 0, gen.stderr
     text = gen.stdout.strip().splitlines()[-1]
     assert text.startswith("Return the") and len(text) > len("Return the")
     ckpt = pretrained.parent / "ckpt"
-    export = subprocess.run([sys.executable, "-m", "model_utils.export", str(ckpt), "--output", str(tmp_path / "out")],
-                            capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    export = preloaded.run([sys.executable, "-m", "model_utils.export", str(ckpt), "--output", str(tmp_path / "out")],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert export.returncode == 0, export.stderr
     assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "out" / "tokenizer.json").exists()
-    missing = subprocess.run([sys.executable, "-m", "model_utils.export", str(tmp_path / "nothing-here")],
-                             capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    missing = preloaded.run([sys.executable, "-m", "model_utils.export", str(tmp_path / "nothing-here")],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert missing.returncode == 2 and "error:" in missing.stderr and "Traceback" not in missing.stderr
 
 

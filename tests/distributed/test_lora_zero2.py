@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import preloaded
 from conftest import REPO, rank_environment
 
 from model_utils.runtime.distributed import free_port
@@ -20,9 +21,9 @@ SCRIPT = Path(__file__).with_name("lora_zero2_run.py")
 def run_ranks(base: Path, work: Path, phase: str, nproc: int = 2) -> None:
     port = free_port()
     logs = [work / f"{phase}-rank{r}.log" for r in range(nproc)]
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(base), str(work), phase], cwd=REPO,
-                              env=rank_environment(r, nproc, port), stdout=open(logs[r], "w"),
-                              stderr=subprocess.STDOUT) for r in range(nproc)]
+    procs = [preloaded.Popen([sys.executable, str(SCRIPT), str(base), str(work), phase], cwd=REPO,
+                             env=rank_environment(r, nproc, port), stdout=open(logs[r], "w"),
+                             stderr=subprocess.STDOUT) for r in range(nproc)]
     codes = [p.wait(timeout=600) for p in procs]
     assert codes == [0] * nproc, "\n----\n".join(log.read_text()[-4000:] for log in logs)
 

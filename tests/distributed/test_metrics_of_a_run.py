@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import math
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+import preloaded
 from conftest import FAST_ARGS, SRC, Trainer, assert_ok, run_trainer
 from inputs import png_shape
 
@@ -102,8 +102,8 @@ def test_tensorboard_events_read_back_equal_the_metrics(monitored):
 
 def test_plot_command_writes_pngs_of_the_expected_size(monitored, tmp_path):
     out = tmp_path / "plots"
-    proc = subprocess.run([sys.executable, "-m", "model_utils.plot", str(monitored.checkpoint_dir), "--out", str(out)],
-                          cwd=SRC, capture_output=True, text=True, timeout=120)
+    proc = preloaded.run([sys.executable, "-m", "model_utils.plot", str(monitored.checkpoint_dir), "--out", str(out)],
+                         cwd=SRC, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     names = ["overview", "loss", "loss_tokens", "lr", "throughput", "mfu", "memory"]
     assert proc.stdout.split() == [str(out / f"{n}.png") for n in names]

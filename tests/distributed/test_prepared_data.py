@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+import preloaded
 from conftest import FAST_ARGS, REPO, TRAINER, assert_ok, run_trainer
 
 from model_utils.config.settings import DataConfig
@@ -43,9 +43,9 @@ def test_prepared_data_trains_on_the_blocks_of_the_raw_files(prepared_corpus, se
     assert raw_data["fingerprint"] == prepared_data["fingerprint"] and raw_data["tokens"] == prepared_data["tokens"]
     assert [r["loss"] for r in raw.train_records()] == pytest.approx([r["loss"] for r in prepared.train_records()])
 
-    preflight = subprocess.run([sys.executable, str(TRAINER), "--preflight", *ARGS, "--dataset", str(prepared_corpus),
-                                "--checkpoint_dir", str(tmp_path / "preflight")], cwd=REPO, capture_output=True,
-                               text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="1"))
+    preflight = preloaded.run([sys.executable, str(TRAINER), "--preflight", *ARGS, "--dataset", str(prepared_corpus),
+                               "--checkpoint_dir", str(tmp_path / "preflight")], cwd=REPO, capture_output=True,
+                              text=True, timeout=300, env=dict(os.environ, WORLD_SIZE="1"))
     assert preflight.returncode == 0, preflight.stdout + preflight.stderr
     assert f"data: prepared {prepared_corpus}" in preflight.stdout
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+import preloaded
 from conftest import REPO, SRC
 
 PRESETS = ["ds_config.json", *sorted(f"configs/{p.name}" for p in (REPO / "configs").glob("*.json"))]
@@ -224,8 +224,8 @@ def run_report(preset: str, tmp_path, what: str = "report") -> dict:
     out = tmp_path / "effective.json"
     code = f"import sys; sys.path[:0] = [{TESTS!r}, {os.path.dirname(TESTS)!r}, {str(SRC)!r}]; import test_presets; " \
            f"test_presets.{what}({preset!r}, {str(out)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = preloaded.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

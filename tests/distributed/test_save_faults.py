@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import preloaded
 from conftest import REPO, TrainerRun, assert_ok, rank_environment, run_trainer
 from inputs import mounted_tmpfs
 from test_training import RESUME_ARGS, _assert_continues_exactly, baseline  # noqa: F401 (the fixture)
@@ -30,8 +31,8 @@ def run_with_fault(ckpt: Path, args: list[str], fault: str, timeout: float = 300
     for rank in range(2):
         env = rank_environment(rank, 2, port, {"FAULT": fault})
         logs.append((log_dir or ckpt.parent) / f"{ckpt.name}-fault-rank{rank}.log")
-        procs.append(subprocess.Popen([sys.executable, str(INJECT), "--checkpoint_dir", str(ckpt), *args], cwd=REPO,
-                                      env=env, stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
+        procs.append(preloaded.Popen([sys.executable, str(INJECT), "--checkpoint_dir", str(ckpt), *args], cwd=REPO,
+                                     env=env, stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):
         time.sleep(0.05)

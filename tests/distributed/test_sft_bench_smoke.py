@@ -9,14 +9,15 @@ import subprocess
 import sys
 
 import pytest
+import preloaded
 from conftest import REPO
 
 SFT_BENCH = REPO / "benchmarks" / "sft_bench.py"
 
 
 def run_sft_bench(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SFT_BENCH), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    return preloaded.run([sys.executable, str(SFT_BENCH), *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
 
 
 def test_sft_bench_runs_both_sides_full_and_lora_on_the_same_rows(tmp_path):

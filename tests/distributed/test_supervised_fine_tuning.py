@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
+import preloaded
 from conftest import FAST_ARGS, REPO, SRC, assert_ok, kill_after_checkpoint_then_resume, run_trainer
 
 SFT_ARGS = ["--seq_len", "64", "--micro_batch_size", "2", "--eval_iters", "2", "--log_interval", "1",
@@ -166,9 +166,9 @@ def test_adapter_and_merged_exports_give_the_same_logits(lora_runs, base_model, 
         assert not torch.allclose(base(probe).logits, expected, atol=1e-4)  # the adapters trained
     assert "<|im_start|>" in (export / "merged" / "chat_template.jinja").read_text()  # the template it trained with
     # The offline export of the last checkpoint writes the same adapters.
-    offline = subprocess.run([sys.executable, "-m", "model_utils.export", str(root / "whole"), "--output",
-                              str(tmp_path / "offline"), "--merged", "--dtype", "float32"], cwd=REPO,
-                             env={"PYTHONPATH": str(SRC), **_env()}, capture_output=True, text=True, timeout=300)
+    offline = preloaded.run([sys.executable, "-m", "model_utils.export", str(root / "whole"), "--output",
+                             str(tmp_path / "offline"), "--merged", "--dtype", "float32"], cwd=REPO,
+                            env={"PYTHONPATH": str(SRC), **_env()}, capture_output=True, text=True, timeout=300)
     assert offline.returncode == 0, offline.stderr[-3000:]
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "offline" / "merged").eval()
     with torch.no_grad():

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import preloaded
 from conftest import REPO, rank_environment
 
 from model_utils.runtime.distributed import free_port
@@ -21,8 +22,8 @@ SCRIPT = Path(__file__).with_name("zero3_layers_run.py")
 def run(work: Path, mode: str) -> dict:
     port = free_port()
     logs = [work / f"{mode}-rank{r}.log" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(work), mode], cwd=REPO,
-                              env=rank_environment(r, 2, port), stdout=open(logs[r], "w"), stderr=subprocess.STDOUT)
+    procs = [preloaded.Popen([sys.executable, str(SCRIPT), str(work), mode], cwd=REPO,
+                             env=rank_environment(r, 2, port), stdout=open(logs[r], "w"), stderr=subprocess.STDOUT)
              for r in range(2)]
     codes = [p.wait(timeout=600) for p in procs]
     assert codes == [0, 0], "\n----\n".join(log.read_text()[-4000:] for log in logs)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import preloaded
 from conftest import SRC
 
 from model_utils.runtime.distributed import free_port
@@ -62,8 +63,8 @@ print("RESULT " + json.dumps({"streamlined": streamlined, "patched": patched, "s
 
 def _run(mode: str, world: int = 1) -> list[dict]:
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", OVERFLOW_SCRIPT, mode, port, str(SRC), str(rank), str(world)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    procs = [preloaded.Popen([sys.executable, "-c", OVERFLOW_SCRIPT, mode, port, str(SRC), str(rank), str(world)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
     outputs = [p.communicate(timeout=240) for p in procs]
     lines = [next((x for x in out.splitlines() if x.startswith("RESULT ")), None) for out, _ in outputs]
     assert all(lines), "\n".join(out[-2000:] + err[-3000:] for out, err in outputs)
