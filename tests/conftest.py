@@ -106,6 +106,33 @@ def pytest_collection_modifyitems(items):
             item.add_marker("quick")
 
 
+# A test that takes longer than its tier's limit here says why in its docstring (or gets faster); the run's summary
+# names those that do not. Only the test's own call counts: a module's shared run is its fixture's time.
+SLOW_S = {"unit": 5.0, "distributed": 30.0, "slurm": 30.0}
+_UNEXPLAINED: list[tuple[float, str]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    tier = next((t for t in TIERS if item.get_closest_marker(t)), None)
+    if report.when == "call" and tier and report.duration > SLOW_S[tier]:
+        if not (getattr(item, "function", None) and (item.function.__doc__ or "").strip()):
+            _UNEXPLAINED.append((report.duration, item.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if preloaded.FRESH_STARTS:  # a variable that drifted in the session would make every later rank a real process
+        terminalreporter.section("Python programs started as real processes (tests/preloaded.py), by reason")
+        for why, count in sorted(preloaded.FRESH_STARTS.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{count:5d} {why[:200]}")
+    if _UNEXPLAINED:
+        terminalreporter.section("slow tests whose docstring does not say why (unit > 5 s, others > 30 s)")
+        for duration, nodeid in sorted(_UNEXPLAINED, reverse=True):
+            terminalreporter.write_line(f"{duration:6.1f}s {nodeid}")
+
+
 @pytest.fixture(scope="session")
 def session_cache(tmp_path_factory) -> Path:
     """One cache (embedded corpus, packed tokens) for every trainer the tests start; built once, here."""

@@ -33,7 +33,9 @@ RUN_TIME_VARIABLES = frozenset({
     "PYTHONUNBUFFERED", "FAULT", "GPU_MEMORY_GIB", "GPU_PEAK_TFLOPS",
     "PYTEST_CURRENT_TEST",
     # set in the session by tests that call the trainer's main() in-process; read when tokenizers or CUDA start
-    "TOKENIZERS_PARALLELISM", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",  # pytest's, set for the test that runs
+    # or by libraries as tests use them in-process (accelerate's CUDA check, the terminal's size); read at run time
+    "TOKENIZERS_PARALLELISM", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "COLUMNS", "LINES",  # pytest's, set for the test that runs
     "PYTHONPATH"})
 
 
@@ -93,8 +95,14 @@ def why_not_forked(args, env=None, kwargs=()) -> str | None:
     return f"environment read at import differs: {sorted(differing)}" if differing else None
 
 
+FRESH_STARTS: dict[str, int] = {}  # why programs started as real processes, and how many: the run's summary lists them
+
+
 def _forkable(args, env, kwargs) -> bool:
-    return why_not_forked(args, env, kwargs) is None
+    why = why_not_forked(args, env, kwargs)
+    if why is not None:
+        FRESH_STARTS[why] = FRESH_STARTS.get(why, 0) + 1
+    return why is None
 
 
 def _stream(value, default_fd: int, text: bool, reading: bool):

@@ -31,20 +31,22 @@ HEADER = struct.Struct("!I")  # the request's length in bytes; the request is JS
 SERVER_PYTHONPATH = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
 
 
+# What every trainer rank imports at its start. Import only: no tensor is created here. A module that a version in
+# the allowed range lacks is left to the program to import (or fail on) itself.
+PRELOADED = ("torch", "torch.distributed", "torch.utils.cpp_extension", "torch.utils.tensorboard", "deepspeed",
+             "deepspeed.runtime.engine", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
+             "transformers.modeling_layers", "transformers.models.qwen3.modeling_qwen3",
+             "transformers.models.llama.modeling_llama", "datasets", "peft")
+
+
 def preload() -> None:
-    """What every trainer rank imports at its start, imported once (import only: no tensor is created here)."""
-    import datasets  # noqa: F401
-    import deepspeed  # noqa: F401
-    import deepspeed.runtime.engine  # noqa: F401
-    import peft  # noqa: F401
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.utils.cpp_extension  # noqa: F401
-    import torch.utils.tensorboard  # noqa: F401
-    import transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen3ForCausalLM  # noqa: F401
-    import transformers.masking_utils  # noqa: F401
-    import transformers.modeling_layers  # noqa: F401
+    import importlib
+
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 def receive(conn: socket.socket) -> tuple[dict, list[int]]:
