@@ -91,10 +91,12 @@ def why_not_forked(args, env=None, kwargs=()) -> str | None:
     if unsupported:
         return f"subprocess options {sorted(unsupported)}"
     env = os.environ if env is None else env
-    differing = {k for k in set(env) | set(SESSION_ENV) if env.get(k) != SESSION_ENV.get(k)} - RUN_TIME_VARIABLES
+    differing = {k for k in set(env) | set(SESSION_ENV) if env.get(k) != SESSION_ENV.get(k)
+                 and k not in RUN_TIME_VARIABLES and not k.startswith(NOT_PRELOADED_PREFIXES)}
     return f"environment read at import differs: {sorted(differing)}" if differing else None
 
 
+NOT_PRELOADED_PREFIXES = ("WANDB_",)  # libraries the server does not import (wandb sets WANDB_SERVICE in-process)
 FRESH_STARTS: dict[str, int] = {}  # why programs started as real processes, and how many: the run's summary lists them
 
 
