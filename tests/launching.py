@@ -18,16 +18,21 @@ def tool(name: str) -> str | None:
     return shutil.which(name) or (str(beside) if beside.exists() else None)
 
 
-def stand_in_nvidia_smi(bin_dir: Path, gpus: int) -> str:
-    """A stand-in `nvidia-smi` in bin_dir whose `-L` lists `gpus` H100s (there is no GPU here); returns a PATH with
-    bin_dir first."""
+def stand_in_command(bin_dir: Path, name: str, body: str) -> str:
+    """A stand-in command `name` in bin_dir running the shell `body`; returns a PATH with bin_dir first."""
     import os
 
     bin_dir.mkdir(parents=True, exist_ok=True)
-    lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(gpus))
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + lines)
-    (bin_dir / "nvidia-smi").chmod(0o755)
+    (bin_dir / name).write_text("#!/bin/sh\n" + body)
+    (bin_dir / name).chmod(0o755)
     return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def stand_in_nvidia_smi(bin_dir: Path, gpus: int) -> str:
+    """A stand-in `nvidia-smi` whose `-L` lists `gpus` H100s (there is no GPU here); returns a PATH with bin_dir
+    first."""
+    lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(gpus))
+    return stand_in_command(bin_dir, "nvidia-smi", lines)
 
 
 def launch(*cmd, cwd=REPO_ROOT, timeout=120, **env) -> subprocess.CompletedProcess:

@@ -247,15 +247,9 @@ def test_a_bad_line_stops_the_preparation_with_its_line_and_a_failure_record(tmp
 def test_prepare_data_sbatch_submits_the_command_and_needs_an_output(tmp_path):
     """A DRY_RUN prints the sbatch line; the script still looks for sbatch first, here a stand-in that is never run
     (this tier needs no SLURM: tests/slurm installs it)."""
-    import os
+    from launching import launch, stand_in_command
 
-    from launching import launch
-
-    stand_in = tmp_path / "bin" / "sbatch"
-    stand_in.parent.mkdir()
-    stand_in.write_text("#!/bin/sh\necho 'stand-in sbatch: not for running' >&2\nexit 1\n")
-    stand_in.chmod(0o755)
-    path = f"{stand_in.parent}{os.pathsep}{os.environ['PATH']}"
+    path = stand_in_command(tmp_path / "bin", "sbatch", "echo 'stand-in sbatch: not for running' >&2\nexit 1\n")
     dry = launch("./prepare-data.sbatch", "--dataset", "corpus.jsonl", "--output", "/shared/prepared", DRY_RUN="1",
                  NODES="4", PATH=path)
     assert dry.returncode == 0, dry.stderr
