@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs on the device machine (repo root): install the carried wheels, normalise the environment, then run the
-# benchmark invocations named by PLAN (the cases below, or shell commands calling bench()), each bounded, logs and
-# JSON under $OUT. PLANS runs several named plans in turn within one call's BUDGET.
+# Runs on a GPU node (repo root): install the bundled wheels (.whl/, where present), normalise the environment, then
+# run the benchmark invocations named by PLAN (the cases below, or shell commands calling bench()), each bounded, logs
+# and JSON under $OUT. BUDGET: the seconds this script may run; PLANS runs several named plans in turn within it.
 #   PLAN=h100 bash benchmarks/run_device.sh
 #   PLANS="peer-checkpointing journeys" JOURNEYS=zero3-delayed BUDGET=560 bash benchmarks/run_device.sh
 set -u
@@ -12,8 +12,9 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# flash-attn-4 and its CuTe DSL libraries (~69 MB as .tar.xz, over one call's 64 MiB) travel as split parts in
-# .fa4/ over consecutive calls; they gather in /tmp/fa4-parts and are unpacked once all are there (see README.md).
+# flash-attn-4 and its CuTe DSL libraries (~69 MB as .tar.xz) come as split parts in .fa4/ (PART_BYTES each, for a
+# transfer limit smaller than the bundle); they gather in /tmp/fa4-parts, over one run or several on the same node,
+# and are unpacked once all are there (see README.md).
 mkdir -p /tmp/fa4-parts
 if compgen -G ".fa4/part-*" >/dev/null; then cp .fa4/part-* /tmp/fa4-parts/; fi
 if [ ! -d /tmp/site-fa4 ] && [ -f /tmp/fa4-parts/part-aa ] && [ -f /tmp/fa4-parts/part-ab ]; then
@@ -21,7 +22,7 @@ if [ ! -d /tmp/site-fa4 ] && [ -f /tmp/fa4-parts/part-aa ] && [ -f /tmp/fa4-part
 fi
 # nvidia-cutlass-dsl adds its packages through a .pth file, which PYTHONPATH entries do not run.
 [ -d /tmp/site-fa4 ] && export PYTHONPATH=/tmp/site-fa4:/tmp/site-fa4/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
-# TORCH_CUDA_ARCH_LIST (9.0a on the device image) is normalised by the trainer and bench.py themselves.
+# TORCH_CUDA_ARCH_LIST (e.g. 9.0a in a CUDA container image) is normalised by the trainer and bench.py themselves.
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, deepspeed, liger_kernel, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 START=$(date +%s); BUDGET=${BUDGET:-540}
@@ -43,7 +44,7 @@ sft() { TORCH_LOGS=${SFT_TORCH_LOGS-recompiles} run_bench benchmarks/sft_bench.p
 # parameters and optimizer offloaded: the setups of the offload and zero3-* plans
 Q4B_ZERO2=(--model qwen3-4b --ds_config configs/zero2-offload.json --global_batch_tokens 131072)
 Q4B_ZERO3=(--model qwen3-4b --ds_config configs/zero3-offload.json --global_batch_tokens 131072)
-# Supervised fine-tuning on chat data (sft_bench.py): one model (SFT_MODEL) and its modes (SFT_MODES) per call, 2048-token
+# Supervised fine-tuning on chat data (sft_bench.py): one model (SFT_MODEL) and its modes (SFT_MODES) per run, 2048-token
 # blocks, 65,536 block tokens per optimizer step, each side at its micro-batches; the model is written once per machine.
 SFT_MODEL=${SFT_MODEL:-qwen3-1.7b}; SFT_MODES=${SFT_MODES:-full}; SFT_TAG=${SFT_TAG:-}
 sft_args() {  # SFT_ARGS for SFT_MODES as it is now (a per-GPU subshell of the parallel plan sets its own)
@@ -211,7 +212,7 @@ case "$1" in
     ;;
   lora-activations)  # one decoder layer's kept activations at 2048 tokens (benchmarks/layer_activations.py): LoRA rank
     # 16 on Llama 3.2 1B's and Qwen3-1.7B's dimensions, compiled with dropout 0.05 and 0, eager, and Llama's layer
-    # without LoRA compiled and eager; ~2 min each, those that fit BUDGET (two calls for all six)
+    # without LoRA compiled and eager; ~2 min each, those that fit BUDGET (two runs for all six)
     LA=(python3 benchmarks/layer_activations.py --seq_len 2048 --json "$OUT/lora_layers.jsonl")
     for args in "--models llama-1b --lora_rank 16" "--models qwen3-1.7b --lora_rank 16" \
         "--models llama-1b --lora_rank 16 --lora_dropout 0" "--models llama-1b --lora_rank 16 --compile off" \
@@ -234,7 +235,7 @@ case "$1" in
     mkdir -p "$OUT/journey" && cp /tmp/journey/*.log /tmp/journey/journey.txt "$OUT/journey/"
     ;;
   q4b-losses)  # Qwen3-4B, offload preset: 50 steps of 8,192 tokens of the unoptimised path (~8 min alone: both paths
-    # take longer than one call), compared with the default path's 50 steps recorded in h100-2026-11-25.jsonl
+    # take longer than one run's BUDGET), compared with the default path's 50 steps recorded in h100-2026-11-25.jsonl
     bench q4b_losses_reference 590 --model qwen3-4b --ds_config configs/zero2-offload.json --steps 1 --warmup 1 \
       --variants --loss-check 50 --loss-check-mb 2 --loss-check-reference nofused --loss-check-variants --timeout 570 \
       --title "Qwen3-4B, offload preset: the unoptimised path's losses"
@@ -499,9 +500,9 @@ EOF
     # (auto), its layers as LC1_COMPILE says (off: eager, as measured; auto: compiled, the default a user gets),
     # attention as LC1_ATTENTION says (sdpa: PyTorch's, as the peer's; auto: flash-attn-4 where installed); the peer (HF
     # Trainer + DeepSpeed + Liger, no sequence parallelism, the same adapters) at LC1_PEER_SEQ_LENS until it runs out of
-    # memory (114,688 by default: it trains, 131,072 does not, as measured), after ours where the call's BUDGET leaves
+    # memory (114,688 by default: it trains, 131,072 does not, as measured), after ours where the run's BUDGET leaves
     # time; the preflight at twice ours (ours alone takes ~8 min at 360,448: ~2 to start, ~6 for its step; the peer ~2.5
-    # min: LC1_SIDES="ours" or "peer" runs one side a call)
+    # min: LC1_SIDES="ours" or "peer" runs one side per run)
     export GPU_MEMORY_GIB=${LC1_GPU_MEMORY_GIB:-79.2} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     : "${LC1_COMPILE:=off}" "${LC1_ATTENTION:=sdpa}"
     read -r -a lc1_peer_lens <<<"${LC1_PEER_SEQ_LENS:-114688}"
@@ -522,7 +523,7 @@ EOF
         --gradient_checkpointing --lora_rank 16 --offload_activations --dummy_data 8 --preflight 2>&1 \
         | tee "$OUT/lc1-preflight-past-longest.txt" | grep -E "long sequences|needs|fix|host" | cut -c1-400
     else
-      echo "SKIP the preflight past the longest (the call's budget)"
+      echo "SKIP the preflight past the longest (BUDGET)"
     fi
     unset GPU_MEMORY_GIB PYTORCH_CUDA_ALLOC_CONF
     ;;
@@ -580,7 +581,7 @@ EOF
     ;;
   parallel)  # GPUn_PLANS on GPU n beside those of the others, each GPU's in turn, with its SFT modes GPUn_SFT_MODES and
     # its settings GPUn_ENV (NAME=VALUE words, e.g. "SFT_SKIP=ours SFT_PEER_MB=4"): one-GPU measurements at once on a
-    # machine of several GPUs (each side-by-side pair on one GPU, or its sides on two GPUs of the same call)
+    # machine of several GPUs (each side-by-side pair on one GPU, or its sides on two GPUs of the same node)
     gpus=$(nvidia-smi --list-gpus | wc -l)
     for ((gpu = 0; gpu < gpus; gpu++)); do
       plans_var="GPU${gpu}_PLANS" modes_var="GPU${gpu}_SFT_MODES" env_var="GPU${gpu}_ENV"
@@ -599,7 +600,7 @@ EOF
     wait
     cat "$OUT"/gpu*.txt
     ;;
-  *) eval "$1" ;;  # a custom plan: shell commands that may call bench()
+  *) eval "$1" ;;  # a custom plan: shell commands that may use bench()
 esac
 }
 if [ -n "${PLANS:-}" ]; then
