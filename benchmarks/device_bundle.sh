@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Builds, in the repository root, what run_device.sh installs on a GPU machine whose image lacks the project's GPU set:
-# .whl/ (DeepSpeed built as a wheel, Liger, datasets, TRL and the packages of theirs the image lacks) and .fa4/part-aa,
-# part-ab (flash-attn-4 with its CuTe DSL libraries, unpacked and xz-compressed: ~69 MB, split in two to travel in two
-# calls, README.md). Both folders are ignored by git (.git/info/exclude). Versions: benchmarks/constraints.txt.
+# Builds, in the repository root, a wheel bundle for a GPU node that cannot reach a package index (an offline,
+# air-gapped cluster node) or whose image lacks the project's GPU set; build it beside a package index and copy the
+# folders over, and run_device.sh installs them: .whl/ (DeepSpeed built as a wheel, Liger, datasets, TRL and the
+# packages of theirs the image lacks) and .fa4/part-aa, part-ab (flash-attn-4 with its CuTe DSL libraries, unpacked and
+# xz-compressed: ~69 MB, split into PART_BYTES parts for a transfer limit smaller than the bundle, joined again on the
+# node; README.md). Both folders are ignored by git (.git/info/exclude). Versions: benchmarks/constraints.txt.
 #   bash benchmarks/device_bundle.sh          # needs pip with a package index and, for DeepSpeed's wheel, torch
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 : "${PYTHON:=python3}"            # builds DeepSpeed's wheel: needs torch importable
-: "${PYTHON_VERSION:=3.12}"      # the device image's Python
-: "${PART_BYTES:=36500000}"      # each .fa4 part: one call carries 64 MiB, the tree included
+: "${PYTHON_VERSION:=3.12}"      # the GPU node's Python
+: "${PART_BYTES:=36500000}"      # each .fa4 part's size: below your transfer limit
 
 pin() { grep -E "^$1==" benchmarks/constraints.txt | cut -d= -f3; }
 platforms=(--python-version "$PYTHON_VERSION" --implementation cp --only-binary=:all: --platform any)
@@ -26,7 +28,7 @@ mkdir -p .whl .fa4
 cmd=("$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w .whl "deepspeed==$(pin deepspeed)")
 echo "+ ${cmd[*]}"
 "${cmd[@]}"
-# What the device image lacks besides (KINDS.md lists its packages).
+# What a CUDA image with torch and transformers typically lacks besides.
 cmd=("$PYTHON" -m pip download -q --no-deps "${platforms[@]}" -d .whl "liger-kernel==$(pin liger-kernel)"
      "datasets==$(pin datasets)" "dill<0.4.2" "multiprocess<0.70.20" pydantic==2.13.4 pydantic-core==2.46.4 annotated-types
      typing-inspection hjson "trl==$(pin trl)")
