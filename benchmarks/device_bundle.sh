@@ -11,7 +11,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 : "${PYTHON:=python3}"            # builds DeepSpeed's wheel: needs torch importable
 : "${PYTHON_VERSION:=3.12}"      # the GPU node's Python
-: "${PART_BYTES:=36500000}"      # each .fa4 part's size: below your transfer limit
+: "${PART_BYTES:=36500000}"      # each .fa4 part's size: two parts (run_device.sh joins part-aa, part-ab)
 
 pin() { grep -E "^$1==" benchmarks/constraints.txt | cut -d= -f3; }
 platforms=(--python-version "$PYTHON_VERSION" --implementation cp --only-binary=:all: --platform any)
