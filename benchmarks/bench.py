@@ -435,7 +435,7 @@ def main(argv=None) -> int:
                    choices=list(VARIANTS), help="the path the losses are compared to: the unoptimised one (nofused, "
                                                 "nofused_document_mask); another variant to run one path alone, its "
                                                 "losses compared offline with report.loss_check (a model too large "
-                                                "for both runs in one call)")
+                                                "for both runs in one process)")
     p.add_argument("--json", default=None, help="append results (JSON lines) to this file")
     p.add_argument("--log-dir", dest="log_dir", default=None, help="full log of every measurement")
     p.add_argument("--write-doc", dest="write_doc", default=None, help="write this markdown section file")

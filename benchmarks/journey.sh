@@ -28,7 +28,7 @@
 #               configs/zero3.json on every GPU of the node at the automatic micro-batch: 2 steps, save (~88 GiB)
 #   seeds-large-resume  the same directory resumed to step 3: evaluate, save (the older checkpoint then deleted),
 #               ZeRO-3 export, a sample; then `python -m model_utils.generate --chat` on the export
-#               (JOURNEY_ONLY="seeds-large seeds-large-resume" runs the pair; where one call's time does not hold
+#               (JOURNEY_ONLY="seeds-large seeds-large-resume" runs the pair; where one run's time limit does not hold
 #               both, JOURNEY_ONLY=seeds-large JOURNEY_KEEP_LARGE=1, then JOURNEY_ONLY=seeds-large-resume)
 #   sft-lora    JOURNEY_SFT_MODEL (llama-1b: Llama 3.2 1B's dimensions, random weights written once as a Hugging Face
 #               model) fine-tuned with LoRA (rank 16) on the embedded chats at 2048 tokens, the automatic micro-batch:
