@@ -609,5 +609,5 @@ else
   run_plan "${PLAN:-h100}"
 fi
 echo "=== done $(($(date +%s) - START))s"
-# Only 8 files come back from $OUT: everything travels as one archive.
+# $OUT ends as one archive (all.tgz): one file to copy off the node, however many logs the plans wrote.
 (cd "$OUT" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz .)
