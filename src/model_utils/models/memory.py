@@ -396,7 +396,7 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
 HOST_STATE_OVERHEAD = 1.10
 HOST_BASELINE_GIB = 8.0
 # Loading a checkpoint with the optimizer offloaded holds about one fp32 copy of the rank's parameters beside the
-# offloaded states (measured in docs/JOURNEY.md's *-large-resume journeys). Not measured with part of the optimizer on
+# offloaded states (measured in docs/JOURNEY-FINE-TUNING.md's *-large-resume journeys). Not measured with part of the optimizer on
 # the GPU (offload_optimizer.ratio).
 RESUME_HOST_BYTES_PER_PARAM = 4.0
 

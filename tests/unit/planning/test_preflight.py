@@ -316,9 +316,9 @@ def _plan(model, setup, micro, gpu_gib, world, zero_changes, monkeypatch, tmp_pa
     ("llama-7b", "configs/zero3.json --global_batch_tokens=262144", 4, H200, 4, {}, 85.2),
     ("qwen3-8b", "configs/zero3.json --global_batch_tokens=262144", 4, H200, 4, {}, 101.9),
     ("qwen3-8b", "configs/zero3.json --global_batch_tokens=262144", 2, H200, 2, {}, 105.0),
-    # docs/JOURNEY.md's seeds-large: the preset as a Hugging Face model, chats in 2048-token blocks, auto's 14, whole
+    # docs/JOURNEY-FINE-TUNING.md's seeds-large: the preset as a Hugging Face model, chats in 2048-token blocks, auto's 14, whole
     ("llama-7b", "configs/zero3.json --seq_len=2048", 14, H200, 4, {}, 120.6),
-    # docs/JOURNEY.md's sft-lora: Llama 3.2 1B's dimensions, LoRA rank 16 with dropout, at 2048 tokens; 27 is auto's
+    # docs/JOURNEY-FINE-TUNING.md's sft-lora: Llama 3.2 1B's dimensions, LoRA rank 16 with dropout, at 2048 tokens; 27 is auto's
     ("llama-1b", "ds_config.json --lora_rank=16 --seq_len=2048", 27, H100, 1, {}, 68.2),
     ("llama-1b", "ds_config.json --lora_rank=16 --seq_len=2048", 29, H100, 1, {}, 73.1),
     # h200x2-2026-11-26.jsonl: parameters and optimizer offloaded, auto's choice with checkpointing, and 9 layers kept
