@@ -40,6 +40,7 @@ def main(work_dir: str, mode: str) -> None:
     from transformers.integrations import HfDeepSpeedConfig
 
     from model_utils.models import speed
+    from model_utils.models.build import enable_activation_checkpointing
     from model_utils.runtime.distributed import setup_distributed
 
     dist = setup_distributed()
@@ -57,7 +58,7 @@ def main(work_dir: str, mode: str) -> None:
     if mode.startswith("compiled"):
         assert speed._compile_layers(model, 1.0, print, zero3=True)
     if mode.endswith("checkpointed"):  # as models.build.build_model enables it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 
     generator = torch.Generator().manual_seed(1)

@@ -99,12 +99,22 @@ def build_model(name: str, config, dtype, attn_implementation: str, gradient_che
         model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype,
                                                      attn_implementation=attn_implementation)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         if checkpointed_layers is not None:
             for layer in checkpointable_layers(model)[checkpointed_layers:]:
                 layer.gradient_checkpointing = False  # transformers reads the flag at each call
     model.config.use_cache = False
     return model
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Every decoder layer recomputes its activations in the backward pass (torch's non-reentrant checkpoint), through
+    transformers' activation_checkpointing_enable (5.25 on), or gradient_checkpointing_enable, its older name."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def checkpointable_layers(model) -> list:

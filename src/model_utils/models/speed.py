@@ -180,25 +180,37 @@ def _compile_layers(model, budget: float, log, zero3: bool = False) -> bool:
         log("compile: no decoder layers found; running eagerly")
         return False
     budget_set = torch_compile.configure(len(layers), budget, log) and budget < 1.0
+    compiled_class = compiled_layer_class(type(layers[0]), torch.compile)
+    for layer in layers:
+        layer.__class__ = compiled_class
     if zero3:
         # ZeRO-3 gathers a leaf module's parameters at once in the hooks it registers on that module only (at
         # deepspeed.initialize, after this); the hooks stay outside the graph, which compiles the layer's forward.
         from deepspeed.utils import set_z3_leaf_modules
 
-        set_z3_leaf_modules(model, [type(layers[0])])
-        # one compiled function with the layer as its argument: a graph shared by all layers, as Module.compile gives
-        compiled_forward = torch.compile(type(layers[0]).forward)
-        for layer in layers:
-            layer.forward = functools.partial(compiled_forward, layer)
-    else:
-        for layer in layers:
-            layer.compile()
+        set_z3_leaf_modules(model, [compiled_class])
     log(f"compile: torch.compile on each of the {len(layers)} decoder layers"
         + (f" (activation memory budget {budget})" if budget_set else "")
         + ("; ZeRO-3 gathers each layer's parameters at once (leaf modules), outside the graph" if zero3 else "")
         + "; the first step compiles them (a minute or more at 7B), a cost paid once: the run summary's means leave "
           "that first interval out")
     return True
+
+
+def compiled_layer_class(layer_class: type, compile_function) -> type:
+    """A subclass of the decoder layer class whose forward is the class's forward compiled: one compiled function with
+    the layer as its argument, a graph shared by all layers. Activation checkpointing (--gradient_checkpointing) stays
+    outside the graph: transformers wraps the forward of every subclass of a checkpointed layer class (5.25 on; its
+    __call__ before), only the outermost wrapper recomputes, and the compiled one inside runs the layer itself. Compiling
+    the checkpointed forward instead puts the recomputation inside the graph, where torch.compile breaks the graph at
+    it and runs the whole layer eagerly."""
+    compiled_forward = compile_function(layer_class.forward)
+
+    def forward(self, *args, **kwargs):
+        return compiled_forward(self, *args, **kwargs)
+
+    return type(layer_class.__name__, (layer_class,), {"forward": forward, "__module__": layer_class.__module__,
+                                                       "__qualname__": layer_class.__qualname__})
 
 
 def _sdpa_wrap(model, backend: str, log) -> None:

@@ -1,8 +1,8 @@
 """torch.compile of the decoder layers: Dynamo's recompile limits and the partitioner's activation memory budget.
 
 Both are process-wide settings in torch's private config modules (`torch._dynamo.config`, `torch._functorch.config`).
-The layers themselves are compiled through the public `Module.compile()`, which runs on any torch; only these two
-settings are gated.
+The layers themselves are compiled through the public `torch.compile` (models.speed.compiled_layer_class), which runs
+on any torch; only these two settings are gated.
 """
 
 from __future__ import annotations

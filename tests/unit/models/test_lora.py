@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model_utils.config.settings import LoraSettings, parse_target_modules
+from model_utils.models.build import enable_activation_checkpointing
 from model_utils.models.lora import (DEFAULT_TARGET_MODULES, LoraError, apply_lora, export_lora, lora_parameter_counts,
                                      lora_resume_problems, parameter_counts, summary, trainable_parameters)
 
@@ -112,7 +113,7 @@ def test_a_resume_needs_the_checkpoints_adapters():
 
 def test_adapters_reach_gradients_through_checkpointed_layers():
     base = tiny_model("qwen3").train()
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(base)
     model = apply_lora(base, LoraSettings(rank=4, dropout=0.0))
     model(INPUTS, labels=INPUTS).loss.backward()
     adapters = {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}

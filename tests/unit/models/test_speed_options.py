@@ -377,3 +377,55 @@ def test_the_preflight_says_zero3_partitions_nothing_on_one_gpu(monkeypatch):
     assert "ZeRO-3 on one GPU" in said[0]
     several = _zero3_plan(monkeypatch, "zero3.json", "--micro_batch_size", "4", gpu_gib="110")
     assert not any("partitions nothing" in n for n in check_plan(several, check_data=False, check_disk=False).notes)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_compiled_layers_are_one_graph_with_the_recomputation_outside_it(checkpointed):
+    """The decoder layers compiled as the trainer compiles them (models.speed.compiled_layer_class; Dynamo's
+    aot_eager backend here, so that no C++ is built: what is captured is the same): one graph for every layer, no
+    graph break, and with --gradient_checkpointing each layer's compiled forward runs again in the backward pass (the
+    recomputation wraps the graph, as transformers checkpoints the layer); the loss and gradients are the eager
+    model's. Compiling transformers' checkpointed forward itself (transformers 5.25) broke the graph at the
+    recomputation and ran every layer eagerly. About 5 s: the process's first Dynamo compile."""
+    import functools
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.models.build import build_model, model_config
+
+    def build():
+        torch.manual_seed(0)
+        return build_model("tiny", model_config("tiny", load_tokenizer(None)), torch.float32, "sdpa", checkpointed)
+
+    eager, model = build(), build()
+    calls = []
+
+    def counted_compile(function):
+        compiled = torch.compile(function, backend="aot_eager")
+
+        @functools.wraps(function)
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return compiled(*args, **kwargs)
+        return counted
+
+    torch._dynamo.reset()
+    counters.clear()
+    layers = model.model.layers
+    compiled_class = speed.compiled_layer_class(type(layers[0]), counted_compile)
+    for layer in layers:
+        layer.__class__ = compiled_class
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (eager, model):
+        m.train()
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert len(calls) == len(layers) * (2 if checkpointed else 1)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
