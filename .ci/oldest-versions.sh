@@ -47,7 +47,7 @@ done
 "$py" -m pip install --quiet --no-build-isolation "$ds_pin"
 # The project at its floors with the test runner; not the test extra, whose benchmark peer (trl) needs a newer
 # datasets than the floor: the tests below need none of the extra's tools.
-"$py" -m pip install --quiet -e . "$torch_pin" "${other[@]}" "$ds_pin" "pytest>=8" "pytest-timeout>=2.3"
+"$py" -m pip install --quiet -e . "$torch_pin" "${other[@]}" "$ds_pin" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5"
 "$py" .ci/versions.py "oldest versions"
 
 # The main job as README's first command runs it, on this environment, with its own checkpoint directory.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
@@ -66,11 +67,18 @@ CACHE_SETTINGS = {"DEEPSPEED_LM_CACHE": "deepspeed-lm", "TORCH_EXTENSIONS_DIR": 
 
 
 _CACHES: list[Path] = []
+# The session's cache folder, made by the process that runs pytest and shared by its workers (pytest-xdist starts them
+# with its environment after pytest_configure): DeepSpeed's ops build once per session, not once per worker.
+SHARED_CACHES = "DEEPSPEED_LM_TEST_SESSION_CACHES"
 
 
 def pytest_configure(config):
-    root = Path(tempfile.mkdtemp(prefix="dslm-test-caches-"))
-    _CACHES.append(root)
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(SHARED_CACHES):
+        root = Path(os.environ[SHARED_CACHES])
+    else:
+        root = Path(tempfile.mkdtemp(prefix="dslm-test-caches-"))
+        _CACHES.append(root)  # removed by the process that made it, once the workers are gone
+        os.environ[SHARED_CACHES] = str(root)
     for name, folder in CACHE_SETTINGS.items():
         (root / folder).mkdir(parents=True, exist_ok=True)
         os.environ[name] = str(root / folder)
@@ -81,6 +89,24 @@ def pytest_unconfigure(config):
     preloaded.stop()
     for root in _CACHES:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# The tiers run in parallel (pytest-xdist, `-n auto --dist loadscope` in pyproject.toml): a trainer run spends much of
+# its time in one rank's work (data, export, summary) while the other waits, and in its processes' starts, so two
+# test processes on two cores finish the suite sooner than one. A module's tests stay on one worker (loadscope), so its
+# shared runs (module fixtures) run once, and the SLURM tier, one module, uses the one local cluster. A run of a few
+# files or test ids takes no workers: starting them (each imports the libraries) would cost more than it saves.
+MAX_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    named = [arg for arg in config.args if not Path(arg.split("::")[0]).is_dir()]
+    if config.args and len(named) == len(config.args) and len(named) <= 2:
+        return 0
+    return max(2, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
 # `pytest -m quick`: the unit tier and, of the slower tiers, one test of each journey a change most often breaks (a
@@ -119,7 +145,24 @@ def pytest_runtest_makereport(item, call):
     tier = next((t for t in TIERS if item.get_closest_marker(t)), None)
     if report.when == "call" and tier and report.duration > SLOW_S[tier]:
         if not (getattr(item, "function", None) and (item.function.__doc__ or "").strip()):
-            _UNEXPLAINED.append((report.duration, item.nodeid))
+            report.user_properties.append(("slow_without_docstring", True))  # reaches the summary from any worker
+
+
+def pytest_runtest_logreport(report):
+    if any(tuple(prop) == ("slow_without_docstring", True) for prop in report.user_properties):
+        _UNEXPLAINED.append((report.duration, report.nodeid))
+
+
+def pytest_sessionfinish(session):
+    """A worker hands the programs it started as real processes to the summary (pytest_testnodedown)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["fresh_starts"] = dict(preloaded.FRESH_STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for why, count in getattr(node, "workeroutput", {}).get("fresh_starts", {}).items():
+        preloaded.FRESH_STARTS[why] = preloaded.FRESH_STARTS.get(why, 0) + count
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -145,7 +188,10 @@ def session_cache(tmp_path_factory) -> Path:
     cfg = DataConfig()
     tokenizer = load_tokenizer(None)
     out = cache_dir_for(cfg, resolve_source(cfg), tokenizer)
-    build_token_files(cfg, tokenizer, out, log=lambda *_: None)
+    with open(cache / "session-cache.lock", "w") as lock:  # the session's other workers wait for the one building it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "meta.json").exists():
+            build_token_files(cfg, tokenizer, out, log=lambda *_: None)
     return cache
 
 

@@ -1,7 +1,7 @@
 """Compiled decoder layers under real DeepSpeed ZeRO-3 on 2 CPU ranks (zero3_layers_run.py): each layer becomes a
 ZeRO-3 leaf module whose parameters the layer's own hooks gather, outside one compiled graph shared by the layers,
 and training matches the eager layers' (hooks on every submodule) step for step, also with LoRA's adapters.
-The trainer compiles on GPUs only; Inductor's CPU backend compiles the same graph here."""
+The trainer compiles on GPUs only; here the same graphs run on Dynamo's aot_eager backend."""
 
 from __future__ import annotations
 
