@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import secrets
+import shlex
 import socket
 import string
 import sys
@@ -19,6 +20,7 @@ import warnings
 from pathlib import Path
 
 from model_utils.checkpoint.protocol import read_latest
+from model_utils.config import run_file
 from model_utils.core.run_dir import METRICS, SUMMARY, TENSORBOARD, RunDir
 from model_utils.patches.registry import versions_line
 
@@ -99,18 +101,36 @@ def header_lines(cfg, dist) -> list[str]:
         f"{e['transformers']}, CUDA {e['cuda'] or 'none'}, NCCL {e['nccl'] or 'none'}"
         + (f"; GPU {e['gpu']}" if e["gpu"] else ""),
         versions_line(),
-        f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}",
+        f"command: {command_line()}",
         f"config (effective flags): {json.dumps(flags, default=str)}",
         "=" * 100,
     ]
 
 
+def command_line() -> str:
+    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
 def start_run_log(log, cfg, dist):
-    """Print the header (rank 0) and keep other ranks' library output from repeating rank 0's."""
+    """Print the header (rank 0), write the run's config file (rank 0) and keep other ranks' library output from
+    repeating rank 0's."""
     log.start_time = time.time()
     quiet_other_ranks(dist)
     for line in header_lines(cfg, dist):
         log.info(line)
+    if dist.is_main:
+        write_run_config(log, cfg)
+
+
+def write_run_config(log, cfg):
+    """CHECKPOINT_DIR/config.yaml: every flag's value, a file the next run takes with --config (config/run_file.py)."""
+    try:
+        path = run_file.write(cfg, command_line())
+    except OSError as error:  # a full or read-only disk: the header's config line holds the same flags
+        log.warn(f"{cfg.checkpoint.run_dir.config} could not be written ({error.strerror or error}); the header's "
+                 "config line above holds the same flags")
+    else:
+        log.info(f"config file: {path} (every flag's value; --config {path} runs the same again)")
 
 
 def quiet_other_ranks(dist):
