@@ -112,18 +112,16 @@ def command_line() -> str:
 
 
 def start_run_log(log, cfg, dist):
-    """Print the header (rank 0), write the run's config file (rank 0) and keep other ranks' library output from
-    repeating rank 0's."""
+    """Print the header (rank 0) and keep other ranks' library output from repeating rank 0's."""
     log.start_time = time.time()
     quiet_other_ranks(dist)
     for line in header_lines(cfg, dist):
         log.info(line)
-    if dist.is_main:
-        write_run_config(log, cfg)
 
 
 def write_run_config(log, cfg):
-    """CHECKPOINT_DIR/config.yaml: every flag's value, a file the next run takes with --config (config/run_file.py)."""
+    """CHECKPOINT_DIR/config.yaml: every flag's value, a file the next run takes with --config (config/run_file.py).
+    Rank 0, once the run is built (train_deepspeed.main): a run refused before it starts leaves the file as it was."""
     try:
         path = run_file.write(cfg, command_line())
     except OSError as error:  # a full or read-only disk: the header's config line holds the same flags
