@@ -1,14 +1,13 @@
 """A run in one file: `--config FILE.yaml` holds flags by their names, one `name: value` a line (flags.py parses each
 as the command line would, which overrides them); every run writes its effective configuration in that form to
 CHECKPOINT_DIR/config.yaml, every flag with the value the run took, so that `--config` on it runs the same again.
+pyyaml is imported where a file is read or written: --help and the configuration checks run on a bare Python.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import yaml
 
 from model_utils.config.settings import SECTIONS, TrainConfig, flag_fields
 from model_utils.core.problems import Problem
@@ -28,6 +27,11 @@ def resolve(config: str) -> Path:
 def read(config: str) -> tuple[dict, list[Problem]]:
     """The file's `name: value` pairs, or the problem that keeps them from being read (named with the file)."""
     path = resolve(config)
+    try:
+        import yaml
+    except ImportError:
+        return {}, [Problem("--config", config, "needs pyyaml, which this Python lacks", "pip install pyyaml (or the "
+                            "project, pip install -e ., which depends on it)")]
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -53,6 +57,8 @@ def read(config: str) -> tuple[dict, list[Problem]]:
 
 def text(cfg: TrainConfig, command: str) -> str:
     """The effective configuration as a --config file: every flag, section by section, in the order of --help."""
+    import yaml
+
     lines = ["# The effective configuration of the run in this directory: every flag with the value it took (null: the",
              "# default the trainer derives, such as --seq_len from the model). Run it again, or change a flag:",
              f"#   python src/train_deepspeed.py --config {cfg.checkpoint.run_dir.config} [--max_steps N ...]",
