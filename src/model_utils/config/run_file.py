@@ -63,13 +63,17 @@ def text(cfg: TrainConfig, command: str) -> str:
              "# default the trainer derives, such as --seq_len from the model). Run it again, or change a flag:",
              f"#   python src/train_deepspeed.py --config {cfg.checkpoint.run_dir.config} [--max_steps N ...]",
              f"# Written by: {command}"]
-    sections = [(name, section.__doc__.split("\n")[0], flag_fields(section)) for name, section in SECTIONS.items()]
+    sections = [(name, first_sentence(section.__doc__), flag_fields(section)) for name, section in SECTIONS.items()]
     sections.append(("run", "The seed and the modes.", flag_fields(TrainConfig)))
     for name, doc, fields in sections:
         lines += ["", f"# {name}: {doc}"]
         lines += [yaml.safe_dump({f.name: cfg.flag(f.name)}, default_flow_style=False, width=float("inf"),
                                  allow_unicode=True).rstrip("\n") for f in fields]
     return "\n".join(lines) + "\n"
+
+
+def first_sentence(text: str) -> str:
+    return " ".join(text.split()).split(". ")[0].rstrip(".") + "."
 
 
 def write(cfg: TrainConfig, command: str) -> Path:
