@@ -6,6 +6,7 @@
 # environment to override it. docs/LAUNCHERS.md describes each one.
 
 # ---- Trainer settings. Empty: the flag is not passed and the trainer's own default applies.
+: "${CONFIG:=}"              # --config: a YAML file of trainer flags (relative paths: from the repository root)
 : "${DATASET:=}"             # --dataset
 : "${DATASET_CONFIG_NAME:=}" # --dataset_config_name
 : "${LOCAL_DATASET:=}"       # --local_dataset (true, false or auto)
@@ -108,6 +109,8 @@ check_settings() {
         "" | true | false | auto) ;;
         *) die "LOCAL_DATASET=$LOCAL_DATASET is not one of true, false, auto: fix or unset it" ;;
     esac
+    [[ -z $CONFIG || -f $CONFIG ]] \
+        || die "CONFIG=$CONFIG: no such file (relative to $PWD): point CONFIG at a YAML file of trainer flags (configs/runs/) or unset it"
     [[ -z $DS_CONFIG || -f $DS_CONFIG ]] \
         || die "DS_CONFIG=$DS_CONFIG: no such file (relative to $PWD): point DS_CONFIG at a DeepSpeed JSON config or unset it"
     [[ $DRY_RUN == [01] ]] || die "DRY_RUN=$DRY_RUN: use 1 (print commands only) or 0"
@@ -316,11 +319,12 @@ check_job_gpus() { # check_job_gpus VISIBLE_GPUS
 
 # ---- Command lines.
 
-# TRAINER_ARGS: the flags of the settings that are set, --preflight, then "$@".
+# TRAINER_ARGS: the flags of the settings that are set, --preflight, then "$@" (the trainer lets the flags after
+# --config override the file's).
 build_trainer_args() {
     local pair var
     TRAINER_ARGS=()
-    for pair in DATASET:--dataset DATASET_CONFIG_NAME:--dataset_config_name LOCAL_DATASET:--local_dataset \
+    for pair in CONFIG:--config DATASET:--dataset DATASET_CONFIG_NAME:--dataset_config_name LOCAL_DATASET:--local_dataset \
         MODEL:--model TOKENIZER:--tokenizer MAX_STEPS:--max_steps CHECKPOINT_FREQ:--checkpoint_freq \
         CHECKPOINT_DIR:--checkpoint_dir DS_CONFIG:--ds_config SEQ_LEN:--seq_len SEQUENCE_PARALLEL:--sequence_parallel \
         OUTPUT_DIR:--export_dir; do

@@ -66,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
 
         # --- plan, check, build, train ---
         from model_utils.planning.preflight import checked_plan
+        from model_utils.runtime.monitor import write_run_config
         from model_utils.train.build import build_run, start_log
         from model_utils.train.loop import train
 
         t0 = time.perf_counter()
         log = start_log(cfg, dist)
         run = build_run(checked_plan(cfg, dist, log), dist, log)
+        if dist.is_main:  # CHECKPOINT_DIR/config.yaml: the flags as given (the plan's derived values stay derived)
+            write_run_config(log, cfg)
         log.info(f"setup: ready in {time.perf_counter() - t0:.1f}s")
         status = train(run)
         together = True  # every rank returns the status all of them agreed on

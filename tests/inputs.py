@@ -82,3 +82,18 @@ def mounted_tmpfs(mount, size: str):
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def refused_command_line(argv, capsys) -> str:
+    """What parse_args prints for a command line it refuses: exit status 2, the problems, no usage and no traceback."""
+    import pytest
+
+    from model_utils.config.flags import parse_args
+    from model_utils.core.exit_status import BAD_INPUT
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv)
+    assert stop.value.code == BAD_INPUT
+    err = capsys.readouterr().err
+    assert "usage:" not in err and "Traceback" not in err
+    return err

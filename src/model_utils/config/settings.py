@@ -364,6 +364,12 @@ class TrainConfig:
 FLAG_SECTION = {f.name: name for name, section in SECTIONS.items() for f in dataclasses.fields(section)}
 
 
+def flag_fields(settings_class) -> list[dataclasses.Field]:
+    """The fields of a settings class that are flags: neither a section nor internal."""
+    return [f for f in dataclasses.fields(settings_class)
+            if not f.metadata.get("internal") and not f.metadata.get("section")]
+
+
 @dataclass
 class LoraSettings:
     """LoRA's settings (--lora_rank, --lora_alpha, --lora_dropout, --lora_target_modules, --export_merged).

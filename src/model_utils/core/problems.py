@@ -33,7 +33,8 @@ class ConfigError(Exception):
         super().__init__("\n".join(str(p) for p in problems))
 
 
-def exit_on_problems(problems: list[Problem], stream=sys.stderr) -> None:
+def exit_on_problems(problems: list[Problem], stream=None) -> None:
+    stream = stream or sys.stderr  # the stream of the moment (a test's capture replaces it after import)
     if problems:
         print(f"error: {len(problems)} problem(s) with the inputs; nothing was started:", file=stream)
         for p in problems:

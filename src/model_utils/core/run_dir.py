@@ -5,6 +5,7 @@
       latest                    the name of the newest complete checkpoint
       incomplete/step-N[.k]     checkpoints a start found incomplete, moved aside
       run.lock                  the run that owns the directory (runtime/run_lock.py)
+      config.yaml               the run's effective flags, as `--config` takes them (config/run_file.py)
       metrics.jsonl             one JSON record per log step, evaluation and save
       summary.json              how the run ended, written at its end
       tensorboard/              TensorBoard events (--tensorboard)
@@ -24,6 +25,7 @@ MANIFEST = "manifest.json"  # inside a checkpoint: written last, so its presence
 LATEST = "latest"
 INCOMPLETE = "incomplete"
 LOCK = "run.lock"
+RUN_CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 TENSORBOARD = "tensorboard"
@@ -61,6 +63,10 @@ class RunDir:
     @property
     def lock(self) -> Path:
         return self.root / LOCK
+
+    @property
+    def config(self) -> Path:
+        return self.root / RUN_CONFIG
 
     @property
     def metrics(self) -> Path:

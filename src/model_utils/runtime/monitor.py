@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import secrets
+import shlex
 import socket
 import string
 import sys
@@ -19,6 +20,7 @@ import warnings
 from pathlib import Path
 
 from model_utils.checkpoint.protocol import read_latest
+from model_utils.config import run_file
 from model_utils.core.run_dir import METRICS, SUMMARY, TENSORBOARD, RunDir
 from model_utils.patches.registry import versions_line
 
@@ -99,10 +101,14 @@ def header_lines(cfg, dist) -> list[str]:
         f"{e['transformers']}, CUDA {e['cuda'] or 'none'}, NCCL {e['nccl'] or 'none'}"
         + (f"; GPU {e['gpu']}" if e["gpu"] else ""),
         versions_line(),
-        f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}",
+        f"command: {command_line()}",
         f"config (effective flags): {json.dumps(flags, default=str)}",
         "=" * 100,
     ]
+
+
+def command_line() -> str:
+    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
 
 
 def start_run_log(log, cfg, dist):
@@ -111,6 +117,18 @@ def start_run_log(log, cfg, dist):
     quiet_other_ranks(dist)
     for line in header_lines(cfg, dist):
         log.info(line)
+
+
+def write_run_config(log, cfg):
+    """CHECKPOINT_DIR/config.yaml: every flag's value, a file the next run takes with --config (config/run_file.py).
+    Rank 0, once the run is built (train_deepspeed.main): a run refused before it starts leaves the file as it was."""
+    try:
+        path = run_file.write(cfg, command_line())
+    except OSError as error:  # a full or read-only disk: the header's config line holds the same flags
+        log.warn(f"{cfg.checkpoint.run_dir.config} could not be written ({error.strerror or error}); the header's "
+                 "config line above holds the same flags")
+    else:
+        log.info(f"config file: {path} (every flag's value; --config {path} runs the same again)")
 
 
 def quiet_other_ranks(dist):

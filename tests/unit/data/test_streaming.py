@@ -208,3 +208,13 @@ def test_the_preflight_samples_the_stream_and_leaves_the_epochs_unknown(shards, 
     assert code == 0, out
     assert f"data: {shards} streams (--streaming): column 'text' present; its first 48 documents" in out
     assert "(epochs unknown: the data streams)" in out
+
+
+def test_a_stream_of_one_local_file_takes_its_columns_from_the_file(tmp_path):
+    """A streamed JSONL file's columns come from its first record, as for the file read whole: datasets' loader would
+    take the file's path for a hub name (and the hub's --dataset_config_name, which local files do not have)."""
+    from model_utils.data.sft.formats import PRETRAINING, resolve_data_format
+
+    jsonl(tmp_path / "docs.jsonl", documents(0, 4))
+    cfg = DataConfig(dataset=str(tmp_path / "docs.jsonl"), streaming=True, dataset_config_name="sample-10BT")
+    assert resolve_data_format(cfg, resolve_source(cfg)) == PRETRAINING

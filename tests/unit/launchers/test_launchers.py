@@ -98,12 +98,12 @@ def test_the_settings_table_documents_exactly_the_settings_there_are():
 # ------------------------------------------------------------------------------------ commands without SLURM
 def test_dry_run_standalone_maps_every_setting_to_its_flag(tmp_path):
     result = launch("./train-singlenode.sh", "--seed", "7", "--resume", "never", DRY_RUN="1",
-                    DATASET="data/x.jsonl", DATASET_CONFIG_NAME="en", LOCAL_DATASET="true", MODEL="qwen3-0.6b",
+                    CONFIG="configs/runs/pretrain.yaml", DATASET="data/x.jsonl", DATASET_CONFIG_NAME="en", LOCAL_DATASET="true", MODEL="qwen3-0.6b",
                     TOKENIZER="tok", MAX_STEPS="20", CHECKPOINT_FREQ="5", CHECKPOINT_DIR=str(tmp_path / "ck"),
                     DS_CONFIG="ds_config.json", SEQ_LEN="128", SEQUENCE_PARALLEL="2", OUTPUT_DIR=str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     assert commands(result) == [
-        f"+ {DEFAULT_PYTHON} src/train_deepspeed.py "
+        f"+ {DEFAULT_PYTHON} src/train_deepspeed.py --config configs/runs/pretrain.yaml "
         "--dataset data/x.jsonl --dataset_config_name en --local_dataset true --model qwen3-0.6b --tokenizer tok "
         f"--max_steps 20 --checkpoint_freq 5 --checkpoint_dir {tmp_path}/ck --ds_config ds_config.json --seq_len 128 "
         f"--sequence_parallel 2 --export_dir {tmp_path}/hf --seed 7 --resume never"]
@@ -163,6 +163,7 @@ def test_preflight_runs_the_trainer_checks_directly(session_cache, tmp_path):
 @pytest.mark.parametrize("env, message", [
     ({"LOCAL_DATASET": "maybe"}, "LOCAL_DATASET=maybe is not one of true, false, auto"),
     ({"DS_CONFIG": "nope.json"}, "DS_CONFIG=nope.json: no such file"),
+    ({"CONFIG": "nope.yaml"}, "CONFIG=nope.yaml: no such file"),
     ({"DRY_RUN": "yes"}, "DRY_RUN=yes: use 1"),
     ({"GPUS_PER_NODE": "all"}, "GPUS_PER_NODE=all is not a number"),
     ({"PYTHON": "/nonexistent/python3"}, "PYTHON=/nonexistent/python3 not found"),

@@ -903,6 +903,10 @@ def test_config_checks_run_without_torch(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stdout + bad.stderr
     assert "train_batch_size = 12: is not a multiple of micro-batch 8 x world size 1" in bad.stdout
     assert "--max_steps = 0" in bad.stdout
+    (tmp_path / "run.yaml").write_text("max_steps: 40\n")  # a config file needs pyyaml, which is all it needs
+    no_yaml = subprocess.run([str(python), str(TRAINER), "--preflight", "--config", "run.yaml"], capture_output=True,
+                             text=True, env=env, cwd=tmp_path)
+    assert no_yaml.returncode == 2 and "--config = run.yaml: needs pyyaml" in no_yaml.stderr, no_yaml.stderr
 
 
 @pytest.mark.parametrize("args, on_disk", [

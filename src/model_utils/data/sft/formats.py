@@ -235,7 +235,8 @@ def source_columns(source, cfg) -> list[str]:
     """The column names of a data source's training split, read from its first record or its schema (a hub dataset:
     its first row, streamed). Raises DataError where they cannot be read."""
     try:
-        if source.kind in ("files", "embedded", "embedded-chat"):
+        # A stream of local files reads its columns as those files do; a stream of a hub dataset as the hub does.
+        if source.kind in ("files", "embedded", "embedded-chat") or (source.kind == "stream" and source.files):
             first = source.files[0]
             if source.builder == "json":
                 return list(_first_json_record(first))
@@ -257,7 +258,7 @@ def source_columns(source, cfg) -> list[str]:
             if isinstance(loaded, datasets.DatasetDict):
                 loaded = loaded["train" if "train" in loaded else next(iter(loaded))]
             return list(loaded.column_names)
-        if source.kind == "hub":
+        if source.kind in ("hub", "stream"):
             rows = list(stream_documents(source.location, cfg.dataset_config_name, None, "train", 1))
             return list(rows[0]) if rows else []
         # arrow files: the loader reads them
