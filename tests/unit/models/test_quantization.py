@@ -8,8 +8,9 @@ import json
 
 import pytest
 import torch
+from conftest import require_bitsandbytes
 
-pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: pip install -e '.[test]' installs it")
+require_bitsandbytes()
 
 import bitsandbytes as bnb  # noqa: E402
 
