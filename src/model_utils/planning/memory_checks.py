@@ -263,8 +263,10 @@ def note_faster_zero3_setup(plan: Plan, report: Report) -> None:
         traffic = ""
         if plan.world > 1:
             value_bytes = 4 if dsc.precision(plan.ds_config) == "fp32" else 2
-            sizes = (plan.model.num_params, plan.model.trainable_params, plan.world, plan.batch.accumulation,
-                     value_bytes)
+            quantized = plan.model.quantized  # QLoRA: the 4-bit weights gather at their own bytes
+            weights = plan.model.num_params - (quantized.params * (1 - BYTES_PER_PARAM / value_bytes) if quantized
+                                               else 0)
+            sizes = (weights, plan.model.trainable_params, plan.world, plan.batch.accumulation, value_bytes)
             traffic = (f"; each GPU would receive ~{zero_traffic_per_step(*sizes, stage=2) / GIB:.1f} GiB of weights "
                        f"and gradients per step instead of ~{zero_traffic_per_step(*sizes, stage=3) / GIB:.1f}")
         whole = whole_parameters_that_fit(plan)
