@@ -142,7 +142,7 @@ def axolotl_config(job: dict, training: dict, adapters: dict | None, plan, workd
         "deepspeed": str(ds_path), "plugins": ["axolotl.integrations.liger.LigerPlugin", "axolotl_timing.StepTiming"],
         **{kernel: True for kernel in LIGER_KERNELS}}
     if adapters is not None:
-        config.update(adapter="lora", lora_r=adapters["r"], lora_alpha=adapters["lora_alpha"],
+        config.update(adapter="lora", lora_r=adapters["r"], lora_alpha=round(adapters["lora_alpha"]),  # an int there
                       lora_dropout=adapters["lora_dropout"], lora_target_linear=True)
     return config
 

@@ -142,14 +142,12 @@ BITSANDBYTES_FLOOR = "0.47.0"
 def qlora_problems(cfg: TrainConfig, find_spec=None, version_of=None) -> list[Problem]:
     """--load_in_4bit: LoRA on, bitsandbytes installed at its floor, and none of the options a 4-bit base does not
     take (--sequence_parallel, --compile layers: docs/QLORA.md says why)."""
-    import importlib.util
-    from importlib import metadata
-
-    from packaging.version import Version
-
     model, speed = cfg.model, cfg.speed
     if not model.load_in_4bit:
         return []
+    import importlib.util
+    from importlib import metadata
+
     fix_install = f"pip install '.[qlora]' (bitsandbytes>={BITSANDBYTES_FLOOR}), or drop --load_in_4bit"
     problems = []
     if model.lora_rank <= 0:
@@ -161,7 +159,7 @@ def qlora_problems(cfg: TrainConfig, find_spec=None, version_of=None) -> list[Pr
                                 fix_install))
     else:
         version = (version_of or metadata.version)("bitsandbytes")
-        if Version(version) < Version(BITSANDBYTES_FLOOR):
+        if release(version) < release(BITSANDBYTES_FLOOR):
             problems.append(Problem("--load_in_4bit", True, f"needs bitsandbytes {BITSANDBYTES_FLOOR} or newer, "
                                     f"{version} is installed", fix_install))
     if model.sequence_parallel > 1:
@@ -173,6 +171,13 @@ def qlora_problems(cfg: TrainConfig, find_spec=None, version_of=None) -> list[Pr
                                 "compiled layers are tested with 16-bit weights only, the 4-bit layers run eager",
                                 "use --compile auto (eager layers with --load_in_4bit) or off"))
     return problems
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A release's leading numbers, to compare (0.47.0 < 0.50.2; 0.48.0.dev1 as 0.48.0)."""
+    import re
+
+    return tuple(int(part) for part in re.findall(r"\d+", re.match(r"[\d.]*", version).group())[:3])
 
 
 # The datasets built offline (data.sources.resolve_source): the pretraining text corpus and the chat dataset.

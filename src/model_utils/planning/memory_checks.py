@@ -360,7 +360,8 @@ def note_quantized_base(plan: Plan, report: Report) -> None:
         return
     share = plan.ranks if dsc.zero_stage(plan.ds_config) == 3 else 1  # ZeRO-3 partitions the 4-bit values too
     bf16 = dsc.precision(plan.ds_config) != "fp32"
-    report.estimate(f"QLoRA: the base's {quantized.params / 1e9:,.2f}B linear-layer weights take "
+    count = f"{quantized.params / 1e9:,.2f}B" if quantized.params >= 1e9 else f"{quantized.params / 1e6:,.2f}M"
+    report.estimate(f"QLoRA: the base's {count} linear-layer weights take "
                     f"~{quantized.frozen_bytes(quantized.params, 2) / share / GIB:.2f} GiB per GPU in 4-bit NF4 "
                     f"({BYTES_PER_PARAM:.3f} byte a parameter with the double-quantized absmax), against "
                     f"{2 * quantized.params / share / GIB:.2f} GiB in 16-bit; each matmul dequantizes one weight "

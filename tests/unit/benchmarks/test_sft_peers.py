@@ -74,7 +74,7 @@ def test_axolotl_gets_packed_samples_flash_attention_liger_and_deepspeed_for_ful
         [dataset] = config["datasets"]
         assert dataset["type"] == "chat_template" and dataset["roles_to_train"] == ["assistant"]
     assert "adapter" not in full
-    assert (lora["adapter"], lora["lora_r"], lora["lora_alpha"], lora["lora_target_linear"]) == ("lora", 16, 32.0, True)
+    assert (lora["adapter"], lora["lora_r"], lora["lora_alpha"], lora["lora_target_linear"]) == ("lora", 16, 32, True)
 
 
 def test_trl_peft_and_bitsandbytes_get_the_qlora_guides_settings_without_deepspeed(configs):
