@@ -5,6 +5,8 @@
         --micro_batch_size 8 16 --peer-micro-batch-size 1 2 --modes full lora
     python benchmarks/sft_bench.py --model tiny --seq_len 128 --micro_batch_size 1 --global_batch_tokens 256 \\
         --steps 2 --warmup 1 --max_examples 64                                      # CPU smoke run
+    python benchmarks/sft_bench.py --peer unsloth --peer-env DIR --modes lora qlora --model llama-8b ...  # the peers
+        # of sft_peers.py (trl, unsloth, axolotl); --modes qlora: ours with --load_in_4bit; --print-config: no GPU
 
 Both sides train the same model on the same chat rows, at the same global batch (blocks of --seq_len per optimizer
 step), with the same DeepSpeed config and the same optimizer and schedule:
