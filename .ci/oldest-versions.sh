@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The oldest versions pyproject.toml allows: a virtual environment with the floor of each dependency installed exactly,
-# then the main job (./train-singlenode.sh, shortened), the exact-resume test, the op build lock tests (the floor of
-# torch locks its op builds the older way) and the fine-tuning blocks (chat templates, LoRA through peft) on it. FLOORS_ONLY=1 prints the pins and stops.
+# the qlora extra's too, then the main job (./train-singlenode.sh, shortened), the exact-resume test, the op build lock
+# tests (the floor of torch locks its op builds the older way) and the fine-tuning blocks (chat templates, LoRA through
+# peft, QLoRA's 4-bit base through bitsandbytes) on it. FLOORS_ONLY=1 prints the pins and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +18,8 @@ floors() {
     fi
     python3 - <<'PY'
 import re, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+deps = project["dependencies"] + project["optional-dependencies"]["qlora"]
 for dep in deps:
     m = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*>=\s*([\w.]+)", dep)
     if m:
@@ -60,4 +62,5 @@ training=tests/distributed/test_training.py
 "$py" -m pytest -q "$training::test_loss_falls_and_metrics_are_complete" \
     "$training::test_export_loads_with_from_pretrained_and_generates" "$training::test_resume_after_kill_9_is_exact" \
     "$training::test_resume_after_kill_9_restores_every_ranks_rng" tests/unit/runtime/test_build_locks.py \
-    tests/unit/models/test_lora.py tests/unit/data/sft/test_sft_data.py tests/unit/config/test_fine_tuning_schedule.py
+    tests/unit/models/test_lora.py tests/unit/models/test_quantization.py tests/unit/data/sft/test_sft_data.py \
+    tests/unit/config/test_fine_tuning_schedule.py

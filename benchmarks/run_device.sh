@@ -148,6 +148,23 @@ case "$1" in
       --peer-packing grouped --timeout "${SFT_TIMEOUT:-300}" --attention_kernel varlen \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 off on both: ours (varlen) against TRL"
     ;;
+  small-gpu)  # LoRA and QLoRA on one GPU against the peers as their docs run them (docs/QLORA.md): SMALL_MODEL (default
+    # llama-8b) at 2048-token blocks, 16,384 tokens a step, 20 timed steps, each side at its micro-batches: TRL + peft
+    # + bitsandbytes (qlora), then Unsloth (lora, qlora) and axolotl (full, lora) from their own `pip install --target`
+    # folders under PEER_DIR (they pin other transformers, TRL and datasets releases than ours), installed once
+    small=(--model "${SMALL_MODEL:-llama-8b}" --seq_len 2048 --global_batch_tokens 16384 --steps 20 --warmup 2
+           --gradient_checkpointing --lora_dropout 0 --micro_batch_size 1 2 4 8 --peer-micro-batch-size 1 2 4 8
+           --timeout 600 --workdir /tmp/small-gpu-work)
+    sft small-gpu-trl 900 "${small[@]}" --peer trl --modes qlora --title "QLoRA, 1 GPU: ours against TRL + peft + bitsandbytes"
+    for peer in unsloth axolotl; do
+      dir=${PEER_DIR:-/tmp/peers}/$peer
+      [ -d "$dir" ] || python3 -m pip install -q --target "$dir" "$([ "$peer" = axolotl ] && echo 'axolotl[deepspeed]' || echo unsloth)" \
+        liger-kernel || { echo "SKIP small-gpu-$peer (no $peer installed in $dir)"; continue; }
+      modes=(lora qlora); [ "$peer" = axolotl ] && modes=(full lora)
+      sft "small-gpu-$peer" 1200 "${small[@]}" --peer "$peer" --peer-env "$dir" --modes "${modes[@]}" \
+        --title "${modes[*]}, 1 GPU: ours against $peer"
+    done
+    ;;
   gpu-tests)  # the tests that need a GPU (skipped on CI's CPU machines): the delayed update's prefetch, the pinned
     # buffers of background saves and of offloaded activations
     echo "=== gpu-tests ($(($(date +%s) - START))s)"

@@ -5,6 +5,8 @@
         --micro_batch_size 8 16 --peer-micro-batch-size 1 2 --modes full lora
     python benchmarks/sft_bench.py --model tiny --seq_len 128 --micro_batch_size 1 --global_batch_tokens 256 \\
         --steps 2 --warmup 1 --max_examples 64                                      # CPU smoke run
+    python benchmarks/sft_bench.py --peer unsloth --peer-env DIR --modes lora qlora --model llama-8b ...  # the peers
+        # of sft_peers.py (trl, unsloth, axolotl); --modes qlora: ours with --load_in_4bit; --print-config: no GPU
 
 Both sides train the same model on the same chat rows, at the same global batch (blocks of --seq_len per optimizer
 step), with the same DeepSpeed config and the same optimizer and schedule:
@@ -63,8 +65,8 @@ from common import cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_
 from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
 from telemetry import GpuTelemetry  # noqa: E402
 
-SIDES = {"ours": "ours", "trl": "TRL SFTTrainer"}
-MODES = ("full", "lora")
+SIDES = {"ours": "ours", "trl": "TRL SFTTrainer"}  # "trl": the peer's slot, whichever --peer fills it
+MODES = ("full", "lora", "qlora")
 IGNORE_INDEX = -100
 LOSSES_SHOWN = 5  # first losses printed per side
 
@@ -171,10 +173,13 @@ def trainer_argv(job: dict, workdir: Path) -> list[str]:
             "--attention_kernel", job.get("attention_kernel", "auto")]
     if job.get("gradient_checkpointing"):
         argv.append("--gradient_checkpointing")
-    if job["mode"] == "lora":
-        argv += ["--lora_rank", str(job["lora_rank"]), "--lora_alpha", str(job["lora_alpha"])]
+    if job["mode"] in ("lora", "qlora"):
+        argv += ["--lora_rank", str(job["lora_rank"]), "--lora_alpha", str(job["lora_alpha"]),
+                 "--lora_dropout", str(job.get("lora_dropout", 0.05))]
         if job.get("lora_target_modules"):
             argv += ["--lora_target_modules", job["lora_target_modules"]]
+    if job["mode"] == "qlora":
+        argv.append("--load_in_4bit")
     return argv
 
 
@@ -248,125 +253,20 @@ def read_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def worker_trl(job: dict, workdir: Path) -> dict | None:
-    normalize_env()
-    from model_utils.runtime.distributed import distributed_env_problems
-
-    assert not distributed_env_problems()
-    import datasets
-    import torch
-    from hf_peer import step_timer, trainer_ds_config
-    from trl import SFTConfig, SFTTrainer
-
-    from model_utils.config.flags import parse_args
-    from model_utils.data.sft.formats import resolve_chat_template
-    from model_utils.models.build import build_model
-    from model_utils.models.lora import lora_config
-    from model_utils.planning.plan import make_plan
-
-    steps, warmup, mb, seq_len = job["steps"], job["warmup"], job["micro_batch_size"], job["seq_len"]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    packing = job.get("peer_packing", "bfd")
-    # Our plan for the same flags: its resolved DeepSpeed config (optimizer, schedule, clipping), LoRA settings and
-    # tokenizer, so the peer trains with what our run trains with.
-    # (its micro-batch 1 where the peer's counts padded examples, which as our blocks would not fit the GPU)
-    cfg = parse_args(trainer_argv(job if packing == "bfd" else dict(job, micro_batch_size=1), workdir))
-    plan = make_plan(cfg, world, on_training_hardware=True)
-    raw = plan.ds_config
-    opt = raw.get("optimizer", {}).get("params", {})
-    betas = opt.get("betas", [0.9, 0.999])
-    warmup_steps = raw.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)
-    tokenizer = plan.tokenizer
-    tokenizer.chat_template, _ = resolve_chat_template(tokenizer)  # the template ours renders chats with
-    rows = datasets.Dataset.from_list([{"messages": row["messages"]} for row in read_rows(job["rows"])])
-    accumulation = job["global_batch_tokens"] // (mb * world * seq_len)  # bins of seq_len per micro-batch
-    if packing != "bfd":  # examples per micro-batch: as many per step as ours packs into its blocks
-        accumulation = examples_accumulation(job["global_batch_tokens"], mean_example_tokens(tokenizer, rows, seq_len),
-                                             mb * world)
-    cuda = torch.cuda.is_available()
-    liger = bool(job.get("peer_liger")) and cuda  # Liger's kernels are Triton: CUDA only
-    args = SFTConfig(
-        output_dir=str(workdir / "trl"), per_device_train_batch_size=mb, gradient_accumulation_steps=accumulation,
-        gradient_checkpointing=bool(job.get("gradient_checkpointing")),
-        gradient_checkpointing_kwargs={"use_reentrant": False}, max_steps=steps + warmup,
-        learning_rate=opt.get("lr", 3e-4), weight_decay=opt.get("weight_decay", 0.0), adam_beta1=betas[0],
-        adam_beta2=betas[1], adam_epsilon=opt.get("eps", 1e-8), max_grad_norm=raw.get("gradient_clipping", 1.0),
-        warmup_steps=warmup_steps, bf16=cuda, deepspeed=trainer_ds_config(raw), use_liger_kernel=liger,
-        max_length=seq_len, packing=packing == "bfd", padding_free=packing == "bfd", assistant_only_loss=True,
-        **({"packing_strategy": "bfd"} if packing == "bfd" else {}),
-        **({"train_sampling_strategy": "group_by_length"} if packing == "grouped" else {}),
-        logging_steps=1, logging_nan_inf_filter=False, save_strategy="no", report_to="none", disable_tqdm=True,
-        seed=job["seed"],
-        dataloader_num_workers=2 if cuda else 0, use_cpu=not cuda)
-    model = build_model(job["model"], plan.model.config, torch.float32, job.get("peer_attn", "sdpa"), False)
-    lora = cfg.model.lora_settings()
-    timer = step_timer(warmup, steps, rank)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
-                         peft_config=lora_config(plan.model.config, lora) if lora else None, callbacks=[timer])
-    timed = []  # per micro-batch of a timed step: its tokens, its position ids and its loss tokens (on the device)
-
-    def count(module, positional, kwargs):
-        """What each training forward takes in (a micro-batch's flattened bins), kept without waiting for the GPU."""
-        if module.training and len(timer.times) >= warmup:
-            ids = kwargs.get("input_ids", positional[0] if positional else None)
-            labels = kwargs.get("labels")
-            loss_tokens = (labels[..., 1:] != IGNORE_INDEX).sum() if labels is not None else None
-            mask = kwargs.get("attention_mask")  # padded rows (no packing): each row's example tokens
-            rows_lengths = mask.sum(-1) if mask is not None and mask.dim() == 2 else None
-            timed.append((ids.numel(), kwargs.get("position_ids"), loss_tokens, rows_lengths))
-
-    trainer.model.register_forward_pre_hook(count, with_kwargs=True)
-    trainer.train()
-    gpu = timer.finish()
-    tokens = area = loss_tokens = 0
-    for numel, positions, labelled, rows_lengths in timed:
-        t, a = work_of(peer_example_lengths(packing, numel, positions, rows_lengths))
-        tokens, area = tokens + t, area + a
-        loss_tokens += int(labelled.item()) if labelled is not None else 0
-    device = trainer.args.device
-    tokens, area, loss_tokens = all_ranks_sum([tokens, area, loss_tokens], device)
-    times = timer.times[warmup:]
-    num_params = base_parameters(trainer.model)
-    data_loss_tokens = sum(sum(label != IGNORE_INDEX for label in labels) for labels in trainer.train_dataset["labels"])
-    out = {"side": "trl", "data_loss_tokens": int(data_loss_tokens), "mode": job["mode"], "world_size": world,
-           "losses": timer.losses,
-           "micro_batch_size": mb, "gradient_accumulation_steps": accumulation, "seq_len": seq_len,
-           "blocks_per_step": mb * accumulation * world, "num_params": num_params, "timed_steps": len(times),
-           "packing": packing,  # bfd: blocks_per_step counts bins; none, grouped: examples
-           # the kernels that ran: the model's attention implementation as Trainer left it, Liger where applied
-           "liger": liger and liger_applied(trainer.model),
-           "attention": getattr(trainer.model.config, "_attn_implementation", job.get("peer_attn", "sdpa")),
-           **figures(plan.model.config, num_params, seq_len, int(tokens), int(area), int(loss_tokens), times, world),
-           **peak_memory(), **gpu}
-    if "peak_mem_gib" in out:
-        out["peak_mem_gib"] = all_ranks_max(out["peak_mem_gib"], device)
-    out["host_peak_gib"] = all_ranks_max(host_peak_gib(), device)
-    return out if rank == 0 else None
-
-
 def median_tokens_per_s(result: dict) -> float:
     """A run's tokens per second at its median step: its mean example tokens per step over its median step time."""
     return result["tokens_per_step_per_gpu"] / result["step_s_median"]
 
 
-def mean_example_tokens(tokenizer, rows, seq_len: int) -> float:
-    """The examples' mean length in tokens as the chat template renders them, each cut at seq_len as TRL cuts it."""
-    lengths = [min(len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)), seq_len)
-               for messages in rows["messages"]]
-    return sum(lengths) / max(len(lengths), 1)
-
-
-def examples_accumulation(global_tokens: int, mean_tokens: float, examples_per_micro_batch: int) -> int:
-    """Micro-batches of padded examples per optimizer step: about global_tokens / mean_tokens examples, as many as
-    the other side's blocks hold."""
-    return max(1, round(global_tokens / mean_tokens / examples_per_micro_batch))
-
-
 def worker_main(job_json: str, result_path: str) -> int:
     job = json.loads(job_json)
     with tempfile.TemporaryDirectory(prefix="sft-bench-") as tmp:
-        result = (worker_ours if job["side"] == "ours" else worker_trl)(job, Path(tmp))
+        if job["side"] == "ours":
+            result = worker_ours(job, Path(tmp))
+        else:  # the peer (sft_peers.py), in its own environment where --peer-env gives one
+            from sft_peers import WORKERS
+
+            result = WORKERS[job.get("peer", "trl")](job, Path(tmp))
     if result is not None:
         Path(result_path).write_text(json.dumps(result))
     return 0
@@ -476,7 +376,8 @@ def make_jobs(a, model: Path, rows: Path, data_cache: Path, global_tokens: int) 
             "ds_config": a.ds_config, "zero_stage": a.zero_stage, "ds_set": a.ds_set,
             "gradient_checkpointing": a.gradient_checkpointing, "lora_rank": a.lora_rank, "lora_alpha": a.lora_alpha,
             "lora_target_modules": a.lora_target_modules, "peer_liger": a.peer_liger == "on",
-            "peer_attn": a.peer_attn, "attention_kernel": a.attention_kernel, "peer_packing": a.peer_packing}
+            "peer_attn": a.peer_attn, "attention_kernel": a.attention_kernel, "peer_packing": a.peer_packing,
+            "lora_dropout": a.lora_dropout, "peer": a.peer}
     jobs = []
     for mode in a.modes:
         for side, micro_batches in (("ours", a.micro_batch_size), ("trl", a.peer_micro_batch_size)):
@@ -485,18 +386,26 @@ def make_jobs(a, model: Path, rows: Path, data_cache: Path, global_tokens: int) 
             for mb in micro_batches:
                 accumulation = global_tokens // (mb * a.nproc * a.seq_len)
                 steps_of = f"ga{accumulation}" if side == "ours" or a.peer_packing == "bfd" else a.peer_packing
+                label = a.peer if side == "trl" else side
                 jobs.append(dict(base, side=side, mode=mode, micro_batch_size=mb,
-                                 variant=f"{side}-{mode}", name=f"{side}-{mode}-mb{mb}-{steps_of}"))
+                                 variant=f"{label}-{mode}", name=f"{label}-{mode}-mb{mb}-{steps_of}"))
     return jobs
+
+
+def side_label(job: dict) -> str:
+    """ours, or the peer that filled the peer's slot (sft_peers.PEERS)."""
+    from sft_peers import PEERS
+
+    return SIDES["ours"] if job["side"] == "ours" else PEERS[job.get("peer", "trl")]
 
 
 def row(job: dict, r: dict) -> str:
     if "error" in r:
-        return f"| {job['name']} | {SIDES[job['side']]} | {job['micro_batch_size']} | {r['error']} | | | | | | | |"
+        return f"| {job['name']} | {side_label(job)} | {job['micro_batch_size']} | {r['error']} | | | | | | | |"
     mfu = f"{100 * r['mfu']:.1f}% / {100 * r['mfu_6']:.1f}%" if "mfu" in r else "-"
     mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
     losses = r.get("losses") or []
-    return (f"| {job['name']} | {SIDES[job['side']]} | {r['micro_batch_size']} x {r['gradient_accumulation_steps']} | "
+    return (f"| {job['name']} | {side_label(job)} | {r['micro_batch_size']} x {r['gradient_accumulation_steps']} | "
             f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | {mem} | "
             f"{1e3 * r['step_s_mean']:.0f} / {1e3 * r['step_s_median']:.0f} | {r['tokens_per_step_per_gpu']:,.0f} | "
             f"{r['loss_tokens_per_step_per_gpu']:,.0f} | {statistics.fmean(losses) if losses else float('nan'):.4f} |")
@@ -545,18 +454,21 @@ def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[st
                         "kernels": {side: {"attention": r.get("attention"), "liger": r.get("liger")}
                                     for side, r in (("ours", ours[1]), ("peer", peer[1]))},
                         "data_loss_tokens": {"ours": ours[1]["data_loss_tokens"], "peer": peer[1]["data_loss_tokens"]}}
+        name = side_label(peer[0]).split()[0]  # TRL, Unsloth, axolotl
+        record[mode]["peer_side"] = peer[0].get("peer", "trl")
         lines.append(f"{mode}, best micro-batch each: ours {ours[1]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU at "
-                     f"{ours[0]['micro_batch_size']}, TRL {peer[1]['tokens_per_s_per_gpu']:,.0f} at "
+                     f"{ours[0]['micro_batch_size']}, {name} {peer[1]['tokens_per_s_per_gpu']:,.0f} at "
                      f"{peer[0]['micro_batch_size']}: {ratio:.2f}x by mean step time"
                      + (f", {median_ratio:.2f}x by median" if median_ratio else "")
-                     + f" (attention: ours {ours[1].get('attention')}, TRL {peer[1].get('attention')}; Liger: ours "
-                       f"{ours[1].get('liger')}, TRL {peer[1].get('liger')})")
-        lines.append(f"{mode}, tokens carrying loss in the whole data: ours {ours[1]['data_loss_tokens']:,}, TRL "
-                     f"{peer[1]['data_loss_tokens']:,} (equal where both mask the same tokens and truncate nothing)")
+                     + f" (attention: ours {ours[1].get('attention')}, {name} {peer[1].get('attention')}; Liger: "
+                       f"ours {ours[1].get('liger')}, {name} {peer[1].get('liger')})")
+        lines.append(f"{mode}, tokens carrying loss in the whole data: ours {ours[1]['data_loss_tokens']:,}, {name} "
+                     f"{peer[1]['data_loss_tokens'] or 0:,} (equal where both mask the same tokens and truncate "
+                     "nothing)")
         if losses:
             lines.append(f"{mode}, losses over the same {losses['steps']} steps: ours first {losses['ours_first']}, "
-                         f"TRL first {losses['peer_first']}; mean ours {losses['ours_mean']:.4f}, TRL "
-                         f"{losses['peer_mean']:.4f} (ours - TRL {losses['mean_diff']:+.4f})")
+                         f"{name} first {losses['peer_first']}; mean ours {losses['ours_mean']:.4f}, {name} "
+                         f"{losses['peer_mean']:.4f} (ours - {name} {losses['mean_diff']:+.4f})")
     return "\n".join(lines), record
 
 
@@ -573,9 +485,20 @@ def main(argv=None) -> int:
     p.add_argument("--global_batch_tokens", type=int, default=None, metavar="N",
                    help="block tokens per optimizer step on both sides (blocks x seq_len); default: the least "
                         "multiple of every micro-batch x GPUs x seq_len")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="full fine-tuning, LoRA, or both")
+    p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=MODES,
+                   help="full fine-tuning, LoRA, QLoRA (--load_in_4bit): one or more")
+    p.add_argument("--peer", default="trl", choices=("trl", "unsloth", "axolotl"),
+                   help="the peer (sft_peers.py): TRL's SFTTrainer (full, lora, qlora), Unsloth (lora, qlora) or "
+                        "axolotl (full, lora)")
+    p.add_argument("--peer-env", dest="peer_env", default=None, metavar="DIR",
+                   help="a `pip install --target DIR` folder put first on the peer's PYTHONPATH (Unsloth and axolotl "
+                        "pin other transformers, TRL and datasets releases than ours)")
+    p.add_argument("--print-config", dest="print_config", action="store_true",
+                   help="print what the peer would be handed for each mode and micro-batch, as JSON, and exit (no "
+                        "GPU, no peer installed)")
     p.add_argument("--lora_rank", type=int, default=16)
     p.add_argument("--lora_alpha", type=float, default=32.0)
+    p.add_argument("--lora_dropout", type=float, default=0.05, help="both sides (Unsloth's fast path wants 0)")
     p.add_argument("--lora_target_modules", default=None, help="comma-separated (default: the trainer's for the "
                                                                "architecture)")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps (enough to include stalls)")
@@ -623,8 +546,18 @@ def main(argv=None) -> int:
         p.error(f"{', '.join(bad) or '--warmup/--max_examples below 0'}: give positive counts")
     workdir = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="sft-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    from sft_peers import PEER_MODES
+
+    unsupported = [mode for mode in a.modes if mode not in PEER_MODES[a.peer]]
+    if unsupported:
+        p.error(f"--modes {' '.join(unsupported)}: --peer {a.peer} runs {', '.join(PEER_MODES[a.peer])}; give those")
     try:
         global_tokens = global_batch(a)
+        if a.print_config:
+            from sft_peers import print_peer_config
+
+            return print_peer_config(a, make_jobs(a, Path(a.model), workdir / "rows.jsonl", workdir / "data-cache",
+                                                  global_tokens), workdir, global_tokens)
         rows, count = write_rows(a.dataset, a.max_examples, workdir / "rows.jsonl")
         model = model_directory(a.model, a.seed, workdir)
     except BenchProblem as e:
@@ -643,7 +576,11 @@ def main(argv=None) -> int:
 
     report = result_reporter(a.json, vers, a.nproc, command)
     me = Path(__file__)
-    results = run_jobs(jobs, lambda job: run_job(job, a.nproc, a.timeout, log_dir, script=me), report)
+    from sft_peers import run_in_environment
+
+    results = run_jobs(jobs, lambda job: run_in_environment(job, a.peer_env if job["side"] == "trl" else None,
+                                                            lambda: run_job(job, a.nproc, a.timeout, log_dir,
+                                                                            script=me)), report)
     text = table(jobs, results)
     best, record = summary(jobs, results, a.modes)
     text += "\n\n" + best

@@ -111,6 +111,7 @@ def fine_tuning_problems(cfg: TrainConfig) -> list[Problem]:
         if given:
             problems.append(Problem(f"--{given[0]}", cfg.flag(given[0]), "applies to LoRA, which is off "
                                     "(--lora_rank 0)", f"add --lora_rank 16 (or another rank), or drop --{given[0]}"))
+    problems += qlora_problems(cfg)
     epochs = cfg.batch.num_epochs
     if epochs is not None:
         if not epochs > 0:
@@ -131,6 +132,52 @@ def fine_tuning_problems(cfg: TrainConfig) -> list[Problem]:
         problems.append(Problem("--dataset", data.dataset, "is not one of the embedded datasets",
                                 f"use one of {', '.join(EMBEDDED_DATASETS)}, or a path or hub name"))
     return problems
+
+
+# The oldest bitsandbytes whose CPU backend runs NF4 with double quantization forward and backward and stores 4-bit
+# weights in a float dtype (what ZeRO-3 partitions); pyproject.toml's qlora extra names the same floor.
+BITSANDBYTES_FLOOR = "0.47.0"
+
+
+def qlora_problems(cfg: TrainConfig, find_spec=None, version_of=None) -> list[Problem]:
+    """--load_in_4bit: LoRA on, bitsandbytes installed at its floor, and none of the options a 4-bit base does not
+    take (--sequence_parallel, --compile layers: docs/QLORA.md says why)."""
+    model, speed = cfg.model, cfg.speed
+    if not model.load_in_4bit:
+        return []
+    import importlib.util
+    from importlib import metadata
+
+    fix_install = f"pip install '.[qlora]' (bitsandbytes>={BITSANDBYTES_FLOOR}), or drop --load_in_4bit"
+    problems = []
+    if model.lora_rank <= 0:
+        problems.append(Problem("--load_in_4bit", True, "quantizes the frozen base of a LoRA run, and LoRA is off "
+                                "(--lora_rank 0): full fine-tuning cannot train 4-bit weights",
+                                "add --lora_rank 16 (QLoRA), or drop --load_in_4bit"))
+    if (find_spec or importlib.util.find_spec)("bitsandbytes") is None:
+        problems.append(Problem("--load_in_4bit", True, "needs the bitsandbytes package, which is not installed",
+                                fix_install))
+    else:
+        version = (version_of or metadata.version)("bitsandbytes")
+        if release(version) < release(BITSANDBYTES_FLOOR):
+            problems.append(Problem("--load_in_4bit", True, f"needs bitsandbytes {BITSANDBYTES_FLOOR} or newer, "
+                                    f"{version} is installed", fix_install))
+    if model.sequence_parallel > 1:
+        problems.append(Problem("--sequence_parallel", model.sequence_parallel, "is not supported with a 4-bit base "
+                                "(--load_in_4bit): not tested", "drop --sequence_parallel (one GPU holds each "
+                                "sequence), or --load_in_4bit"))
+    if speed.compile == "layers":
+        problems.append(Problem("--compile", "layers", "is not supported with a 4-bit base (--load_in_4bit): the "
+                                "compiled layers are tested with 16-bit weights only, the 4-bit layers run eager",
+                                "use --compile auto (eager layers with --load_in_4bit) or off"))
+    return problems
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A release's leading numbers, to compare (0.47.0 < 0.50.2; 0.48.0.dev1 as 0.48.0)."""
+    import re
+
+    return tuple(int(part) for part in re.findall(r"\d+", re.match(r"[\d.]*", version).group())[:3])
 
 
 # The datasets built offline (data.sources.resolve_source): the pretraining text corpus and the chat dataset.

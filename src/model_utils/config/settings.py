@@ -140,6 +140,10 @@ class ModelConfig:
     lora_target_modules: str | None = _f(None, "LoRA: comma-separated names of the layers that get adapters (e.g. "
                                                "q_proj,v_proj). Default: the model family's every attention and MLP "
                                                "linear layer (QLoRA's finding), peft's all-linear for other families.")
+    load_in_4bit: bool = _f(False, "QLoRA (with --lora_rank): the frozen base's linear layers in 4-bit NF4 with "
+                                   "double quantization (bitsandbytes; pip install '.[qlora]'), computed in the run's "
+                                   "precision, beside 16-bit adapters: about 0.52 byte a base parameter instead of "
+                                   "2 (docs/QLORA.md).")
 
     def lora_settings(self):
         """config.settings.LoraSettings of these flags, or None where --lora_rank is 0 (full fine-tuning)."""
@@ -147,7 +151,8 @@ class ModelConfig:
             return None
 
         return LoraSettings(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                            target_modules=parse_target_modules(self.lora_target_modules))
+                            target_modules=parse_target_modules(self.lora_target_modules),
+                            load_in_4bit=self.load_in_4bit)
 
 
 @dataclass(frozen=True)
@@ -390,6 +395,8 @@ class LoraSettings:
     (DEFAULT_TARGET_MODULES, else every linear layer but the output head)."""
     export_merged: bool = False
     """Export also the merged model (adapters added into the weights), loadable by transformers without peft."""
+    load_in_4bit: bool = False
+    """QLoRA: the frozen base's linear layers stored in 4-bit NF4 (models.quantization); the adapters stay 16-bit."""
 
     def problems(self) -> list[Problem]:
         """What is wrong with the values themselves (before any model is built)."""

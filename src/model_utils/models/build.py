@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from model_utils.config.presets import PRESET_ARCHITECTURES, PRESETS, is_preset
 from model_utils.core.problems import Problem
+from model_utils.models.quantization import load_quantized, quantize_layers
 
 
 def tokenizer_source(tokenizer: str | None, model: str) -> str | None:
@@ -87,14 +88,22 @@ def check_vocab_covers_tokenizer(config, tokenizer, model_name: str, tokenizer_n
 
 
 def build_model(name: str, config, dtype, attn_implementation: str, gradient_checkpointing: bool,
-                checkpointed_layers: int | None = None):
+                checkpointed_layers: int | None = None, quantization=None, device=None):
     """Random-init preset (pretraining) or `from_pretrained` (continued training). Under ZeRO-3 the caller enters
     `deepspeed.zero.Init` (through HfDeepSpeedConfig) so parameters are partitioned as they are created. With
-    `gradient_checkpointing`, the first `checkpointed_layers` decoder layers recompute (None: all)."""
+    `gradient_checkpointing`, the first `checkpointed_layers` decoder layers recompute (None: all). `quantization`
+    (models.quantization.Quantization, QLoRA): the linear layers in 4-bit on `device`, the rest in its compute dtype
+    (built whole: ZeRO-3 partitions a 4-bit model at deepspeed.initialize, as transformers loads one outside
+    zero.Init)."""
     from transformers import AutoModelForCausalLM
 
-    if is_preset(name):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    if quantization is not None and not is_preset(name):
+        model = load_quantized(name, config, quantization, device, attn_implementation)
+    elif is_preset(name):
+        model = AutoModelForCausalLM.from_config(config, dtype=quantization.compute_dtype if quantization else dtype,
+                                                 attn_implementation=attn_implementation)
+        if quantization is not None:
+            quantize_layers(model, quantization, device)
     else:  # the config preflight already loaded: no second fetch of config.json
         model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype,
                                                      attn_implementation=attn_implementation)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from model_utils.checkpoint.protocol import ResumeError, resolve_explicit
+from model_utils.config.presets import is_preset
 from model_utils.config.settings import LoraSettings
 from model_utils.core.run_dir import RunDir
 from model_utils.data.sft.formats import attach_chat_template
@@ -70,6 +71,10 @@ def export_adapter_checkpoint(info, manifest: dict, tokenizer, out: Path, dtype:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     settings = LoraSettings.from_manifest(manifest["lora"])
+    if is_preset(manifest["model"]):
+        raise ResumeError(f"{info.path} holds the LoRA adapters of the preset {manifest['model']}, whose frozen "
+                          "random weights are in no file: the run's own export writes its merged model "
+                          "(--export_merged)")
     log(f"export: the LoRA adapters of {info.path} (rank {settings.rank}) on {manifest['model']}")
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.path.name,
                                                           exclude_frozen_parameters=True)
@@ -90,8 +95,9 @@ def write_hf_model(model, tokenizer, out_dir: Path, state_dict: dict | None = No
     tokenizer.save_pretrained(out_dir)
 
 
-def gathered_state_dict(model, dist) -> dict | None:
-    """The full state dict of a ZeRO-3 model on rank 0 (CPU tensors), None elsewhere. Every rank takes part."""
+def gathered_state_dict(model, dist, convert=None) -> dict | None:
+    """The full state dict of a ZeRO-3 model on rank 0 (CPU tensors), None elsewhere. Every rank takes part. Each
+    tensor whole as `convert(tensor)` makes it (default: a CPU copy); a model that is not partitioned gives its own."""
     import deepspeed
 
     state, first_name = {}, {}
@@ -103,7 +109,7 @@ def gathered_state_dict(model, dist) -> dict | None:
         first_name[id(tensor)] = name
         with deepspeed.zero.GatheredParameters([tensor] if hasattr(tensor, "ds_id") else [], modifier_rank=None):
             if dist.is_main:
-                state[name] = tensor.detach().cpu().clone()
+                state[name] = convert(tensor) if convert else tensor.detach().cpu().clone()
     return state if dist.is_main else None
 
 

@@ -5,15 +5,30 @@ end-of-run sample).
 
 from __future__ import annotations
 
+import importlib.util
+
 
 def _load(model_dir):
+    """The tokenizer, the model on this machine's device, and the device. An adapter a QLoRA run exported has its base
+    loaded in 4-bit, as it was trained (models.quantization.recorded_base_quantization)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from model_utils.models.quantization import recorded_base_quantization
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    return tokenizer, model.to(device).eval(), device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    quantization = recorded_base_quantization(model_dir, dtype)
+    if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
+        raise SystemExit(f"error: {model_dir} is an adapter trained on a 4-bit base, which needs bitsandbytes: "
+                         "pip install '.[qlora]', or generate from the merged export")
+    if quantization is not None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, quantization_config=quantization,
+                                                     device_map={"": device})
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    return tokenizer, model.eval(), device
 
 
 def _generate(model, tokenizer, input_ids, max_new_tokens: int, greedy: bool):

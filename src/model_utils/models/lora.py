@@ -26,6 +26,8 @@ from pathlib import Path
 from model_utils.config.settings import LoraSettings
 from model_utils.core.problems import Problem
 from model_utils.models.memory import AdapterActivations
+from model_utils.models.quantization import (Quantization, leave_quantization_state_out, load_quantized, plain_tensor,
+                                             record_base_quantization)
 
 # Adapters on every linear layer of attention and MLP: Dettmers et al. 2023 (QLoRA, section 4) find that adapting
 # all of them is what matches full fine-tuning; PEFT's own default (q_proj, v_proj) adapts two of seven.
@@ -78,7 +80,13 @@ def lora_config(model_config, settings: LoraSettings):
 
     return LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.rank, lora_alpha=settings.alpha,
                       lora_dropout=settings.dropout, target_modules=target_modules_for(model_config, settings),
-                      fan_in_fan_out=getattr(model_config, "model_type", "") in CONV1D_FAMILIES, bias="none")
+                      fan_in_fan_out=conv1d_layers(model_config, settings.load_in_4bit), bias="none")
+
+
+def conv1d_layers(model_config, load_in_4bit: bool = False) -> bool:
+    """Whether the adapted layers store their weights in x out (GPT-2's Conv1D): not once 4-bit layers (out x in)
+    replace them."""
+    return getattr(model_config, "model_type", "") in CONV1D_FAMILIES and not load_in_4bit
 
 
 class LoraError(Exception):
@@ -184,6 +192,11 @@ def lora_resume_problems(recorded: dict | None, settings: LoraSettings, checkpoi
         return [Problem("--lora_rank", settings.rank, f"{checkpoint} was trained without LoRA",
                         "resume it without the LoRA options, or start a new run in another --checkpoint_dir")]
     before = LoraSettings.from_manifest(recorded)
+    if before.load_in_4bit != settings.load_in_4bit:
+        base = "a 4-bit base (--load_in_4bit)" if before.load_in_4bit else "a 16-bit base"
+        return [Problem("--load_in_4bit", settings.load_in_4bit, f"{checkpoint} trained its adapters on {base}",
+                        ("pass --load_in_4bit" if before.load_in_4bit else "drop --load_in_4bit")
+                        + " to resume it, or start a new run in another --checkpoint_dir")]
     changed = [f"{name} {getattr(before, name)} -> {getattr(settings, name)}"
                for name in ("rank", "alpha", "target_modules") if getattr(before, name) != getattr(settings, name)]
     if not changed:
@@ -246,14 +259,51 @@ def export_lora(model, tokenizer, out_dir: Path, merged: bool = False, dtype=Non
 def export_lora_checkpoint(base_model: str, settings: LoraSettings, fp32_state_dict: dict, tokenizer,
                            out_dir: Path, merged: bool = False, dtype=None) -> dict[str, Path]:
     """Offline export of a LoRA checkpoint (model_utils.export): the pretrained `base_model` wrapped again with the
-    checkpoint's settings, the adapters' trained fp32 weights (zero_to_fp32's state dict) loaded, then `export_lora`."""
+    checkpoint's settings, the adapters' trained fp32 weights (zero_to_fp32's state dict) loaded, then `export_lora`.
+    A QLoRA checkpoint's base is quantized again on the CPU, then dequantized (`export_qlora`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    if settings.load_in_4bit:
+        base = load_quantized(base_model, None, Quantization("fp32", 0), "cpu")
+        leave_quantization_state_out(base)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     model = apply_lora(base, settings)
     load_adapter_weights(model, fp32_state_dict)
+    if settings.load_in_4bit:
+        plain = {name: plain_tensor(tensor, torch.float32) for name, tensor in model.state_dict(keep_vars=True).items()}
+        return export_qlora(model, plain, tokenizer, out_dir, merged, dtype)
     return export_lora(model, tokenizer, out_dir, merged, dtype, in_place=True)
+
+
+def dequantized_copy(model, state: dict):
+    """A LoRA model on the CPU over a 16-bit base: `model` (wrapped, its base in 4-bit) with the tensors of `state`, its
+    state dict made plain (quantization.plain_tensor: the 4-bit weights dequantized), in their dtype. Built on the meta
+    device and given those tensors (`assign`), so that only one copy of the weights is ever made."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.get_base_model().config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the copy is a plain model
+    adapters = copy.deepcopy(model.peft_config[model.active_adapter])
+    adapters.fan_in_fan_out = conv1d_layers(config)
+    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
+    with torch.device("meta"):
+        plain = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=dtype), adapters)
+    return holding(plain, state, config, "the dequantized model", assign=True)
+
+
+def export_qlora(model, state: dict, tokenizer, out_dir: Path, merged: bool = False, dtype=None) -> dict[str, Path]:
+    """A QLoRA model's exports: its adapters on the dequantized base (`dequantized_copy` of `state`), the adapter
+    with a record of how its base was quantized (so that `python -m model_utils.generate` loads it quantized), and with
+    `merged` the model with the adapters merged into the dequantized weights, which plain transformers loads."""
+    plain = dequantized_copy(model, state)
+    written = export_lora(plain, tokenizer, out_dir, merged, dtype, in_place=True)
+    record_base_quantization(written["adapter"])
+    return written
 
 
 @dataclass
@@ -267,7 +317,8 @@ class LoraSummary:
     def describe(self) -> str:
         targets = self.targets if isinstance(self.targets, str) else ",".join(self.targets)
         return (f"LoRA: rank {self.settings.rank}, alpha {self.settings.alpha:g}, dropout {self.settings.dropout:g} on "
-                f"{targets}; {self.counts.describe()}")
+                f"{targets}{' over a 4-bit base (QLoRA)' if self.settings.load_in_4bit else ''}; "
+                f"{self.counts.describe()}")
 
 
 def summary(model, settings: LoraSettings) -> LoraSummary:
@@ -282,9 +333,16 @@ def unpartitioned_copy(config, settings, state_dict: dict):
 
 
     model = apply_lora(AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32), settings)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    return holding(model, state_dict, config, "the gathered model")
+
+
+def holding(model, state: dict, config, what: str, assign: bool = False):
+    """`model` (wrapped) given the tensors of `state`, a whole state dict of the same wrapping (a tied LM head may be
+    missing: tied again as `config` ties it); `assign`: the tensors themselves, not copies (a model on the meta
+    device)."""
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=assign)
     if unexpected or [k for k in missing if "lm_head" not in k]:
-        raise RuntimeError(f"the gathered model does not match its LoRA wrapping: missing {missing[:3]}, unexpected "
+        raise RuntimeError(f"{what} does not match its LoRA wrapping: missing {missing[:3]}, unexpected "
                            f"{unexpected[:3]}")
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

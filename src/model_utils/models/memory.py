@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from model_utils.models.build import head_dim
 from model_utils.models.evaluation import CHUNK_TOKENS
+from model_utils.models.quantization import BYTES_PER_PARAM
 from model_utils.models.speed import zero3_keeps_eager_layers
 from model_utils.patches.liger import chunk_budget_in_force, logits_chunk_bytes
 
@@ -33,6 +34,31 @@ OFFLOAD_EXACT_BYTES = 64 * 1024**2
 AUTO_MICRO_WITHOUT_GPU = 8
 
 
+@dataclass(frozen=True)
+class QuantizedBase:
+    """QLoRA's 4-bit base as the memory estimate counts it (models.quantization): the parameters stored in 4-bit, a part
+    of the frozen ones, at BYTES_PER_PARAM each (the 4-bit values and the double-quantized absmax), and the largest of
+    those weights, which a layer's matmul dequantizes into a working copy in the compute dtype (its forward and its
+    backward pass each one matrix at a time)."""
+
+    params: int
+    largest: int
+
+    def frozen_bytes(self, frozen_params: int, weight_bytes: int) -> float:
+        """The frozen weights' bytes: those in 4-bit at BYTES_PER_PARAM, the rest (embeddings, norms, the LM head) at
+        `weight_bytes` (2 in 16-bit, 4 in fp32)."""
+        return weight_bytes * (frozen_params - self.params) + BYTES_PER_PARAM * self.params
+
+    def working_bytes(self, bf16: bool) -> float:
+        """One dequantized weight, the largest, in the compute dtype."""
+        return self.largest * (2 if bf16 else 4)
+
+
+def frozen_weight_bytes(frozen_params: int, weight_bytes: int, quantized: QuantizedBase | None) -> float:
+    """The frozen weights' bytes: `weight_bytes` each, or those of a 4-bit base (QuantizedBase.frozen_bytes)."""
+    return quantized.frozen_bytes(frozen_params, weight_bytes) if quantized else weight_bytes * frozen_params
+
+
 @dataclass
 class MemoryPlan:
     label: str
@@ -46,7 +72,7 @@ class MemoryPlan:
 def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, offload_param: bool, bf16: bool,
                       fp32_grad_accumulation: bool = False, gpu_optimizer_share: float = 0.0,
                       delayed_prefetch: bool = False, accumulation: int | None = None, frozen_params: int = 0,
-                      whole_params: bool = False) -> float:
+                      whole_params: bool = False, quantized: QuantizedBase | None = None) -> float:
     """Per-GPU bytes of parameters, gradients and Adam state (Rajbhandari et al., mixed precision: 2+2+12 bytes/param)
     of the `params` that train; `frozen_params` (LoRA's frozen model) keep their 16-bit weight only, partitioned under
     ZeRO-3 and on the host where it offloads the parameters. `whole_params` (ZeRO-3 with every parameter persistent,
@@ -61,9 +87,11 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     `accumulation`: micro-batches per optimizer step (None: not known). With one, ZeRO-1/2's 16-bit gradients on the
     GPU are made during the backward as the layers free their activations, after the peak at its start, so they are
     not counted; with more, the earlier micro-batches' are held (docs/PERFORMANCE.md gives the measured peaks; the LM
-    head's own is in activation_bytes's fused-loss term)."""
+    head's own is in activation_bytes's fused-loss term). `quantized`: QLoRA's 4-bit base, part of the frozen
+    parameters (QuantizedBase)."""
     p_bytes, g_bytes, opt_bytes = (2, 2, 12) if bf16 else (4, 4, 8)
-    params_b = p_bytes * (params + frozen_params) / (world if stage >= 3 else 1)
+    weights = p_bytes * params + frozen_weight_bytes(frozen_params, p_bytes, quantized)
+    params_b = weights / (world if stage >= 3 else 1)
     grads_b = g_bytes * params / (world if stage >= 2 else 1)
     if fp32_grad_accumulation and bf16 and stage in (1, 2):
         grads_b = 4 * params / world
@@ -75,7 +103,7 @@ def model_state_bytes(params: int, world: int, stage: int, offload_opt: bool, of
     if offload_param and stage == 3:
         params_b = 0
     if whole_params and stage == 3:
-        params_b += p_bytes * (params + frozen_params)
+        params_b += weights
     if offload_opt and gpu_optimizer_share:
         opt_b += 16 * gpu_optimizer_share * params / (world if stage >= 1 else 1)
     if delayed_prefetch:
@@ -315,17 +343,20 @@ def phase_memory(num_params: int, mconf, world: int, seq_len: int, micro: int, s
                  delayed_prefetch: bool = False, accumulation: int | None = None,
                  frozen_params: int = 0, adapters: AdapterActivations | None = None,
                  whole_params: bool = False, offloaded_activations: bool = False,
-                 tiled_mlp: bool = False) -> PhaseMemory:
+                 tiled_mlp: bool = False, quantized: QuantizedBase | None = None) -> PhaseMemory:
     """`num_params`: the parameters that train (weight, gradient, optimizer state each); `frozen_params`: those that
     do not (LoRA's frozen model: their 16-bit weight only, partitioned under ZeRO-3); `adapters`: LoRA's, per layer;
-    `whole_params`: ZeRO-3 keeps every parameter whole on each GPU (model_state_bytes)."""
+    `whole_params`: ZeRO-3 keeps every parameter whole on each GPU (model_state_bytes); `quantized`: QLoRA's 4-bit
+    base, whose dequantized working copy the train step and the evaluation hold beside the rest."""
     states = model_state_bytes(num_params, world, stage, off_opt, off_par, bf16, fp32_grad_accumulation,
-                               gpu_optimizer_share, delayed_prefetch, accumulation, frozen_params, whole_params)
+                               gpu_optimizer_share, delayed_prefetch, accumulation, frozen_params, whole_params,
+                               quantized)
+    working = quantized.working_bytes(bf16) if quantized else 0.0
     return PhaseMemory(
         train=states + bucket_bytes(zero, stage, off_opt, bf16, largest_parameter_bytes(mconf, bf16))
         + activation_bytes(mconf, seq_len, micro, checkpointing, fused, bf16, chunk, compiled, checkpointed_layers,
-                           adapters, offloaded_activations, tiled_mlp),
-        evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16, tiled_mlp),
+                           adapters, offloaded_activations, tiled_mlp) + working,
+        evaluation=states + evaluation_bytes(mconf, seq_len, micro, bf16, tiled_mlp) + working,
         export=states + (largest_parameter_bytes(mconf, bf16) if stage == 3 else 0.0),
         # rank 0 loads the exported model (16-bit) for --generate_prompt while the engine still holds its states
         generation=states + (num_params + frozen_params) * 2 if generate else 0.0)
@@ -346,12 +377,14 @@ def bucket_bytes(zero: dict, stage: int, offload_optimizer: bool, bf16: bool,
 
 def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memory_gib, zero: dict,
                  compiled: bool = True, host_available: float | None = None, ranks_per_node: int = 1,
-                 adapters: AdapterActivations | None = None, frozen_params: int = 0) -> str:
+                 adapters: AdapterActivations | None = None, frozen_params: int = 0,
+                 quantized: QuantizedBase | None = None) -> str:
     """The first configuration, in order of speed, whose estimate fits in 92% of the GPU and, for those that offload,
     whose host part fits `host_available` (this node's free memory; None where unknown, as on a login node: the
     offloading ones then name their host need). `params` train, `frozen_params` do not (LoRA's frozen model: their
     16-bit weight only, on the host where ZeRO-3 offloads the parameters). `compiled`: the layers compile where ZeRO-3
-    does not keep them eager (models.speed.zero3_keeps_eager_layers); `adapters`: LoRA's, per layer (None: no LoRA)."""
+    does not keep them eager (models.speed.zero3_keeps_eager_layers); `adapters`: LoRA's, per layer (None: no LoRA);
+    `quantized`: QLoRA's 4-bit base (its layers run eager)."""
     candidates = []
     m = micro
     while m > 1:
@@ -369,17 +402,19 @@ def cheapest_fit(params, mconf, world, seq_len, micro, bf16, fused, chunk, memor
         # configs/zero2-offload.json accumulates gradients in fp32 on the GPU
         fp32_accumulation = plan.offload_optimizer and plan.zero_stage == 2
         need = (model_state_bytes(params, world, plan.zero_stage, plan.offload_optimizer, plan.offload_param, bf16,
-                                  fp32_accumulation, frozen_params=frozen_params)
+                                  fp32_accumulation, frozen_params=frozen_params, quantized=quantized)
                 + bucket_bytes(zero, plan.zero_stage, plan.offload_optimizer, bf16,
                                largest_parameter_bytes(mconf, bf16))
                 + activation_bytes(mconf, seq_len, plan.micro_batch, plan.gradient_checkpointing, fused, bf16, chunk,
-                                   compiled and not zero3_keeps_eager_layers(
+                                   compiled and quantized is None and not zero3_keeps_eager_layers(
                                        plan.zero_stage, plan.offload_optimizer or plan.offload_param,
-                                       adapters is not None), adapters=adapters))
+                                       adapters is not None), adapters=adapters)
+                + (quantized.working_bytes(bf16) if quantized else 0.0))
         if need > 0.92 * memory_gib * GIB:
             continue
         host = offload_host_bytes(params, world, ranks_per_node, plan.zero_stage, plan.offload_optimizer,
-                                  plan.offload_param, fp32_accumulation, frozen_params=frozen_params)
+                                  plan.offload_param, fp32_accumulation, frozen_params=frozen_params,
+                                  quantized=quantized)
         if host_available is not None and host > host_available:
             skipped_for_host = True
             continue
@@ -412,7 +447,7 @@ def resume_host_bytes(params: int, world: int, ranks_per_node: int, offload_opt:
 def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int, offload_opt: bool,
                        offload_param: bool, fp32_grad_accumulation: bool, gpu: bool = True,
                        gpu_optimizer_share: float = 0.0, pinned_optimizer: bool = True,
-                       frozen_params: int = 0) -> float:
+                       frozen_params: int = 0, quantized: QuantizedBase | None = None) -> float:
     """Host memory one node needs for its ranks' offloaded states (0 without offload). ZeRO-1/2 without the GPU's fp32
     accumulation buffer also keeps each rank's 16-bit gradient accumulation in host memory; ZeRO-3 with the optimizer
     offloaded keeps its gradient accumulation buffer there (pinned, in grad_accum_dtype, for every parameter of the
@@ -421,7 +456,8 @@ def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int,
     leaves `gpu_optimizer_share` of the optimizer on the GPU, but DeepSpeed creates that part's fp32 gradient buffers
     in pinned host memory before moving them to the GPU (`pinned_optimizer`: offload_optimizer.pin_memory), and
     PyTorch's pinned-memory cache keeps what they took (4 bytes per parameter of the GPU part; docs/PERFORMANCE.md has
-    the measurements). `gpu` False: CPU ranks, whose processes hold no CUDA context (1 GiB each)."""
+    the measurements). `gpu` False: CPU ranks, whose processes hold no CUDA context (1 GiB each). `quantized`: QLoRA's
+    4-bit base (QuantizedBase), part of the frozen parameters."""
     if not (offload_opt or offload_param):
         return 0.0
     per_param = 16.0 * (1 - gpu_optimizer_share) if offload_opt else 0.0
@@ -434,7 +470,7 @@ def offload_host_bytes(params: int, world: int, ranks_per_node: int, stage: int,
         per_param += 2
     if offload_opt and stage == 3 and pinned_optimizer:
         per_param += 4 * gpu_optimizer_share
-    frozen = 2 * frozen_params if offloaded_weights else 0
+    frozen = frozen_weight_bytes(frozen_params, 2, quantized) if offloaded_weights else 0
     per_rank = (per_param * params + frozen) / world * HOST_STATE_OVERHEAD + (HOST_BASELINE_GIB if gpu else 1.0) * GIB
     return per_rank * ranks_per_node
 

@@ -121,7 +121,7 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
             if liger.set_flce_chunk_budget(budget, log):
                 applied["flce_chunk_budget"] = budget
             if zero3:
-                _register_lm_head_for_zero3(model, log)
+                register_lm_head_for_zero3(model, log)
     elif speed.fused_kernels == "auto" and cuda:
         log("kernels: liger-kernel is not installed, so the loss materialises full fp32 logits (slower, more memory); "
             "`pip install .[gpu]` adds Liger's kernels")
@@ -254,7 +254,10 @@ def _apply_liger(model, which: str, log) -> str:
     return which
 
 
-def _register_lm_head_for_zero3(model, log):
+def register_lm_head_for_zero3(model, log):
+    """Under ZeRO-3 with Liger's fused loss: the LM head's weight gathered for the whole forward and backward (Liger
+    reads it outside lm_head.forward). A model built whole (a 4-bit base) is registered once initialize has
+    partitioned it."""
     head = getattr(model, "lm_head", None)
     if head is None or not hasattr(head.weight, "ds_id"):
         return

@@ -14,6 +14,7 @@ project, so every layer may use it.
     liger            the chunking of Liger's fused linear cross-entropy
     flash_attn4      FlashAttention-4's kernels as a torch custom op and a transformers attention implementation
     torch_compile    torch.compile's recompile limits and activation memory budget for the compiled layers
+    bitsandbytes_cpu  4-bit layers that keep their training layout on CPUs with AVX512-BF16
 """
 
 from __future__ import annotations

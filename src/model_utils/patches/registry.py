@@ -5,15 +5,15 @@ module imports them, with no circle."""
 from __future__ import annotations
 
 from model_utils import patches
-from model_utils.patches import (deepspeed_checkpoint, deepspeed_offload, deepspeed_zero, deepspeed_zero3, flash_attn4,
-                                 liger, torch_compile)
+from model_utils.patches import (bitsandbytes_cpu, deepspeed_checkpoint, deepspeed_offload, deepspeed_zero,
+                                 deepspeed_zero3, flash_attn4, liger, torch_compile)
 
 
 def all_patches() -> dict[str, patches.Patch]:
     """Every patch record by name (module.NAME), for the tests and the docs."""
     return {f"{module.__name__.rsplit('.', 1)[1]}.{name}": value
-            for module in (deepspeed_checkpoint, deepspeed_offload, deepspeed_zero, deepspeed_zero3, flash_attn4, liger,
-                           torch_compile)
+            for module in (bitsandbytes_cpu, deepspeed_checkpoint, deepspeed_offload, deepspeed_zero, deepspeed_zero3,
+                           flash_attn4, liger, torch_compile)
             for name, value in vars(module).items() if isinstance(value, patches.Patch)}
 
 

@@ -16,6 +16,7 @@ from model_utils.core.problems import Problem
 from model_utils.core.repo import REPO_ROOT
 from model_utils.models import speed
 from model_utils.models.memory import AUTO_MEMORY_SHARE, GIB, activation_bytes, cheapest_fit
+from model_utils.models.quantization import BYTES_PER_PARAM
 from model_utils.models.sequence_parallel import sequence_parallel_problems
 from model_utils.planning.report import Report
 
@@ -262,8 +263,10 @@ def note_faster_zero3_setup(plan: Plan, report: Report) -> None:
         traffic = ""
         if plan.world > 1:
             value_bytes = 4 if dsc.precision(plan.ds_config) == "fp32" else 2
-            sizes = (plan.model.num_params, plan.model.trainable_params, plan.world, plan.batch.accumulation,
-                     value_bytes)
+            quantized = plan.model.quantized  # QLoRA: the 4-bit weights gather at their own bytes
+            weights = plan.model.num_params - (quantized.params * (1 - BYTES_PER_PARAM / value_bytes) if quantized
+                                               else 0)
+            sizes = (weights, plan.model.trainable_params, plan.world, plan.batch.accumulation, value_bytes)
             traffic = (f"; each GPU would receive ~{zero_traffic_per_step(*sizes, stage=2) / GIB:.1f} GiB of weights "
                        f"and gradients per step instead of ~{zero_traffic_per_step(*sizes, stage=3) / GIB:.1f}")
         whole = whole_parameters_that_fit(plan)
@@ -350,6 +353,21 @@ def estimate_offload_update(plan: Plan, report: Report) -> None:
             "the node's cores) or set it to the node's cores divided by its ranks")
 
 
+def note_quantized_base(plan: Plan, report: Report) -> None:
+    """QLoRA (--load_in_4bit): what the 4-bit base takes on each GPU, against its weights in 16-bit."""
+    quantized = plan.model.quantized
+    if quantized is None:
+        return
+    share = plan.ranks if dsc.zero_stage(plan.ds_config) == 3 else 1  # ZeRO-3 partitions the 4-bit values too
+    bf16 = dsc.precision(plan.ds_config) != "fp32"
+    count = f"{quantized.params / 1e9:,.2f}B" if quantized.params >= 1e9 else f"{quantized.params / 1e6:,.2f}M"
+    report.estimate(f"QLoRA: the base's {count} linear-layer weights take "
+                    f"~{quantized.frozen_bytes(quantized.params, 2) / share / GIB:.2f} GiB per GPU in 4-bit NF4 "
+                    f"({BYTES_PER_PARAM:.3f} byte a parameter with the double-quantized absmax), against "
+                    f"{2 * quantized.params / share / GIB:.2f} GiB in 16-bit; each matmul dequantizes one weight "
+                    f"(~{quantized.working_bytes(bf16) / 2**20:,.0f} MiB at most)")
+
+
 def check_memory(plan: Plan, report: Report) -> None:
     """The model, its size and FLOPs; each phase's memory against the GPU's, with the cheapest fix when it does not fit."""
     cfg, ds, mconf, micro = plan.cfg, plan.ds_config, plan.model.config, plan.batch.micro
@@ -387,7 +405,7 @@ def check_memory(plan: Plan, report: Report) -> None:
                             plan.fused_loss, chunk, memory, ds.get("zero_optimization", {}),
                             speed.use_compile(plan.hardware.gpus, False, plan.cfg.speed), plan.hardware.host_available,
                             plan.hardware.ranks_per_node, adapters=plan.model.adapters,
-                            frozen_params=plan.model.frozen_params)
+                            frozen_params=plan.model.frozen_params, quantized=plan.model.quantized)
         offload = offload_that_fits(plan)
         larger = split_on_a_larger_node(plan) if split is None and not offload else None
         report.problems.append(Problem(

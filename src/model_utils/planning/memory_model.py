@@ -38,7 +38,8 @@ class MemoryModel:
     def compiles(self, ds: dict) -> bool:
         """Whether the run compiles its decoder layers (models.speed.use_compile), on the GPUs it trains on."""
         eager = zero3_keeps_eager_layers(dsc.zero_stage(ds), any(dsc.offloads(ds)), self.model.lora is not None)
-        return use_compile(self.hardware.gpus, eager, self.speed)
+        quantized = self.model.quantized is not None  # 4-bit layers run eager (config.checks.qlora_problems)
+        return use_compile(self.hardware.gpus, eager or quantized, self.speed)
 
     def keeps_whole_parameters(self, ds: dict) -> bool:
         """Whether ZeRO-3 keeps every parameter whole on each GPU with `ds`
@@ -75,7 +76,8 @@ class MemoryModel:
                             accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params,
                             adapters=self.model.adapters, whole_params=self.keeps_whole_parameters(ds),
                             offloaded_activations=self.offload_activations,
-                            tiled_mlp=self.tiles_mlp(ds, micro, checkpointed_layers, prefetch))
+                            tiled_mlp=self.tiles_mlp(ds, micro, checkpointed_layers, prefetch),
+                            quantized=self.model.quantized)
 
     def tiles_mlp(self, ds: dict, micro: int, checkpointed_layers: int | None = None,
                   prefetch: bool | None = None) -> bool:
@@ -103,7 +105,7 @@ class MemoryModel:
                                   dsc.zero_stage(ds), *dsc.offloads(ds), dsc.fp32_grad_accumulation(ds),
                                   gpu=self.hardware.gpus, gpu_optimizer_share=self.gpu_optimizer_share(ds),
                                   pinned_optimizer=bool(dsc.offload_setting(ds, "offload_optimizer", "pin_memory")),
-                                  frozen_params=self.model.frozen_params)
+                                  frozen_params=self.model.frozen_params, quantized=self.model.quantized)
 
     def largest_fitting_micro(self, ds: dict, allowed) -> tuple[int, str]:
         """The automatic micro-batch (models.memory.choose_micro_batch) with `ds`; the default where no GPU size is
@@ -237,6 +239,7 @@ class ModelPlan:
     lora: object = None  # config.settings.LoraSettings; None: every weight trains
     adapters: object = None  # models.memory.AdapterActivations: LoRA's adapters per layer, as their activations scale
     largest_param: int = 0  # the largest parameter's elements (the embedding or the LM head, frozen ones included)
+    quantized: object = None  # models.memory.QuantizedBase: QLoRA's 4-bit base (--load_in_4bit); None: 16-bit weights
 
     @property
     def trainable_params(self) -> int:

@@ -41,8 +41,9 @@ from model_utils.data.tokenizer import load_tokenizer
 from model_utils.models.build import (FlopsModel, checkpointable_layers, decay_groups, model_config, rope_problem,
                                       scale_rope, tokenizer_source)
 from model_utils.models.lora import LoraError, adapter_activations, meta_model, parameter_counts
-from model_utils.models.memory import (GIB, PhaseMemory, choose_micro_batch, offloaded_activation_bytes,
-                                       resume_host_bytes)
+from model_utils.models.memory import (GIB, PhaseMemory, QuantizedBase, choose_micro_batch,
+                                       offloaded_activation_bytes, resume_host_bytes)
+from model_utils.models.quantization import quantized_sizes
 from model_utils.models.sequence_parallel import sequence_parallel_problems
 from model_utils.models.speed import liger_kernels_in_force, use_fused_kernels
 from model_utils.planning.memory_model import (Hardware, MemoryModel, ModelPlan, choose_checkpointed_layers,
@@ -270,7 +271,8 @@ def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None
                       checkpointable_layers=layers, flops=FlopsModel.from_config(config, base_params, seq_len),
                       frozen_params=frozen, lora=settings,
                       adapters=adapter_activations(sized, settings, layers) if settings is not None else None,
-                      largest_param=max(p.numel() for p in sized.parameters()))
+                      largest_param=max(p.numel() for p in sized.parameters()),
+                      quantized=QuantizedBase(*quantized_sizes(sized)) if settings and settings.load_in_4bit else None)
     return tokenizer, model, []
 
 

@@ -33,11 +33,13 @@ from model_utils.core.run_dir import CHECKPOINT_NAME
 from model_utils.models.build import check_vocab_covers_tokenizer, masks_documents_by_position
 from model_utils.models.lora import lora_resume_problems
 from model_utils.models.memory import GIB, choose_micro_batch
+from model_utils.models.quantization import prequantized_problems
 from model_utils.models.speed import fused_kernels_problem
 from model_utils.patches.deepspeed_checkpoint import converts_sequence_parallel
 from model_utils.planning.memory_checks import (check_host_memory, check_memory, estimate_offload_update,
                                                 note_faster_zero3_setup, note_long_sequences, note_offload_accumulation,
-                                                note_parameter_fetches, note_parameters_fit_on_the_gpu)
+                                                note_parameter_fetches, note_parameters_fit_on_the_gpu,
+                                                note_quantized_base)
 from model_utils.planning.plan import Plan, make_plan
 from model_utils.planning.report import Report
 from model_utils.runtime.build_locks import stale_build_lock_problems
@@ -116,6 +118,9 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True, mea
         report.problems += check_known_keys(plan.raw_ds_config)
 
     ds, batch = plan.ds_config, plan.batch
+    if ds is not None and mconf is not None:  # a model stored quantized, or a 4-bit base's settings against the run's
+        report.problems += prequantized_problems(mconf, cfg.model.model, cfg.model.load_in_4bit, dsc.precision(ds),
+                                                 dsc.zero_stage(ds))
     if ds is not None:
         report.lines.append("effective DeepSpeed config:\n" + json.dumps(ds, indent=2))
         report.lines.append(f"batch: {batch.describe()}")
@@ -133,6 +138,7 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True, mea
             report.lines.append(plan.fine_tuning.describe())
     if plan.memory is not None:
         check_memory(plan, report)
+        note_quantized_base(plan, report)
         note_offload_accumulation(plan, report)
         note_parameter_fetches(plan, report)
         note_parameters_fit_on_the_gpu(plan, report)

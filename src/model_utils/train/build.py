@@ -27,8 +27,9 @@ from model_utils.models.build import build_model, decay_groups, gpu_peak_tflops
 from model_utils.models.document_attention import KERNEL_LABELS, takes_document_boundaries
 from model_utils.models.lora import LoraError, apply_lora, summary
 from model_utils.models.offload import HostActivations
+from model_utils.models.quantization import Quantization, prepare_for_training
 from model_utils.models.sequence_parallel import enable_ulysses, tile_mlps, uses_tiled_mlp
-from model_utils.models.speed import apply_speed_options, streamline_zero_step
+from model_utils.models.speed import apply_speed_options, register_lm_head_for_zero3, streamline_zero_step
 from model_utils.patches.deepspeed_offload import delay_offload_updates
 from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
 from model_utils.planning.plan import Plan
@@ -131,11 +132,16 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     zero.Init for ZeRO-3), its speed options applied, LoRA's adapters where asked, the engine with its patches."""
     cfg, ds = loaded.cfg, loaded.ds_config
     seed_everything(cfg.seed)
+    lora = cfg.model.lora_settings()
+    quantization = Quantization(dsc.precision(ds), dsc.zero_stage(ds)) if lora and lora.load_in_4bit else None
     zero3_context = None
-    if dsc.zero_stage(ds) == 3:
+    if dsc.zero_stage(ds) == 3 and quantization is None:  # a 4-bit model is built whole, partitioned by initialize
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
     model = build_model(cfg.model.model, plan.model.config, torch.float32, cfg.model.attn_implementation,
-                        cfg.model.gradient_checkpointing, plan.memory.checkpointed_layers)
+                        cfg.model.gradient_checkpointing, plan.memory.checkpointed_layers, quantization, dist.device)
+    if quantization is not None:
+        prepare_for_training(model, log.info)
+        log.info(f"QLoRA: {quantization.describe()}")
     in_force = apply_speed_options(model, cfg.speed, dist.device.type == "cuda", log.info,
                                    warn=lambda message: log.warn(message, all_ranks=True),
                                    documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss,
@@ -149,7 +155,6 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     elif uses_tiled_mlp(cfg.model.tiled_mlp, plan.seq_len, dist.sequence_parallel):
         log.info("tiled MLP: off (--tiled_mlp auto: the step fits the GPU untiled by the estimate, and untiled MLPs "
                  "run inside the compiled layers without a recomputation of their own)")
-    lora = cfg.model.lora_settings()
     if lora is not None:
         model = wrap_with_adapters(model, lora, log)
 
@@ -157,6 +162,8 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds, mpu=mpu)
+    if quantization is not None and dsc.zero_stage(ds) == 3 and in_force["fused_kernels"] != "off":
+        register_lm_head_for_zero3(model.get_base_model(), log.info)  # partitioned by initialize, not by zero.Init
     start_schedule(engine)
     in_force.update(streamline_zero_step(engine, cfg.speed, log.info))
     from_step = cfg.optim.delayed_update_from_step

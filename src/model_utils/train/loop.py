@@ -15,14 +15,15 @@ from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL
 from tqdm import tqdm
 
 from model_utils.checkpoint.save import SaveContext, save_checkpoint
-from model_utils.config.deepspeed import zero_stage
+from model_utils.config.deepspeed import precision, zero_stage
 from model_utils.core.exit_status import NONFINITE, OK, STOPPED_BY_SIGNAL
 from model_utils.data.sft.formats import attach_chat_template
 from model_utils.data.streaming import with_stream_state
 from model_utils.models.evaluation import evaluation_loss
 from model_utils.models.export import export_hf, gathered_state_dict
 from model_utils.models.generate import generate_text
-from model_utils.models.lora import export_lora, unpartitioned_copy
+from model_utils.models.lora import export_lora, export_qlora, unpartitioned_copy
+from model_utils.models.quantization import merged_dtype, plain_tensor
 from model_utils.patches.deepspeed_offload import settle
 from model_utils.runtime.monitor import write_summary
 from model_utils.runtime.process import StopSignal, rng_state
@@ -195,13 +196,20 @@ def export_adapters(run: Run):
     the merged model in EXPORT_DIR/merged. ZeRO-1/2 hold the whole model on every rank; under ZeRO-3 every rank takes
     part in gathering it (models.export.gathered_state_dict) into a copy that rank 0 wraps again and exports. Returns
     the directory a plain transformers model loads from (the merged one), else None."""
-    module, merged = run.engine.module, run.cfg.checkpoint.export_merged
-    state = gathered_state_dict(module, run.dist) if zero_stage(run.ds_config) == 3 else None
+    module, merged, out = run.engine.module, run.cfg.checkpoint.export_merged, run.run_dir.export
     written = None
-    if run.dist.is_main:
-        if state is not None:
-            module = unpartitioned_copy(module.config, run.lora, state)
-        written = export_lora(module, run.tokenizer, run.run_dir.export, merged=merged, in_place=state is not None)
+    if run.lora.load_in_4bit:  # QLoRA: the base dequantized into a 16-bit copy on rank 0 (models.lora.export_qlora)
+        dtype = merged_dtype(precision(run.ds_config))
+        state = gathered_state_dict(module, run.dist, lambda tensor: plain_tensor(tensor, dtype))
+        if run.dist.is_main:
+            written = export_qlora(module, state, run.tokenizer, out, merged)
+    else:
+        state = gathered_state_dict(module, run.dist) if zero_stage(run.ds_config) == 3 else None
+        if run.dist.is_main:
+            if state is not None:
+                module = unpartitioned_copy(module.config, run.lora, state)
+            written = export_lora(module, run.tokenizer, out, merged=merged, in_place=state is not None)
+    if written:
         run.log.info("export: " + "; ".join(f"{kind} written to {path}" for kind, path in written.items()))
     run.dist.barrier()
     return written.get("merged") if written else None

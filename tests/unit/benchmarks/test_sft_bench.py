@@ -34,7 +34,7 @@ def bench_args(**overrides) -> Namespace:
                   global_batch_tokens=None, modes=["full", "lora"], skip=[], steps=3, warmup=1, seed=5,
                   ds_config="ds_config.json", zero_stage=None, ds_set=[], gradient_checkpointing=False, lora_rank=16,
                   lora_alpha=32.0, lora_target_modules=None, peer_liger="on", peer_attn="sdpa",
-                  attention_kernel="varlen", peer_packing="bfd")
+                  attention_kernel="varlen", peer_packing="bfd", lora_dropout=0.05, peer="trl")
     return Namespace(**{**values, **overrides})
 
 
@@ -51,11 +51,12 @@ def test_unpacked_peer_micro_batches_count_examples_not_blocks():
     """--peer-packing none: the peer's micro-batches hold padded examples, so only ours must make whole steps of the
     global batch; the peer takes as many examples per step as the blocks hold at the examples' mean length."""
     import sft_bench
+    import sft_peers
 
     args = bench_args(peer_packing="none", peer_micro_batch_size=[3, 7])
     assert sft_bench.global_batch(args) == 4 * 1024  # lcm of ours' 2 and 4 blocks
-    assert sft_bench.examples_accumulation(4 * 1024, 300.0, 7) == 2  # 13.7 examples in micro-batches of 7
-    assert sft_bench.examples_accumulation(1024, 2000.0, 8) == 1  # at least one micro-batch
+    assert sft_peers.examples_accumulation(4 * 1024, 300.0, 7) == 2  # 13.7 examples in micro-batches of 7
+    assert sft_peers.examples_accumulation(1024, 2000.0, 8) == 1  # at least one micro-batch
     jobs = sft_bench.make_jobs(args, Path("/m"), Path("/r"), Path("/c"), 4096)
     names = [j["name"] for j in jobs if j["side"] == "trl"]
     assert names == ["trl-full-mb3-none", "trl-full-mb7-none", "trl-lora-mb3-none", "trl-lora-mb7-none"]

@@ -38,6 +38,37 @@ def test_lora_and_epoch_flags_report_bad_values_and_combinations():
     assert not validate_args(parse_args(["--lora_rank", "8", "--num_epochs", "1.5", "--dataset", "embedded-chat"]))
 
 
+def test_load_in_4bit_needs_lora_bitsandbytes_at_its_floor_and_refuses_what_it_does_not_take():
+    from model_utils.config.checks import BITSANDBYTES_FLOOR, qlora_problems
+
+    def problems(*flags, spec=object(), version="0.50.2"):
+        return qlora_problems(parse_args(list(flags)), find_spec=lambda name: spec, version_of=lambda name: version)
+
+    assert problems("--lora_rank", "16", "--load_in_4bit") == [] and problems("--lora_rank", "16") == []
+    [alone] = problems("--load_in_4bit")
+    assert alone.setting == "--load_in_4bit" and "LoRA is off" in alone.message and "--lora_rank 16" in alone.fix
+    [missing] = problems("--lora_rank", "16", "--load_in_4bit", spec=None)
+    assert "not installed" in missing.message and "'.[qlora]'" in missing.fix
+    [old] = problems("--lora_rank", "16", "--load_in_4bit", version="0.46.1")
+    assert "0.46.1 is installed" in old.message and BITSANDBYTES_FLOOR in old.fix
+    refused = problems("--lora_rank", "16", "--load_in_4bit", "--sequence_parallel", "2", "--compile", "layers")
+    assert settings_of(refused) == ["--sequence_parallel", "--compile"] and all(p.fix for p in refused)
+    assert "--load_in_4bit" in settings_of(validate_args(parse_args(["--load_in_4bit"])))  # through the checks
+
+
+def test_the_qlora_extra_names_the_floor_the_checks_hold():
+    import tomllib
+
+    from model_utils.config.checks import BITSANDBYTES_FLOOR
+    from model_utils.core.repo import REPO_ROOT
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    floor = f"bitsandbytes>={BITSANDBYTES_FLOOR}"
+    assert floor in project["project"]["optional-dependencies"]["qlora"]
+    assert "deepspeed-lm-trainer[qlora]" in project["project"]["optional-dependencies"]["test"]
+    assert floor in project["dependency-groups"]["dev"]
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

@@ -25,7 +25,8 @@ def test_every_patch_names_tests_that_exist():
                             "deepspeed_offload.DELAYED_UPDATE", "deepspeed_offload.DELAYED_UPDATE_ZERO3",
                             "deepspeed_zero3.PARTIAL_OFFLOAD_STATE", "flash_attn4.FA4_KERNELS",
                             "deepspeed_checkpoint.SEQUENCE_PARALLEL_UNIVERSAL",
-                            "liger.FLCE_CHUNK_BUDGET", "torch_compile.COMPILE_SETTINGS"}
+                            "liger.FLCE_CHUNK_BUDGET", "torch_compile.COMPILE_SETTINGS",
+                            "bitsandbytes_cpu.TRAINING_LAYOUT"}
     for name, patch in records.items():
         assert patch.gain and patch.replaces and patch.tests, name
         assert within(patch.newest, patch.oldest, patch.newest), name
