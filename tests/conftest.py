@@ -119,17 +119,25 @@ QUICK = ("tests/distributed/test_training.py::test_zero_stage_trains_checkpoints
          "tests/slurm/test_slurm_jobs.py::test_sbatch_trains_on_two_nodes")
 
 
+# The order the tiers run in, longest modules first: the SLURM tier (one module of jobs), then the trainer runs, then
+# the many short unit modules, which keep every worker busy to the end.
+TIER_ORDER = ("slurm", "distributed", "unit")
+
+
 def pytest_collection_modifyitems(items):
     """Each test is marked with its tier, the folder under tests/ it lives in (`pytest -m "not slurm"` and the like);
     tests/unit has a folder per folder of src/model_utils. The unit tier and the tests named in QUICK are marked
-    quick."""
+    quick. The tiers run in TIER_ORDER, each module's tests together and in their order."""
     tests = Path(__file__).resolve().parent
+    tiers = {}
     for item in items:
         tier = Path(item.fspath).resolve().relative_to(tests).parts[0]
+        tiers[item.nodeid] = tier
         if tier in TIERS:
             item.add_marker(tier)
         if tier == "unit" or item.nodeid in QUICK:
             item.add_marker("quick")
+    items.sort(key=lambda item: TIER_ORDER.index(tiers[item.nodeid]) if tiers[item.nodeid] in TIER_ORDER else 0)
 
 
 # A test that takes longer than its tier's limit here says why in its docstring (or gets faster); the run's summary
@@ -193,6 +201,22 @@ def session_cache(tmp_path_factory) -> Path:
         if not (out / "meta.json").exists():
             build_token_files(cfg, tokenizer, out, log=lambda *_: None)
     return cache
+
+
+def copy_session_op(name: str, build_directory: Path) -> bool:
+    """Copy this session's build of DeepSpeed's op `name` (torch's extensions folder) into `build_directory`, up to date
+    for ninja, so that a run whose extensions folder is elsewhere loads it instead of building it again (~40 s of a
+    core). Only for a torch that locks its builds with an OS lock (>= 2.14): a FileBaton torch reads a module newer
+    than a lock file as a finished build's. False where there is nothing to copy."""
+    import torch
+
+    from model_utils.runtime.build_locks import torch_locks_with_os_lock
+
+    built = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / name
+    if not torch_locks_with_os_lock(torch.__version__) or not (built / f"{name}.so").exists():
+        return False
+    shutil.copytree(built, build_directory / name, ignore=shutil.ignore_patterns("lock"))
+    return True
 
 
 def gpu_environment() -> dict:

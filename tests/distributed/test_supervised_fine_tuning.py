@@ -90,22 +90,30 @@ def test_a_step_is_the_mean_over_its_loss_tokens_however_its_blocks_are_split(ba
     """Each micro-batch's mean loss weighs by its share of the step's answer tokens over all ranks, so a step's loss
     and update are the mean over those tokens: its 8 blocks as 2 ranks x 2 blocks x 2 micro-batches and as 2 ranks x
     4 blocks x 1 give the same losses, step after step (the blocks carry different numbers of answer tokens, so a
-    mean of the micro-batches' means would differ). The evaluation weighs its tokens alike: the same 16 picks of the
-    validation blocks as 4 x 2 ranks x 2 and as 2 x 2 ranks x 4 give the same final loss."""
+    mean of the micro-batches' means would differ). One rank reading the same 8 blocks as 4 x 2 micro-batches gives
+    them too, and the same gradient norms (a weight that missed the ranks' share would scale both on 2 ranks alike,
+    which the comparison between splits alone would not see). The evaluation weighs its tokens alike: the same 16 picks
+    of the validation blocks as 4 x 2 ranks x 2, as 2 x 2 ranks x 4 and as 4 x 1 rank x 4 give the same final loss."""
     args = [*SFT_ARGS, "--model", str(base_model), "--dataset", str(chat_file), "--max_steps", "3", "--no-export",
             "--learning_rate", "1e-3", "--validation_fraction", "0.25"]
     split = run_trainer(tmp_path / "split", [*args, "--micro_batch_size", "2", "--gradient_accumulation_steps", "2",
                                              "--eval_iters", "4"])
     whole = run_trainer(tmp_path / "whole", [*args, "--micro_batch_size", "4", "--gradient_accumulation_steps", "1",
                                              "--eval_iters", "2"])
-    assert_ok(split)
-    assert_ok(whole)
+    one_rank = run_trainer(tmp_path / "one-rank", [*args, "--micro_batch_size", "4", "--gradient_accumulation_steps",
+                                                   "2", "--eval_iters", "4"], nproc=1)
+    for run in (split, whole, one_rank):
+        assert_ok(run)
     split_losses = [r["loss"] for r in split.train_records()]
     whole_losses = [r["loss"] for r in whole.train_records()]
     assert len(split_losses) == 3 and split_losses[0] != split_losses[2]
     assert split_losses == pytest.approx(whole_losses, rel=1e-6)
-    evaluations = [[r["eval_loss"] for r in run.metrics() if "eval_loss" in r] for run in (split, whole)]
+    assert [r["loss"] for r in one_rank.train_records()] == pytest.approx(whole_losses, rel=1e-5)
+    norms = [[r["grad_norm"] for r in run.train_records()] for run in (whole, one_rank)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    evaluations = [[r["eval_loss"] for r in run.metrics() if "eval_loss" in r] for run in (split, whole, one_rank)]
     assert len(evaluations[0]) == 1 and evaluations[0] == pytest.approx(evaluations[1], rel=1e-6)
+    assert evaluations[2] == pytest.approx(evaluations[1], rel=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ process where a test needs a held lock."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAINER
+from conftest import TRAINER, copy_session_op
 
 from model_utils.runtime import build_locks
 
@@ -180,12 +179,7 @@ def test_an_hour_old_lock_refuses_a_run_only_where_torch_would_wait_for_it(tmp_p
     """The installed torch decides: with FileBaton the run exits 2 before starting anything, naming the file and the
     fix; with an OS lock the same file (left by a build long done) does not stop it."""
     os_lock = build_locks.torch_locks_with_os_lock(torch.__version__)
-    built = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm"
-    if os_lock and (built / "deepspeed_shm_comm.so").exists():
-        # The session's build of the op the run loads, up to date for ninja: the run starts without its ~40 s build.
-        # Not for a FileBaton torch, where a module newer than the hour-old lock would make it a finished build's.
-        shutil.copytree(built, tmp_path / "ext" / "deepspeed_shm_comm")
-        (tmp_path / "ext" / "deepspeed_shm_comm" / "lock").unlink(missing_ok=True)  # the baton below takes its place
+    copy_session_op("deepspeed_shm_comm", tmp_path / "ext")  # the run starts without building it (the baton below)
     lock = baton_lock(tmp_path / "ext" / "deepspeed_shm_comm", HOUR)
     leftover = filelock_lock(tmp_path / "ext" / "fused_adam", HOUR)  # an OS-lock torch's, after a finished build
     (tmp_path / "ext" / "fused_adam" / "fused_adam.so").write_bytes(b"")
