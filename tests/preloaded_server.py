@@ -36,7 +36,10 @@ SERVER_PYTHONPATH = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.p
 PRELOADED = ("torch", "torch.distributed", "torch.utils.cpp_extension", "torch.utils.tensorboard", "deepspeed",
              "deepspeed.runtime.engine", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
              "transformers.modeling_layers", "transformers.models.qwen3.modeling_qwen3",
-             "transformers.models.llama.modeling_llama", "datasets", "peft")
+             "transformers.models.llama.modeling_llama", "datasets", "peft",
+             # imported by deepspeed.initialize and a checkpoint's save (DeepSpeed 0.19)
+             "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_config",
+             "torch.utils.serialization")
 
 
 def preload() -> None:
