@@ -34,7 +34,8 @@ def _add_flags(parser, section_class) -> None:
 
 SECTION_TITLES = {"model": "model", "data": "data", "batch": "batch", "optim": "optimisation (overrides of the "
                   "DeepSpeed config)", "checkpoint": "checkpoints, resume and export", "logging": "evaluation and "
-                  "logging", "speed": "speed options (GPU; docs/PERFORMANCE.md)"}
+                  "logging", "speed": "speed options (GPU; docs/PERFORMANCE.md)",
+                  "preference": "preference tuning (docs/PREFERENCE.md)"}
 
 
 def build_parser() -> argparse.ArgumentParser:

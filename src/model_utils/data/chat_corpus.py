@@ -1,10 +1,15 @@
-"""The embedded fine-tuning dataset: chats about Python standard-library functions, built offline.
+"""The embedded fine-tuning datasets: chats about Python standard-library functions, and preference pairs made of
+them, built offline.
 
 Each example asks what a public function of the standard library does (its module, name and signature) and answers with
 the function's docstring, taken by the same walk over this interpreter's standard library as the embedded pretraining
 corpus (`data/corpus.py`). Like that corpus, it is built at run time into a cache directory, never committed, and is the
 same for the same interpreter: the examples, their order, the wording of each question and the train/validation split
 follow from the functions' qualified names alone.
+
+The preference pairs (`embedded-preference`) ask the chats' questions; the chosen answer is the chat's, the rejected
+one the docstring of another function (the next one of the same split, in the order of their digests, from another
+module). The splits are the chats' splits.
 
     python -m model_utils.data.chat_corpus            # build (once) and print the directory holding the two JSONL files
 """
@@ -126,20 +131,44 @@ def build_sft_corpus(cache_root: Path | None = None, max_examples: int = DEFAULT
     """Build (once) and return the directory holding `train.jsonl` and `validation.jsonl`, one `{"messages": ...}`
     chat per line. The key is the Python version, the stdlib location and the selection, so different interpreters
     never share a stale dataset; each file is written to a temporary name and renamed."""
+    return _built("sft-corpus", "", lambda functions: [{"messages": f.messages()} for f in functions], cache_root,
+                  max_examples)
+
+
+def _built(name: str, variant: str, rows_of, cache_root: Path | None, max_examples: int) -> Path:
+    """The directory of one embedded dataset, `rows_of(functions)` of each split written there once."""
     stdlib = sysconfig.get_paths()["stdlib"]
     key = hashlib.sha256(f"{sys.version}|{stdlib}|{MIN_DOCSTRING_CHARS}|{max_examples}|{QUESTIONS}|{SYSTEM_PROMPT}"
-                         .encode()).hexdigest()[:12]
-    out_dir = (cache_root or default_cache_root()) / f"sft-corpus-py{sys.version_info.major}{sys.version_info.minor}-{key}"
+                         f"{variant}".encode()).hexdigest()[:12]
+    out_dir = (cache_root or default_cache_root()) / f"{name}-py{sys.version_info.major}{sys.version_info.minor}-{key}"
     if all((out_dir / f"{split}.jsonl").exists() for split in SPLITS):
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, functions in select_examples(max_examples).items():
         tmp = out_dir / f"{split}.jsonl.tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            for function in functions:
-                f.write(json.dumps({"messages": function.messages()}, ensure_ascii=False) + "\n")
+            for row in rows_of(functions):
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
         os.replace(tmp, out_dir / f"{split}.jsonl")
     return out_dir
+
+
+def preference_rows(functions: list[DocumentedFunction]) -> list[dict]:
+    """TRL's conversational preference rows of one split: the chat's prompt (system and user turns), its answer as
+    `chosen`, and as `rejected` the answer about the next function of another module (wrapping around)."""
+    rows = []
+    for index, function in enumerate(functions):
+        others = functions[index + 1:] + functions[:index]
+        other = next((f for f in others if f.module != function.module), others[0] if others else function)
+        *prompt, answer = function.messages()
+        rows.append({"prompt": prompt, "chosen": [answer], "rejected": [{"role": "assistant", "content": other.doc}]})
+    return rows
+
+
+def build_preference_corpus(cache_root: Path | None = None, max_examples: int = DEFAULT_MAX_EXAMPLES) -> Path:
+    """Build (once) and return the directory holding the preference pairs' `train.jsonl` and `validation.jsonl`
+    (`preference_rows` of the chats' splits), keyed like the chats."""
+    return _built("preference-corpus", "|pairs", preference_rows, cache_root, max_examples)
 
 
 def split_files(corpus_dir: Path) -> dict[str, str]:
@@ -151,5 +180,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache_root", type=Path, default=None)
     parser.add_argument("--max_examples", type=int, default=DEFAULT_MAX_EXAMPLES)
+    parser.add_argument("--pairs", action="store_true", help="the preference pairs (embedded-preference)")
     arguments = parser.parse_args()
-    print(build_sft_corpus(arguments.cache_root, arguments.max_examples))
+    build = build_preference_corpus if arguments.pairs else build_sft_corpus
+    print(build(arguments.cache_root, arguments.max_examples))
