@@ -17,8 +17,8 @@ from conftest import REPO, SRC, assert_ok, kill_after_checkpoint_then_resume, ru
 from model_utils.checkpoint.protocol import inspect_checkpoint
 
 LN2 = math.log(2)
-# Sequences of at most 32 tokens, blocks of 64 positions (a pair whole), 2 blocks a micro-batch.
-ARGS = ["--preference", "dpo", "--seq_len", "32", "--micro_batch_size", "2", "--eval_iters", "2", "--log_interval",
+# Sequences of at most 48 tokens, blocks of 96 positions (a pair whole), 2 blocks a micro-batch.
+ARGS = ["--preference", "dpo", "--seq_len", "48", "--micro_batch_size", "2", "--eval_iters", "2", "--log_interval",
         "1", "--eval_interval", "2", "--learning_rate", "1e-3", "--no-export"]
 PAIR_KEYS = {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
              "logps/rejected"}

@@ -7,9 +7,11 @@ corpus (`data/corpus.py`). Like that corpus, it is built at run time into a cach
 same for the same interpreter: the examples, their order, the wording of each question and the train/validation split
 follow from the functions' qualified names alone.
 
-The preference pairs (`embedded-preference`) ask the chats' questions; the chosen answer is the chat's, the rejected
-one the docstring of another function (the next one of the same split, in the order of their digests, from another
-module). The splits are the chats' splits.
+The preference pairs (`embedded-preference`) are made of the chats' training split, its functions alternately a training
+and a held-out (validation) pair: each asks the chat's question, the chosen answer is the chat's, the rejected one the
+answer about the next function of the same half from another module, so no answer is in both halves. A model
+fine-tuned on the chats has seen every pair's question and right answer; the held-out pairs measure whether preference
+tuning on the others taught it to prefer, for questions it was not tuned on, the answer that belongs to the question.
 
     python -m model_utils.data.chat_corpus            # build (once) and print the directory holding the two JSONL files
 """
@@ -131,12 +133,12 @@ def build_sft_corpus(cache_root: Path | None = None, max_examples: int = DEFAULT
     """Build (once) and return the directory holding `train.jsonl` and `validation.jsonl`, one `{"messages": ...}`
     chat per line. The key is the Python version, the stdlib location and the selection, so different interpreters
     never share a stale dataset; each file is written to a temporary name and renamed."""
-    return _built("sft-corpus", "", lambda functions: [{"messages": f.messages()} for f in functions], cache_root,
-                  max_examples)
+    return _built("sft-corpus", "", lambda splits: {split: [{"messages": f.messages()} for f in functions]
+                                                    for split, functions in splits.items()}, cache_root, max_examples)
 
 
 def _built(name: str, variant: str, rows_of, cache_root: Path | None, max_examples: int) -> Path:
-    """The directory of one embedded dataset, `rows_of(functions)` of each split written there once."""
+    """The directory of one embedded dataset: `rows_of(select_examples(...))`, {split: rows}, written there once."""
     stdlib = sysconfig.get_paths()["stdlib"]
     key = hashlib.sha256(f"{sys.version}|{stdlib}|{MIN_DOCSTRING_CHARS}|{max_examples}|{QUESTIONS}|{SYSTEM_PROMPT}"
                          f"{variant}".encode()).hexdigest()[:12]
@@ -144,18 +146,18 @@ def _built(name: str, variant: str, rows_of, cache_root: Path | None, max_exampl
     if all((out_dir / f"{split}.jsonl").exists() for split in SPLITS):
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    for split, functions in select_examples(max_examples).items():
+    for split, rows in rows_of(select_examples(max_examples)).items():
         tmp = out_dir / f"{split}.jsonl.tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows_of(functions):
+            for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         os.replace(tmp, out_dir / f"{split}.jsonl")
     return out_dir
 
 
 def preference_rows(functions: list[DocumentedFunction]) -> list[dict]:
-    """TRL's conversational preference rows of one split: the chat's prompt (system and user turns), its answer as
-    `chosen`, and as `rejected` the answer about the next function of another module (wrapping around)."""
+    """TRL's conversational preference rows: the chat's prompt (system and user turns), its answer as `chosen`, and as
+    `rejected` the answer about the next function of another module (wrapping around)."""
     rows = []
     for index, function in enumerate(functions):
         others = functions[index + 1:] + functions[:index]
@@ -166,9 +168,13 @@ def preference_rows(functions: list[DocumentedFunction]) -> list[dict]:
 
 
 def build_preference_corpus(cache_root: Path | None = None, max_examples: int = DEFAULT_MAX_EXAMPLES) -> Path:
-    """Build (once) and return the directory holding the preference pairs' `train.jsonl` and `validation.jsonl`
-    (`preference_rows` of the chats' splits), keyed like the chats."""
-    return _built("preference-corpus", "|pairs", preference_rows, cache_root, max_examples)
+    """Build (once) and return the directory holding the preference pairs' `train.jsonl` and `validation.jsonl`:
+    the chats' training split, its functions alternately a training and a held-out pair (`preference_rows` of each
+    half), keyed like the chats."""
+    def halves(splits: dict) -> dict[str, list[dict]]:
+        return {"train": preference_rows(splits["train"][0::2]), "validation": preference_rows(splits["train"][1::2])}
+
+    return _built("preference-corpus", "|alternate pairs of the training chats", halves, cache_root, max_examples)
 
 
 def split_files(corpus_dir: Path) -> dict[str, str]:

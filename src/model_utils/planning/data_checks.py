@@ -94,8 +94,8 @@ def check_plan_data(plan: Plan, report: Report):
         report.lines.append(f"epochs: {cfg.batch.num_epochs:g} = ~{steps:,} steps at this batch (settled from the "
                             "packed data when the run starts)")
     if blocks is not None and blocks < world * micro:
-        report.problems.append(Problem("--seq_len", seq_len, f"the data gives ~{blocks} training blocks, fewer than one "
-                                       f"micro-batch per rank ({micro} x {world} ranks)",
+        report.problems.append(Problem("--seq_len", plan.sequence_tokens, f"the data gives ~{blocks} training blocks, "
+                                       f"fewer than one micro-batch per rank ({micro} x {world} ranks)",
                                        "use more data, a smaller --seq_len or a smaller micro-batch"))
 
 

@@ -11,6 +11,7 @@ weighs its tokens, train.step.loss_token_weights); ORPO's NLL weighs each chosen
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -91,7 +92,9 @@ def preference_step(run: Run, phase=no_phase) -> StepResult:
             area += attention_area(run, batch)
             inputs = pair_inputs(run, batch)
             reference = reference_scores(run, batch, inputs, "train")
-            terms = pair_terms(settings, scores(run, batch, inputs), reference)
+            with run.offload.saving() if run.offload else contextlib.nullcontext():  # --offload_activations
+                policy = scores(run, batch, inputs)
+            terms = pair_terms(settings, policy, reference)
             loss = (terms.loss.sum() * per_pair + terms.token_loss.sum() * per_token).float()
         loss_sum, nonfinite = backward_and_step(run, loss, phase, loss_sum, nonfinite)
         sums += terms.metric_sums()

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from model_utils.data.chat_corpus import build_sft_corpus, preference_rows, select_examples, split_files
+from model_utils.data.chat_corpus import build_sft_corpus, select_examples, split_files
 from model_utils.data.sft.encode import ExampleEncoder, encode_rows
 from model_utils.data.sft.formats import IGNORE_INDEX
 from model_utils.data.tokenizer import load_tokenizer
@@ -85,11 +85,15 @@ def test_every_row_is_a_chat_whose_loss_is_the_docstring(corpus):
         assert answer == row["messages"][2]["content"] + tokenizer.eos_token
 
 
-def test_the_preference_pairs_reject_the_answer_about_a_function_of_another_module(selection):
-    for functions in selection.values():
-        rows = preference_rows(functions)
-        docs = {f.doc: f for f in functions}
-        assert len(rows) == len(functions)
-        for function, row in zip(functions, rows):
+def test_the_preference_pairs_alternate_the_training_chats_and_reject_another_modules_answer(selection, tmp_path):
+    from model_utils.data.chat_corpus import build_preference_corpus
+
+    corpus = build_preference_corpus(tmp_path)
+    functions = selection["train"]
+    for split, half in (("train", functions[0::2]), ("validation", functions[1::2])):
+        pairs = rows(corpus, split)
+        docs = {f.doc: f for f in half}  # every rejected answer is of the same half: none is in both
+        assert len(pairs) == len(half)
+        for function, row in zip(half, pairs):
             assert row["prompt"] + row["chosen"] == function.messages()  # the chat, its answer chosen
             assert docs[row["rejected"][0]["content"]].module != function.module
