@@ -44,14 +44,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory  # noqa: E402
+from common import host_peak_gib, normalize_env, peak_memory  # noqa: E402
 from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
-from sft_bench import (BenchProblem, all_ranks_max, all_ranks_sum, compare_losses, liger_applied,  # noqa: E402
-                       model_directory, segment_lengths, work_of)
-from telemetry import GpuTelemetry  # noqa: E402
+from sft_bench import (BenchProblem, add_run_arguments, all_ranks_max, all_ranks_sum,  # noqa: E402
+                       compare_losses, liger_applied, model_directory, report, reporter, run_flags, segment_lengths,
+                       timed_steps, work_of)
 
 SIDES = {"ours": "ours", "trl": "TRL DPOTrainer"}
-MODES = ("full", "lora")
 REFERENCE_FORWARD = 1 / 3  # a forward pass's FLOPs against a forward and backward pass's
 
 
@@ -87,22 +86,9 @@ def padding_free_supported() -> bool:
 # Workers (one process per GPU; rank 0 writes the result)
 # ----------------------------------------------------------------------------------------------------------------------
 def trainer_argv(job: dict, workdir: Path) -> list[str]:
-    """The trainer's flags for a job: its rows as pairs, DPO at beta, the global batch, the config, LoRA."""
-    argv = ["--model", job["model"], "--dataset", job["rows"], "--preference", "dpo", "--beta", str(job["beta"]),
-            "--data_format", "preference", "--validation_fraction", "0", "--data_cache_dir", job["data_cache"],
-            "--seq_len", str(job["seq_len"]), "--micro_batch_size", str(job["micro_batch_size"]),
-            "--global_batch_tokens", str(job["global_batch_tokens"]), "--max_steps", str(job["steps"] + job["warmup"]),
-            "--ds_config", str(ds_config_for(job, workdir / "ds_config.json")), "--checkpoint_dir",
-            str(workdir / "ckpt"), "--resume", "never", "--eval_interval", "0", "--checkpoint_freq", "0",
-            "--no-export", "--log_interval", str(10**6), "--seed", str(job["seed"]),
-            "--attention_kernel", job.get("attention_kernel", "auto")]
-    if job.get("gradient_checkpointing"):
-        argv.append("--gradient_checkpointing")
-    if job["mode"] == "lora":
-        argv += ["--lora_rank", str(job["lora_rank"]), "--lora_alpha", str(job["lora_alpha"])]
-        if job.get("lora_target_modules"):
-            argv += ["--lora_target_modules", job["lora_target_modules"]]
-    return argv
+    """The trainer's flags for a job: its rows as pairs, DPO at beta, the rest as sft_bench runs ours."""
+    return ["--model", job["model"], "--dataset", job["rows"], "--preference", "dpo", "--beta", str(job["beta"]),
+            "--data_format", "preference", *run_flags(job, workdir)]
 
 
 def worker_ours(job: dict, workdir: Path) -> dict | None:
@@ -115,7 +101,6 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
     from model_utils.runtime.distributed import distributed_env_problems, setup_distributed
     from model_utils.train.build import build_run, start_log
     from model_utils.train.preference import preference_step
-    from model_utils.train.step import agree_after_step
 
     steps, warmup = job["steps"], job["warmup"]
     cfg = parse_args(trainer_argv(job, workdir))
@@ -127,24 +112,10 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
     raise_on_problems(check_plan(plan, check_disk=False))  # a benchmark never saves
     run = build_run(plan, dist, log)  # full fine-tuning: the reference's log-probabilities, once, here
     setup_s = time.perf_counter() - t0
-    run.engine.train()
-    times, losses, timed_blocks = [], [], []
-    telemetry = GpuTelemetry()
-    for i in range(steps + warmup):
-        if i == warmup and dist.is_main:
-            telemetry.start()
-        cuda_sync()
-        t = time.perf_counter()
-        result = preference_step(run)
-        agree_after_step(run, result)
-        cuda_sync()
-        dt = time.perf_counter() - t
-        losses.append(all_ranks_sum([result.loss_sum.item()], dist.device)[0] / (run.batch.accumulation
-                                                                               * dist.world_size))  # the pairs' mean
-        if i >= warmup:
-            times.append(dt)
-            timed_blocks += result.blocks
-    gpu = telemetry.stop()
+    scale = run.batch.accumulation * dist.world_size  # the step's loss: the mean over the pairs of all ranks
+    times, losses, timed_blocks, gpu = timed_steps(
+        run, preference_step, steps, warmup, lambda result: all_ranks_sum([result.loss_sum.item()], dist.device)[0]
+        / scale)
     pairs = tokens = area = 0
     for index in timed_blocks:  # counted after the timed steps, from the host's copy of the blocks
         batch = run.data.train.batch([index])
@@ -394,33 +365,11 @@ def main(argv=None) -> int:
                    help="TRL's per_device_train_batch_size (pairs): one or more (default: --micro_batch_size's)")
     p.add_argument("--global_batch_tokens", type=int, default=None, metavar="N",
                    help="block tokens per optimizer step of ours; TRL takes as many pairs per step as they hold")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--lora_rank", type=int, default=16)
-    p.add_argument("--lora_alpha", type=float, default=32.0)
-    p.add_argument("--lora_target_modules", default=None)
-    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--ds_config", default="ds_config.json")
-    p.add_argument("--zero_stage", type=int, default=None, help="override the config's ZeRO stage")
-    p.add_argument("--ds-set", dest="ds_set", nargs="*", default=[], metavar="KEY=JSON")
-    p.add_argument("--gradient_checkpointing", action="store_true", help="both sides")
-    p.add_argument("--peer-attn", dest="peer_attn", default="sdpa", help="TRL side's attn_implementation")
-    p.add_argument("--attention_kernel", default="auto", choices=("auto", "fa4", "varlen", "sdpa"))
-    p.add_argument("--peer-liger", dest="peer_liger", default="on", choices=("on", "off"))
-    p.add_argument("--skip", nargs="*", default=[], choices=list(SIDES), help="sides not to run")
-    p.add_argument("--nproc", type=int, default=None, help="GPUs to use (default: all present; 1 on CPU)")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--json", default=None, help="append results (JSON lines) to this file")
-    p.add_argument("--log-dir", dest="log_dir", default=None, help="full log of every measurement")
-    p.add_argument("--write-doc", dest="write_doc", default=None, help="write the tables as a markdown section")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    add_run_arguments(p, SIDES)
     a = p.parse_args(argv)
     if a.worker:
         return worker_main(a.worker, a.result)
-    from bench import gpu_count, result_reporter, run_job, run_jobs
+    from bench import gpu_count, run_job, run_jobs
 
     normalize_env()
     a.nproc = a.nproc or max(gpu_count(), 1)
@@ -446,21 +395,13 @@ def main(argv=None) -> int:
                                                                                      else sys.argv[1:]))
     print(f"# {command}\n# {json.dumps(vers)}\n# {count:,} pairs of {a.dataset}, model {model}, {global_tokens:,} block "
           f"tokens per optimizer step (~{peer_pairs:.1f} pairs)", flush=True)
-    report = result_reporter(a.json, vers, a.nproc, command)
-    results = run_jobs(jobs, lambda job: run_job(job, a.nproc, a.timeout, log_dir, script=Path(__file__)), report)
-    text = table(jobs, results)
+    results = run_jobs(jobs, lambda job: run_job(job, a.nproc, a.timeout, log_dir, script=Path(__file__)),
+                       reporter(a, vers, command))
     best, record = summary(jobs, results, a.modes)
-    text += "\n\n" + best
-    print("\n" + text, flush=True)
-    if a.json and record:
-        with open(a.json, "a") as f:
-            f.write(json.dumps({"summary": record, "versions": vers, "nproc": a.nproc, "command": command}) + "\n")
-    if a.write_doc:
-        body = [f"### Preference tuning (DPO), {a.model}, {a.nproc} GPU(s)", "", f"Hardware/versions: "
-                f"`{json.dumps(vers)}`", "", f"Command: `{command}`", "", f"Data: {count:,} pairs of {a.dataset}; "
-                f"{global_tokens:,} block tokens per optimizer step (~{peer_pairs:.1f} pairs).", "", text, ""]
-        Path(a.write_doc).write_text("\n".join(body))
-    return 0 if all("error" not in r for r in results) else 1
+    return report(a, table(jobs, results) + "\n\n" + best, record, results, vers, command,
+                  a.title or f"Preference tuning (DPO), {a.model}, {a.nproc} GPU(s)",
+                  f"Data: {count:,} pairs of {a.dataset}; {global_tokens:,} block tokens per optimizer step (~"
+                  f"{peer_pairs:.1f} pairs).")
 
 
 def _version(name: str) -> str | None:
