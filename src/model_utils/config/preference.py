@@ -23,6 +23,21 @@ DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
 DEFAULT_SIMPO_GAMMA = 0.5  # CPOConfig.simpo_gamma: the target reward margin
 
 
+SEQUENCES_PER_PAIR = 2  # a block holds a pair's two sequences whole
+
+
+def pair_block_len(max_length: int) -> int:
+    """Positions per block for sequences of at most `max_length` tokens (--seq_len): any pair fits whole (a sequence
+    of n tokens fills n - 1 positions)."""
+    return SEQUENCES_PER_PAIR * max_length
+
+
+def max_length_of(block_len: int) -> int:
+    """The longest sequence, in tokens, that blocks of `block_len` positions are packed for (pair_block_len's
+    inverse)."""
+    return block_len // SEQUENCES_PER_PAIR
+
+
 @dataclass(frozen=True)
 class PreferenceSettings:
     """One run's objective with its values resolved (the defaults filled in)."""

@@ -9,6 +9,7 @@ import json
 from typing import TYPE_CHECKING
 
 from model_utils.config.fine_tuning import steps_for_epochs
+from model_utils.config.preference import max_length_of
 from model_utils.core.problems import Problem
 from model_utils.data.blocks import block_count, held_out_count
 from model_utils.data.errors import LOAD_ERRORS, DataError
@@ -17,7 +18,7 @@ from model_utils.data.pipeline import DUMMY_VALIDATION_FRACTION, OPENED_WITHOUT_
 from model_utils.data.preference.cache import open_pairs, pair_cache_of
 from model_utils.data.preference.encode import PairEncoder
 from model_utils.data.preference.formats import PREFERENCE, check_pair_rows, is_messages
-from model_utils.data.preference.packing import max_length_of, pack_pairs
+from model_utils.data.preference.packing import pack_pairs
 from model_utils.data.sft.cache import SFTSettings, load_sft_splits, open_sft, sft_cache_dir, sft_cache_root, source_key
 from model_utils.data.sft.encode import ExampleEncoder, check_rows, encode_rows
 from model_utils.data.sft.formats import FORMATS

@@ -30,14 +30,13 @@ from model_utils.config.batch import BatchRequest, settle_batch, with_batch
 from model_utils.config.checks import validate_args
 from model_utils.config.deepspeed import hardware_precision
 from model_utils.config.fine_tuning import apply_weight_decay, with_fine_tuning_defaults
-from model_utils.config.preference import OFF
+from model_utils.config.preference import OFF, pair_block_len
 from model_utils.config.presets import default_seq_len, preset_names
 from model_utils.config.settings import SpeedConfig, TrainConfig
 from model_utils.core.problems import Problem
 from model_utils.core.run_dir import RunDir
 from model_utils.data.errors import DataError
 from model_utils.data.preference.formats import resolve_run_format
-from model_utils.data.preference.packing import pair_block_len
 from model_utils.data.sources import resolve_source
 from model_utils.data.tokenizer import load_tokenizer
 from model_utils.models.build import (FlopsModel, checkpointable_layers, decay_groups, model_config, rope_problem,

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from model_utils.config.preference import PreferenceSettings
+from model_utils.config.preference import pair_block_len
 from model_utils.data.preference.encode import PairEncoder
-from model_utils.data.preference.packing import PackedPairs, pack_pairs, pair_block_len
+from model_utils.data.preference.packing import PackedPairs, pack_pairs
 from model_utils.data.sft.formats import IGNORE_INDEX, attach_chat_template
 from model_utils.data.tokenizer import load_tokenizer
 from model_utils.models.preference import PairLogps, pair_terms, score_pairs, target_log_probs

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
+from model_utils.config.preference import max_length_of, pair_block_len
 from model_utils.core.problems import Problem
 from model_utils.data.blocks import PackedData
 from model_utils.data.errors import DataError
 from model_utils.data.preference.encode import PairEncoder
 from model_utils.data.preference.formats import check_pair_rows, is_messages
-from model_utils.data.preference.packing import PackedPairs, PairStats, max_length_of, pack_pairs, pair_block_len
+from model_utils.data.preference.packing import PackedPairs, PairStats, pack_pairs
 from model_utils.data.sft.cache import build_once, open_splits, sft_cache_root, source_key, write_array
 from model_utils.data.sft.encode import encode_all
 from model_utils.data.sft.formats import resolve_chat_template

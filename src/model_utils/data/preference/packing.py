@@ -16,24 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from model_utils.config.preference import pair_block_len
 from model_utils.data.preference.encode import PairExamples
 from model_utils.data.sft.formats import IGNORE_INDEX
 from model_utils.data.sft.packing import ExampleBatch, PackedExamples, best_fit_blocks
 from model_utils.data.tokens import token_dtype
-
-SEQUENCES_PER_PAIR = 2
-
-
-def pair_block_len(max_length: int) -> int:
-    """Positions per block for sequences of at most `max_length` tokens: any pair fits whole."""
-    return SEQUENCES_PER_PAIR * max_length
-
-
-def max_length_of(block_len: int) -> int:
-    """The longest sequence, in tokens, that blocks of `block_len` positions are packed for (pair_block_len's
-    inverse)."""
-    return block_len // SEQUENCES_PER_PAIR
-
 
 @dataclass
 class PairStats:

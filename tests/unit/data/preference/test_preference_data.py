@@ -9,12 +9,13 @@ import json
 import numpy as np
 import pytest
 
+from model_utils.config.preference import pair_block_len
 from model_utils.config.settings import DataConfig
 from model_utils.data.errors import DataError
 from model_utils.data.preference.cache import PairSettings, build_pair_files, open_pairs
 from model_utils.data.preference.encode import PairEncoder
 from model_utils.data.preference.formats import check_pair_row, pair_parts, resolve_run_format
-from model_utils.data.preference.packing import PackedPairs, cut, pack_pairs, pair_block_len
+from model_utils.data.preference.packing import PackedPairs, cut, pack_pairs
 from model_utils.data.sft.formats import IGNORE_INDEX
 from model_utils.data.sources import DataSource
 from model_utils.data.tokenizer import load_tokenizer
