@@ -62,6 +62,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory  # noqa: E402
+from fine_tuning_cli import add_run_arguments, report, reporter  # noqa: E402
 from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
 from telemetry import GpuTelemetry  # noqa: E402
 
@@ -162,8 +163,13 @@ def all_ranks_max(value: float, device) -> float:
 # ----------------------------------------------------------------------------------------------------------------------
 def trainer_argv(job: dict, workdir: Path) -> list[str]:
     """The trainer's flags for a job: its rows as chat data, the global batch, the DeepSpeed config, LoRA."""
-    argv = ["--model", job["model"], "--dataset", job["rows"], "--data_format", "chat", "--validation_fraction", "0",
-            "--data_cache_dir", job["data_cache"], "--seq_len", str(job["seq_len"]),
+    return ["--model", job["model"], "--dataset", job["rows"], "--data_format", "chat", *run_flags(job, workdir)]
+
+
+def run_flags(job: dict, workdir: Path) -> list[str]:
+    """The trainer's flags every benchmark job of ours takes beside its data: no held-out blocks, the packed data's
+    cache, the block length, the batch, the steps, the DeepSpeed config, no saves or logs, LoRA."""
+    argv = ["--validation_fraction", "0", "--data_cache_dir", job["data_cache"], "--seq_len", str(job["seq_len"]),
             "--micro_batch_size", str(job["micro_batch_size"]),
             "--global_batch_tokens", str(job["global_batch_tokens"]),
             "--max_steps", str(job["steps"] + job["warmup"]),
@@ -193,7 +199,7 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
     from model_utils.planning.preflight import check_plan, raise_on_problems
     from model_utils.runtime.distributed import distributed_env_problems, setup_distributed
     from model_utils.train.build import build_run, start_log
-    from model_utils.train.step import agree_after_step, train_step
+    from model_utils.train.step import train_step
 
     steps, warmup = job["steps"], job["warmup"]
     cfg = parse_args(trainer_argv(job, workdir))
@@ -205,24 +211,9 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
     raise_on_problems(check_plan(plan, check_disk=False))  # a benchmark never saves
     run = build_run(plan, dist, log)
     setup_s = time.perf_counter() - t0
-    run.engine.train()
-    times, losses, timed_blocks = [], [], []
-    telemetry = GpuTelemetry()
-    for i in range(steps + warmup):
-        if i == warmup and dist.is_main:
-            telemetry.start()
-        cuda_sync()
-        t = time.perf_counter()
-        result = train_step(run)
-        agree_after_step(run, result)
-        cuda_sync()
-        dt = time.perf_counter() - t
-        # this rank's mean over its micro-batches (fine-tuning data: its share of the step's per-token mean, x ranks)
-        losses.append(result.loss_sum.item() / run.batch.accumulation)
-        if i >= warmup:
-            times.append(dt)
-            timed_blocks += result.blocks
-    gpu = telemetry.stop()
+    # this rank's mean over its micro-batches (fine-tuning data: its share of the step's per-token mean, x ranks)
+    times, losses, timed_blocks, gpu = timed_steps(run, train_step, steps, warmup,
+                                                   lambda result: result.loss_sum.item() / run.batch.accumulation)
     tokens = area = loss_tokens = 0
     for index in timed_blocks:  # counted after the timed steps, from the host's copy of the blocks
         block = run.data.train.batch([index])
@@ -246,6 +237,31 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return out if dist.is_main else None
+
+
+def timed_steps(run, step, steps: int, warmup: int, loss_of) -> tuple[list, list, list, dict]:
+    """(each timed step's seconds, every step's `loss_of(result)`, the blocks the timed steps read, GPU telemetry):
+    `step(run)` and the collective after it, --warmup steps untimed first, CUDA synchronised at both ends, as the
+    trainer's loop runs them."""
+    from model_utils.train.step import agree_after_step
+
+    run.engine.train()
+    times, losses, timed_blocks = [], [], []
+    telemetry = GpuTelemetry()
+    for i in range(steps + warmup):
+        if i == warmup and run.dist.is_main:
+            telemetry.start()
+        cuda_sync()
+        t = time.perf_counter()
+        result = step(run)
+        agree_after_step(run, result)
+        cuda_sync()
+        dt = time.perf_counter() - t
+        losses.append(loss_of(result))
+        if i >= warmup:
+            times.append(dt)
+            timed_blocks += result.blocks
+    return times, losses, timed_blocks, telemetry.stop()
 
 
 def read_rows(path: str) -> list[dict]:
@@ -485,8 +501,6 @@ def main(argv=None) -> int:
     p.add_argument("--global_batch_tokens", type=int, default=None, metavar="N",
                    help="block tokens per optimizer step on both sides (blocks x seq_len); default: the least "
                         "multiple of every micro-batch x GPUs x seq_len")
-    p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=MODES,
-                   help="full fine-tuning, LoRA, QLoRA (--load_in_4bit): one or more")
     p.add_argument("--peer", default="trl", choices=("trl", "unsloth", "axolotl"),
                    help="the peer (sft_peers.py): TRL's SFTTrainer (full, lora, qlora), Unsloth (lora, qlora) or "
                         "axolotl (full, lora)")
@@ -496,45 +510,16 @@ def main(argv=None) -> int:
     p.add_argument("--print-config", dest="print_config", action="store_true",
                    help="print what the peer would be handed for each mode and micro-batch, as JSON, and exit (no "
                         "GPU, no peer installed)")
-    p.add_argument("--lora_rank", type=int, default=16)
-    p.add_argument("--lora_alpha", type=float, default=32.0)
     p.add_argument("--lora_dropout", type=float, default=0.05, help="both sides (Unsloth's fast path wants 0)")
-    p.add_argument("--lora_target_modules", default=None, help="comma-separated (default: the trainer's for the "
-                                                               "architecture)")
-    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps (enough to include stalls)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--ds_config", default="ds_config.json")
-    p.add_argument("--zero_stage", type=int, default=None, help="override the config's ZeRO stage")
-    p.add_argument("--ds-set", dest="ds_set", nargs="*", default=[], metavar="KEY=JSON",
-                   help="override DeepSpeed config values, e.g. zero_optimization.overlap_comm=false")
-    p.add_argument("--gradient_checkpointing", action="store_true", help="both sides")
-    p.add_argument("--peer-attn", dest="peer_attn", default="sdpa",
-                   help="TRL side's attn_implementation (e.g. flash_attention_4 where flash-attn-4 is installed)")
-    p.add_argument("--attention_kernel", default="auto", choices=("auto", "fa4", "varlen", "sdpa"),
-                   help="our side's --attention_kernel (varlen: FlashAttention-4 off, PyTorch's variable-length "
-                        "attention)")
     p.add_argument("--peer-packing", dest="peer_packing", default="bfd", choices=("bfd", "none", "grouped"),
                    help="TRL side's rows: bfd (packed, padding-free: TRL's path with FlashAttention), none (examples "
                         "padded per micro-batch: its path for other kernels), grouped (none with "
                         "train_sampling_strategy=group_by_length)")
-    p.add_argument("--peer-liger", dest="peer_liger", default="on", choices=("on", "off"),
-                   help="TRL side's use_liger_kernel (on CUDA only)")
-    p.add_argument("--skip", nargs="*", default=[], choices=list(SIDES), help="sides not to run")
-    p.add_argument("--nproc", type=int, default=None, help="GPUs to use (default: all present; 1 on CPU)")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
-    p.add_argument("--workdir", default=None, help="the rows, the model written from a preset and ours' packed data "
-                                                   "(default: a temporary folder)")
-    p.add_argument("--json", default=None, help="append results (JSON lines) to this file")
-    p.add_argument("--log-dir", dest="log_dir", default=None, help="full log of every measurement")
-    p.add_argument("--write-doc", dest="write_doc", default=None, help="write the tables as a markdown section")
-    p.add_argument("--title", default=None)
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    add_run_arguments(p, SIDES, MODES)
     a = p.parse_args(argv)
     if a.worker:
         return worker_main(a.worker, a.result)
-    from bench import gpu_count, result_reporter, run_job, run_jobs
+    from bench import gpu_count, run_job, run_jobs
 
     normalize_env()
     a.nproc = a.nproc or max(gpu_count(), 1)
@@ -573,28 +558,18 @@ def main(argv=None) -> int:
     print(f"# {command}\n# {json.dumps(vers)}\n# {count:,} rows of {a.dataset}, model {model}, "
           f"{global_tokens:,} block tokens ({global_tokens // a.seq_len} blocks of {a.seq_len}) per optimizer step",
           flush=True)
-
-    report = result_reporter(a.json, vers, a.nproc, command)
     me = Path(__file__)
     from sft_peers import run_in_environment
 
     results = run_jobs(jobs, lambda job: run_in_environment(job, a.peer_env if job["side"] == "trl" else None,
                                                             lambda: run_job(job, a.nproc, a.timeout, log_dir,
-                                                                            script=me)), report)
-    text = table(jobs, results)
+                                                                            script=me)),
+                       reporter(a, vers, command))
     best, record = summary(jobs, results, a.modes)
-    text += "\n\n" + best
-    print("\n" + text, flush=True)
-    if a.json and record:
-        with open(a.json, "a") as f:
-            f.write(json.dumps({"summary": record, "versions": vers, "nproc": a.nproc, "command": command}) + "\n")
-    if a.write_doc:
-        title = a.title or f"Supervised fine-tuning, {a.model}, {a.nproc} GPU(s)"
-        body = [f"### {title}", "", f"Hardware/versions: `{json.dumps(vers)}`", "", f"Command: `{command}`", "",
-                f"Data: {count:,} chat rows of {a.dataset}; {global_tokens:,} block tokens per optimizer step. "
-                "Tokens counted: the positions holding example tokens (no padding).", "", text, ""]
-        Path(a.write_doc).write_text("\n".join(body))
-    return 0 if all("error" not in r for r in results) else 1
+    return report(a, table(jobs, results) + "\n\n" + best, record, results, vers, command,
+                  a.title or f"Supervised fine-tuning, {a.model}, {a.nproc} GPU(s)",
+                  f"Data: {count:,} chat rows of {a.dataset}; {global_tokens:,} block tokens per optimizer step. "
+                  "Tokens counted: the positions holding example tokens (no padding).")
 
 
 def _version(name: str) -> str | None:

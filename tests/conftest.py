@@ -116,6 +116,7 @@ QUICK = ("tests/distributed/test_training.py::test_zero_stage_trains_checkpoints
          "tests/distributed/test_training.py::test_resume_after_kill_9_is_exact",
          "tests/distributed/test_save_faults.py::test_kill_9_of_one_rank_before_the_manifest[in-the-background]",
          "tests/distributed/test_supervised_fine_tuning.py::test_a_lora_run_resumes_exactly_from_adapters_and_optimizer_state",
+         "tests/distributed/test_preference_tuning.py::test_a_dpo_run_resumes_exactly_with_the_step0_reference",
          "tests/slurm/test_slurm_jobs.py::test_sbatch_trains_on_two_nodes")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from model_utils.config.preference import preference_problems
 from model_utils.config.presets import is_preset
 from model_utils.config.settings import SpeedConfig, TrainConfig
 from model_utils.core.problems import Problem
@@ -89,6 +90,7 @@ def validate_args(cfg: TrainConfig) -> list[Problem]:
                                     "WANDB_MODE=offline logs without network"))
     problems += speed_problems(cfg.speed)
     problems += fine_tuning_problems(cfg)
+    problems += preference_problems(cfg)
     if cfg.checkpoint.resume == "never" and cfg.checkpoint.resume_from_checkpoint:
         problems.append(Problem("--resume", cfg.checkpoint.resume, "conflicts with --resume_from_checkpoint",
                                 "drop one of the two"))
@@ -180,8 +182,9 @@ def release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", re.match(r"[\d.]*", version).group())[:3])
 
 
-# The datasets built offline (data.sources.resolve_source): the pretraining text corpus and the chat dataset.
-EMBEDDED_DATASETS = ("embedded", "embedded-chat")
+# The datasets built offline (data.sources.resolve_source): the pretraining text corpus, the chat dataset and its
+# preference pairs.
+EMBEDDED_DATASETS = ("embedded", "embedded-chat", "embedded-preference")
 
 
 # Environment variables a job script may set for the speed options: the trainer reads flags only, so a script that

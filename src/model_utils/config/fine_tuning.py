@@ -88,6 +88,9 @@ def steps_to_finish(num_epochs: float, training_blocks: int, world: int, micro: 
 # --------------------------------------------------------------------------------------------------------------------
 FULL_FINE_TUNING_LR = 2e-5  # TRL SFTConfig.learning_rate (it replaces TrainingArguments' 5e-5); Stanford Alpaca's too
 LORA_LR = 2e-4  # QLoRA (Dettmers et al. 2023, appendix): 2e-4 up to 13B (1e-4 above); TRL's PEFT example: 2e-4
+PREFERENCE_LR = 1e-6  # TRL DPOConfig.learning_rate (CPOConfig's and ORPOConfig's too)
+# LoRA on pairs: TRL's rate for full tuning times the ratio the fine-tuning rates above keep between LoRA and full
+PREFERENCE_LORA_LR = PREFERENCE_LR * LORA_LR / FULL_FINE_TUNING_LR
 WARMUP_RATIO = 0.03  # Stanford Alpaca's recipe (--warmup_ratio 0.03) and QLoRA's
 MIN_WARMUP_STEPS = 2  # DeepSpeed's WarmupLR family warms up for at least 2 steps (lr_schedules: max(2, warmup_num_steps))
 FINE_TUNING_WEIGHT_DECAY = 0.0  # transformers TrainingArguments.weight_decay and Stanford Alpaca's recipe
@@ -111,9 +114,15 @@ class FineTuningDefaults:
                 "--learning_rate/--warmup_steps/ds_config's weight_decay to choose others")
 
 
-def fine_tuning_defaults(total_steps: int, lora: bool) -> FineTuningDefaults:
-    """The defaults for a fine-tuning run of `total_steps` steps, with LoRA adapters or all weights trained."""
+def fine_tuning_defaults(total_steps: int, lora: bool, preference: bool = False) -> FineTuningDefaults:
+    """The defaults for a fine-tuning run of `total_steps` steps, with LoRA adapters or all weights trained, on
+    examples or on preference pairs."""
     warmup = max(MIN_WARMUP_STEPS, math.ceil(WARMUP_RATIO * total_steps))
+    if preference:
+        return FineTuningDefaults(PREFERENCE_LORA_LR if lora else PREFERENCE_LR, warmup, FINE_TUNING_WEIGHT_DECAY,
+                                  "preference pairs: TRL DPOConfig's rate" + (", times LoRA's ratio to full "
+                                                                              "fine-tuning" if lora else "")
+                                  + ", Alpaca's warmup")
     if lora:
         return FineTuningDefaults(LORA_LR, warmup, FINE_TUNING_WEIGHT_DECAY,
                                   "LoRA: QLoRA's rate for models up to 13B, Alpaca/QLoRA warmup")
@@ -136,7 +145,7 @@ def with_fine_tuning_defaults(cfg, total_steps: int):
     do not apply: takes_fine_tuning_defaults)."""
     if not takes_fine_tuning_defaults(cfg):
         return cfg, None
-    defaults = fine_tuning_defaults(total_steps, cfg.model.lora_rank > 0)
+    defaults = fine_tuning_defaults(total_steps, cfg.model.lora_rank > 0, cfg.preference.preference != "off")
     warmup = min(max(1, defaults.warmup_steps), max(1, total_steps - 1))  # WarmupDecayLR: at least 1, below the end
     defaults = dataclasses.replace(defaults, warmup_steps=warmup)
     changes = {}

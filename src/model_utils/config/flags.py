@@ -137,7 +137,8 @@ def _add_hf_names(parser: TrainerArgumentParser) -> None:
 # ----------------------------------------------------------------------------------------------------- the parser
 SECTION_TITLES = {"model": "model", "data": "data", "batch": "batch", "optim": "optimisation (overrides of the "
                   "DeepSpeed config)", "checkpoint": "checkpoints, resume and export", "logging": "evaluation and "
-                  "logging", "speed": "speed options (GPU; docs/PERFORMANCE.md)"}
+                  "logging", "speed": "speed options (GPU; docs/PERFORMANCE.md)",
+                  "preference": "preference tuning (docs/PREFERENCE.md)"}
 
 
 def build_parser() -> TrainerArgumentParser:

@@ -174,7 +174,8 @@ class DataConfig:
                                   "the answers. auto (the default): chat, sharegpt, prompt_completion or alpaca from "
                                   "the columns, tokens where a labels column is there, else pretraining text "
                                   "(documents concatenated into blocks).",
-                          choices=("auto", "text", "chat", "sharegpt", "prompt_completion", "alpaca", "tokens"))
+                          choices=("auto", "text", "chat", "sharegpt", "prompt_completion", "alpaca", "tokens",
+                                   "preference"))
     train_on_prompts: bool = _f(False, "Fine-tuning formats: loss on every token, prompts included. Default off: "
                                        "only the answers (assistant messages, completions, outputs) carry loss.")
     dataset_config_name: str | None = _f(None, "Hub dataset configuration name (e.g. 'en' for allenai/c4).")
@@ -300,9 +301,23 @@ class LoggingConfig:
     generate_prompt: str | None = _f(None, "After training, print text the model generates from this prompt.")
 
 
+@dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference tuning on pairs of a better and a worse answer (docs/PREFERENCE.md); config/preference.py resolves
+    and checks these."""
+    preference: str = _f("off", "Tune on preference pairs (rows of prompt, chosen, rejected) with this objective: dpo "
+                                "(DPO's sigmoid loss), ipo, simpo or orpo (SimPO and ORPO need no reference model). "
+                                "off: the data train as they are.", choices=("off", "dpo", "ipo", "simpo", "orpo"))
+    beta: float | None = _f(None, "The objective's beta: DPO's and IPO's strength of the reference, SimPO's reward "
+                                  "scale, ORPO's lambda (the weight of its odds-ratio term). Default: 0.1 (TRL's), "
+                                  "2.0 for SimPO (its paper's).")
+    simpo_gamma: float | None = _f(None, "SimPO's target reward margin gamma. Default 0.5 (TRL's CPOConfig).")
+
+
 # The section each flag belongs to: the command line stays flat, the configuration is a tree.
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "batch": BatchConfig, "optim": OptimConfig,
-            "checkpoint": CheckpointConfig, "logging": LoggingConfig, "speed": SpeedConfig}
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig, "speed": SpeedConfig,
+            "preference": PreferenceConfig}
 
 
 @dataclass(frozen=True)
@@ -316,6 +331,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"section": True})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"section": True})
     speed: SpeedConfig = field(default_factory=SpeedConfig, metadata={"section": True})
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig, metadata={"section": True})
     seed: int = _f(1234, "Seed for initialisation and data order.")
     # ----- modes -----
     preflight: bool = _f(False, "Check configuration, data, tokenizer, model and checkpoints, print the plan, exit 0 or 2.")

@@ -1,10 +1,17 @@
-"""The embedded fine-tuning dataset: chats about Python standard-library functions, built offline.
+"""The embedded fine-tuning datasets: chats about Python standard-library functions, and preference pairs made of
+them, built offline.
 
 Each example asks what a public function of the standard library does (its module, name and signature) and answers with
 the function's docstring, taken by the same walk over this interpreter's standard library as the embedded pretraining
 corpus (`data/corpus.py`). Like that corpus, it is built at run time into a cache directory, never committed, and is the
 same for the same interpreter: the examples, their order, the wording of each question and the train/validation split
 follow from the functions' qualified names alone.
+
+The preference pairs (`embedded-preference`) are made of the chats' training split, its functions alternately a training
+and a held-out (validation) pair: each asks the chat's question, the chosen answer is the chat's, the rejected one the
+answer about the next function of the same half from another module, so no answer is in both halves. A model
+fine-tuned on the chats has seen every pair's question and right answer; the held-out pairs measure whether preference
+tuning on the others taught it to prefer, for questions it was not tuned on, the answer that belongs to the question.
 
     python -m model_utils.data.chat_corpus            # build (once) and print the directory holding the two JSONL files
 """
@@ -126,20 +133,48 @@ def build_sft_corpus(cache_root: Path | None = None, max_examples: int = DEFAULT
     """Build (once) and return the directory holding `train.jsonl` and `validation.jsonl`, one `{"messages": ...}`
     chat per line. The key is the Python version, the stdlib location and the selection, so different interpreters
     never share a stale dataset; each file is written to a temporary name and renamed."""
+    return _built("sft-corpus", "", lambda splits: {split: [{"messages": f.messages()} for f in functions]
+                                                    for split, functions in splits.items()}, cache_root, max_examples)
+
+
+def _built(name: str, variant: str, rows_of, cache_root: Path | None, max_examples: int) -> Path:
+    """The directory of one embedded dataset: `rows_of(select_examples(...))`, {split: rows}, written there once."""
     stdlib = sysconfig.get_paths()["stdlib"]
     key = hashlib.sha256(f"{sys.version}|{stdlib}|{MIN_DOCSTRING_CHARS}|{max_examples}|{QUESTIONS}|{SYSTEM_PROMPT}"
-                         .encode()).hexdigest()[:12]
-    out_dir = (cache_root or default_cache_root()) / f"sft-corpus-py{sys.version_info.major}{sys.version_info.minor}-{key}"
+                         f"{variant}".encode()).hexdigest()[:12]
+    out_dir = (cache_root or default_cache_root()) / f"{name}-py{sys.version_info.major}{sys.version_info.minor}-{key}"
     if all((out_dir / f"{split}.jsonl").exists() for split in SPLITS):
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    for split, functions in select_examples(max_examples).items():
+    for split, rows in rows_of(select_examples(max_examples)).items():
         tmp = out_dir / f"{split}.jsonl.tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            for function in functions:
-                f.write(json.dumps({"messages": function.messages()}, ensure_ascii=False) + "\n")
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
         os.replace(tmp, out_dir / f"{split}.jsonl")
     return out_dir
+
+
+def preference_rows(functions: list[DocumentedFunction]) -> list[dict]:
+    """TRL's conversational preference rows: the chat's prompt (system and user turns), its answer as `chosen`, and as
+    `rejected` the answer about the next function of another module (wrapping around)."""
+    rows = []
+    for index, function in enumerate(functions):
+        others = functions[index + 1:] + functions[:index]
+        other = next((f for f in others if f.module != function.module), others[0] if others else function)
+        *prompt, answer = function.messages()
+        rows.append({"prompt": prompt, "chosen": [answer], "rejected": [{"role": "assistant", "content": other.doc}]})
+    return rows
+
+
+def build_preference_corpus(cache_root: Path | None = None, max_examples: int = DEFAULT_MAX_EXAMPLES) -> Path:
+    """Build (once) and return the directory holding the preference pairs' `train.jsonl` and `validation.jsonl`:
+    the chats' training split, its functions alternately a training and a held-out pair (`preference_rows` of each
+    half), keyed like the chats."""
+    def halves(splits: dict) -> dict[str, list[dict]]:
+        return {"train": preference_rows(splits["train"][0::2]), "validation": preference_rows(splits["train"][1::2])}
+
+    return _built("preference-corpus", "|alternate pairs of the training chats", halves, cache_root, max_examples)
 
 
 def split_files(corpus_dir: Path) -> dict[str, str]:
@@ -151,5 +186,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache_root", type=Path, default=None)
     parser.add_argument("--max_examples", type=int, default=DEFAULT_MAX_EXAMPLES)
+    parser.add_argument("--pairs", action="store_true", help="the preference pairs (embedded-preference)")
     arguments = parser.parse_args()
-    print(build_sft_corpus(arguments.cache_root, arguments.max_examples))
+    build = build_preference_corpus if arguments.pairs else build_sft_corpus
+    print(build(arguments.cache_root, arguments.max_examples))

@@ -1,6 +1,7 @@
 """The front door of the data: `prepare_data` gives every rank the packed data of the run's source, whatever it is.
 Text is tokenized once into the token cache (tokens.py: one process builds, the others wait and memory-map it); a
-prepared directory or token files are opened as they are; fine-tuning rows become packed examples (sft/); a mixture
+prepared directory or token files are opened as they are; fine-tuning rows become packed examples (sft/), preference
+rows packed pairs (preference/); a mixture
 opens each part alike; a stream is read as training goes (streaming.py); --dummy_data makes random blocks. Packing
 and the order the blocks are read in are blocks.py's.
 """
@@ -17,6 +18,8 @@ from model_utils.core.problems import Problem
 from model_utils.data.blocks import PackedData, PackedTokens, ShardedTokens, held_out_split, memmap
 from model_utils.data.errors import DataError
 from model_utils.data.mixture import mix
+from model_utils.data.preference.cache import open_pair_source
+from model_utils.data.preference.formats import PREFERENCE
 from model_utils.data.sft.cache import open_sft_source
 from model_utils.data.sft.formats import FORMATS
 from model_utils.data.sources import MANIFEST, DataSource, resolve_source, with_dataset
@@ -125,6 +128,8 @@ def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, sou
 
     if data_format in FORMATS:
         return open_sft_source(cfg, source, tokenizer, seq_len, data_format, dist, log)
+    if data_format == PREFERENCE:  # pairs in blocks of seq_len positions (data.preference.packing.pair_block_len)
+        return open_pair_source(cfg, source, tokenizer, seq_len, dist, log)
     if source.kind == "mixture":
         parts = [(part, weight, open_source(with_dataset(cfg, part.location), part, tokenizer, seq_len, dist, log))
                  for part, weight in source.parts]

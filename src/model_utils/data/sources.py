@@ -15,7 +15,7 @@ from pathlib import Path
 
 from model_utils.config.settings import TrainConfig
 from model_utils.core.problems import Problem
-from model_utils.data.chat_corpus import SPLITS, build_sft_corpus
+from model_utils.data.chat_corpus import build_preference_corpus, build_sft_corpus, split_files
 from model_utils.data.corpus import build_embedded_corpus
 from model_utils.data.errors import DataError
 from model_utils.data.progress import read_json
@@ -72,10 +72,10 @@ def resolve_source(cfg: TrainConfig) -> DataSource:
     if not cfg.dataset or cfg.dataset == "embedded":
         corpus = build_embedded_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
         return DataSource("embedded", str(corpus), files=[str(corpus)], builder="json")
-    if cfg.dataset == "embedded-chat" and not Path(cfg.dataset).exists():
-        corpus = build_sft_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
-        return DataSource("embedded-chat", str(corpus), files=[str(corpus / f"{split}.jsonl") for split in SPLITS],
-                          builder="json")
+    embedded = {"embedded-chat": build_sft_corpus, "embedded-preference": build_preference_corpus}
+    if cfg.dataset in embedded and not Path(cfg.dataset).exists():
+        corpus = embedded[cfg.dataset](Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
+        return DataSource(cfg.dataset, str(corpus), files=list(split_files(corpus).values()), builder="json")
 
     mixture = parse_mixture(cfg.dataset)
     if mixture is not None:

@@ -113,6 +113,12 @@ def apply_lora(model, settings: LoraSettings):
     return wrapped
 
 
+def adapters_disabled(model):
+    """A context in which a wrapped model runs as its frozen base (peft's disable_adapter): the reference of
+    preference tuning with LoRA, no second copy of the model."""
+    return model.disable_adapter()
+
+
 def trainable_parameters(model) -> list:
     """The parameters the optimizer gets: those that require gradients (the adapters' under LoRA)."""
     return [p for p in model.parameters() if p.requires_grad]

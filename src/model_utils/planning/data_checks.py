@@ -9,11 +9,16 @@ import json
 from typing import TYPE_CHECKING
 
 from model_utils.config.fine_tuning import steps_for_epochs
+from model_utils.config.preference import max_length_of
 from model_utils.core.problems import Problem
 from model_utils.data.blocks import block_count, held_out_count
 from model_utils.data.errors import LOAD_ERRORS, DataError
 from model_utils.data.loading import load_problem, load_splits, stream_documents
 from model_utils.data.pipeline import DUMMY_VALIDATION_FRACTION, OPENED_WITHOUT_TOKENIZING, describe_without_tokenizing
+from model_utils.data.preference.cache import open_pairs, pair_cache_of
+from model_utils.data.preference.encode import PairEncoder
+from model_utils.data.preference.formats import PREFERENCE, check_pair_rows, is_messages
+from model_utils.data.preference.packing import pack_pairs
 from model_utils.data.sft.cache import SFTSettings, load_sft_splits, open_sft, sft_cache_dir, sft_cache_root, source_key
 from model_utils.data.sft.encode import ExampleEncoder, check_rows, encode_rows
 from model_utils.data.sft.formats import FORMATS
@@ -45,9 +50,10 @@ def check_plan_data(plan: Plan, report: Report):
         except DataError as e:
             report.problems.append(e.problem)
         return
-    elif plan.data_format in FORMATS:  # fine-tuning examples
+    elif plan.data_format in FORMATS or plan.data_format == PREFERENCE:  # fine-tuning examples, preference pairs
         try:
-            line, blocks = describe_fine_tuning_data(plan)
+            line, blocks = (describe_preference_data if plan.data_format == PREFERENCE
+                            else describe_fine_tuning_data)(plan)
         except DataError as e:
             report.problems.append(e.problem)
             return
@@ -89,8 +95,8 @@ def check_plan_data(plan: Plan, report: Report):
         report.lines.append(f"epochs: {cfg.batch.num_epochs:g} = ~{steps:,} steps at this batch (settled from the "
                             "packed data when the run starts)")
     if blocks is not None and blocks < world * micro:
-        report.problems.append(Problem("--seq_len", seq_len, f"the data gives ~{blocks} training blocks, fewer than one "
-                                       f"micro-batch per rank ({micro} x {world} ranks)",
+        report.problems.append(Problem("--seq_len", plan.sequence_tokens, f"the data gives ~{blocks} training blocks, "
+                                       f"fewer than one micro-batch per rank ({micro} x {world} ranks)",
                                        "use more data, a smaller --seq_len or a smaller micro-batch"))
 
 
@@ -121,6 +127,30 @@ def describe_fine_tuning_data(plan: Plan) -> tuple[str, int | None]:
         blocks -= held_out_count(blocks, cfg.validation_fraction)
     return (f"data: {source.location}: fine-tuning data ({encoder.describe()}), {len(train):,} rows; the first "
             f"{len(sample)}: {stats.describe()}; ~{blocks:,} training blocks estimated"), blocks
+
+
+def describe_preference_data(plan: Plan) -> tuple[str, int | None]:
+    """The data line and training blocks of preference pairs: from their packed cache where the run built it, else
+    from the first rows, as describe_fine_tuning_data does for examples."""
+    cfg, source, tokenizer = plan.cfg.data, plan.data_source, plan.tokenizer
+    cache = pair_cache_of(cfg, source, tokenizer, plan.seq_len)
+    if (cache / "meta.json").exists():
+        data = open_pairs(cache, cfg.validation_fraction)
+        return f"data: {data.description} (packed cache {cache})", len(data.train_ids)
+    train, validation = load_sft_splits(source, cfg)
+    for split, rows in (("train", train), ("validation", validation)):
+        if rows is not None:
+            check_pair_rows(rows.select(range(min(SAMPLE_CHECKED_ROWS, len(rows)))), f"{source.location} ({split} split)")
+    sample = train.select(range(min(SAMPLE_DOCUMENTS, len(train))))
+    encoder = PairEncoder(tokenizer, source.location)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stats = pack_pairs((encoder.encode(row, n) for n, row in enumerate(sample, start=1)),
+                       max_length_of(plan.seq_len), pad, len(tokenizer)).stats
+    blocks = int(stats.blocks * len(train) / max(len(sample), 1))
+    if validation is None:
+        blocks -= held_out_count(blocks, cfg.validation_fraction)
+    return (f"data: {source.location}: {encoder.describe(is_messages(train[0]['chosen']))}, {len(train):,} rows; "
+            f"the first {len(sample)}: {stats.describe()}; ~{blocks:,} training blocks estimated"), blocks
 
 
 def _sample(source, cfg):

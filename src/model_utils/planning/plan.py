@@ -30,12 +30,13 @@ from model_utils.config.batch import BatchRequest, settle_batch, with_batch
 from model_utils.config.checks import validate_args
 from model_utils.config.deepspeed import hardware_precision
 from model_utils.config.fine_tuning import apply_weight_decay, with_fine_tuning_defaults
+from model_utils.config.preference import OFF, pair_block_len
 from model_utils.config.presets import default_seq_len, preset_names
 from model_utils.config.settings import SpeedConfig, TrainConfig
 from model_utils.core.problems import Problem
 from model_utils.core.run_dir import RunDir
 from model_utils.data.errors import DataError
-from model_utils.data.sft.formats import resolve_data_format
+from model_utils.data.preference.formats import resolve_run_format
 from model_utils.data.sources import resolve_source
 from model_utils.data.tokenizer import load_tokenizer
 from model_utils.models.build import (FlopsModel, checkpointable_layers, decay_groups, model_config, rope_problem,
@@ -128,6 +129,12 @@ class Plan:
                                           self.fused_loss)
 
     @property
+    def sequence_tokens(self) -> int:
+        """The most tokens one sequence holds, the positions it counts up to: --seq_len (a block, or one sequence of
+        a preference pair, whose block holds two)."""
+        return self.cfg.model.seq_len or default_seq_len(self.cfg.model.model)
+
+    @property
     def rank_seq_len(self) -> int:
         """The tokens of each sequence that one GPU holds (--seq_len / --sequence_parallel)."""
         return self.seq_len // self.sequence_parallel
@@ -177,6 +184,8 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
     hardware = probe_hardware(on_training_hardware, world)
     fused = fused_loss(cfg.speed, hardware)
     seq_len = cfg.model.seq_len or default_seq_len(cfg.model.model)
+    if cfg.preference.preference != OFF:  # --seq_len bounds each sequence of a pair; a block holds a pair whole
+        seq_len = pair_block_len(seq_len)
     plan = Plan(cfg, max(world // cfg.model.sequence_parallel, 1), hardware, fused, seq_len, fine_tuning=fine_tuning)
 
     ds_path = cfg.optim.ds_config_path
@@ -289,8 +298,10 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     problems += found
     if request is None:
         return plan, problems, notes
+    # preference tuning's log-probabilities hold a chunk of logits at a time, as the fused loss does
+    no_logits = plan.fused_loss or cfg.preference.preference != OFF
     memory_model = None if model is None else MemoryModel(
-        model, plan.hardware, plan.ranks, plan.rank_seq_len, cfg.speed, plan.fused_loss,
+        model, plan.hardware, plan.ranks, plan.rank_seq_len, cfg.speed, no_logits,
         cfg.model.gradient_checkpointing, bool(cfg.logging.generate_prompt and cfg.checkpoint.export),
         cfg.optim.delayed_update_from_step, request, cfg.model.offload_activations, cfg.model.tiled_mlp)
     choice = parameters = None
@@ -405,7 +416,7 @@ def find_data_source(cfg: TrainConfig, tokenizer) -> tuple[object, str | None, l
         return None, None, []
     try:
         source = resolve_source(cfg.data)
-        return source, resolve_data_format(cfg.data, source), []
+        return source, resolve_run_format(cfg.data, source, cfg.preference.preference != OFF), []
     except DataError as e:
         return None, None, [e.problem]
 

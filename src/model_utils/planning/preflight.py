@@ -27,6 +27,7 @@ from model_utils.config.batch import BATCH_SETTINGS, Batch, BatchRequest, settle
 from model_utils.config.checks import validate_args
 from model_utils.config.deepspeed import resolve_settings
 from model_utils.config.known_keys import check_known_keys
+from model_utils.config.preference import preference_resume_problems, preference_settings
 from model_utils.config.settings import LoraSettings, TrainConfig
 from model_utils.core.problems import ConfigError, Problem
 from model_utils.core.run_dir import CHECKPOINT_NAME
@@ -95,14 +96,15 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True, mea
         if p:
             report.problems.append(p)
         max_pos = getattr(mconf, "max_position_embeddings", None)
-        if max_pos and seq_len > max_pos:
+        if max_pos and plan.sequence_tokens > max_pos:
             # the factor counts from the model's own positions, also where --rope_scaling scaled them already
             own = ((getattr(mconf, "rope_parameters", None) or {}).get("original_max_position_embeddings")
                    if cfg.model.rope_scaling else None) or max_pos
             scaled = f" with --rope_scaling {cfg.model.rope_scaling}" if cfg.model.rope_scaling else ""
-            report.problems.append(Problem("--seq_len", seq_len, f"exceeds the model's max_position_embeddings "
-                                           f"({max_pos}{scaled})", f"use --seq_len {max_pos} or less, or scale its "
-                                           f"rotary embeddings: --rope_scaling yarn:{math.ceil(seq_len / own)}"))
+            report.problems.append(Problem("--seq_len", plan.sequence_tokens, f"exceeds the model's "
+                                           f"max_position_embeddings ({max_pos}{scaled})", f"use --seq_len {max_pos} "
+                                           "or less, or scale its rotary embeddings: --rope_scaling "
+                                           f"yarn:{math.ceil(plan.sequence_tokens / own)}"))
         if cfg.data.document_mask and not masks_documents_by_position(mconf):
             report.problems.append(Problem("--document_mask", True, f"this model ({type(mconf).__name__}) does not build "
                                            "its attention mask with transformers' create_causal_mask, which turns "
@@ -307,6 +309,7 @@ def _check_resume(plan: Plan, report: Report):
         report.problems.append(Problem("--model", cfg.model.model, f"{info.path} holds a checkpoint of {m.get('model')}",
                                        f"use --model {m.get('model')}, or another --checkpoint_dir"))
     report.problems += lora_resume_refusals(m, info.path, cfg.model.lora_settings())
+    report.problems += preference_resume_problems(m.get("preference"), preference_settings(cfg), str(info.path))
     if m.get("rope_scaling") != cfg.model.rope_scaling and "rope_scaling" in m:  # the positions the weights learnt
         report.problems.append(Problem("--rope_scaling", cfg.model.rope_scaling, f"{info.path} was trained with "
                                        f"--rope_scaling {m['rope_scaling']}", "resume with the same --rope_scaling "

@@ -35,7 +35,12 @@ TAGS = {
     "host_mem_gib": "memory/host_mem_gib", "host_peak_mem_gib": "memory/host_peak_mem_gib",
     "eval_loss": "eval/loss", "eval_ppl": "eval/ppl", "checkpoint_s": "checkpoint/save_s",
     "checkpoint_wait_s": "checkpoint/wait_s", "checkpoint_write_s": "checkpoint/write_s",
+    # preference tuning: TRL's names of what each step and evaluation logs
+    **{f"{prefix}{kind}/{what}": f"{tier}/{kind}/{what}" for prefix, tier in (("", "train"), ("eval_", "eval"))
+       for kind, whats in (("rewards", ("chosen", "rejected", "accuracies", "margins")),
+                           ("logps", ("chosen", "rejected"))) for what in whats},
 }
+PAIR_METRIC_KINDS = ("rewards/", "logps/")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -351,12 +356,21 @@ def summarize(metrics_path, *, status: str, steps: int | None = None, tokens: in
         **_save_stalls(metrics_path),
         "final_loss": last.get("loss"),
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "final_eval_ppl": evals[-1]["eval_ppl"] if evals else None,
+        "final_eval_ppl": evals[-1].get("eval_ppl") if evals else None,  # none for preference pairs
         "final_eval_step": evals[-1]["step"] if evals else None,
+        "final_pairs": _pair_metrics(last, evals[-1] if evals else {}),
         "checkpoint": checkpoint,
         "export": export,
         "metrics": str(Path(metrics_path)),
     }
+
+
+def _pair_metrics(train: dict, evaluation: dict) -> dict | None:
+    """Preference tuning's last logged rewards and log-probabilities, of training and of the held-out pairs."""
+    found = {"train": {k: v for k, v in train.items() if k.startswith(PAIR_METRIC_KINDS)},
+             "validation": {k[len("eval_"):]: v for k, v in evaluation.items()
+                            if k.startswith(tuple(f"eval_{kind}" for kind in PAIR_METRIC_KINDS))}}
+    return {tier: values for tier, values in found.items() if values} or None
 
 
 def _hms(seconds: float) -> str:
@@ -405,6 +419,11 @@ def format_summary(s: dict) -> list[str]:
         ("checkpoint", (s.get("checkpoint") or "none") + _saves(s)),
         ("export", s.get("export") or "none"),
     ]
+    if s.get("preference"):  # the objective and its last rewards
+        p, pairs = s["preference"], s.get("final_pairs") or {}
+        rows.insert(-2, ("preference", f"{p['objective']}, beta {p['beta']:g}" + "".join(
+            f"; {tier} rewards/accuracies {m['rewards/accuracies']:.3f}, rewards/margins {m['rewards/margins']:.4f}"
+            for tier, m in pairs.items())))
     if s.get("incomplete_checkpoints_moved"):  # a save cut short before this start: kept, never resumed from
         moved = s["incomplete_checkpoints_moved"]
         rows.insert(-2, ("incomplete ckpts", f"{len(moved)} moved aside at the start: " + "; ".join(moved)))
@@ -427,6 +446,7 @@ def write_summary(run, status: str, export: str | None = None) -> dict | None:
     summary["incomplete_checkpoints_moved"] = list(run.incomplete_moved)
     summary["environment"] = environment(run.dist)
     summary["speed_levers"] = {"settings": run.cfg.speed.as_dict(), "in_force": run.speed_in_force}
+    summary["preference"] = run.preference.as_manifest() if run.preference else None
     if log.sinks is not None and log.sinks.paths:
         summary["sinks"] = log.sinks.paths
     run_dir.root.mkdir(parents=True, exist_ok=True)

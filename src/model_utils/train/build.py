@@ -16,6 +16,7 @@ from model_utils.checkpoint.background import BackgroundSaves, install
 from model_utils.checkpoint.protocol import convert_to_universal, data_position_problems, needs_universal
 from model_utils.config import deepspeed as dsc
 from model_utils.config.fine_tuning import apply_weight_decay, settle_epochs, with_fine_tuning_defaults
+from model_utils.config.preference import preference_settings
 from model_utils.config.settings import TrainConfig
 from model_utils.core.problems import ConfigError
 from model_utils.data.blocks import BlockOrder, DataPosition, PackedData
@@ -37,6 +38,7 @@ from model_utils.runtime.distributed import Dist
 from model_utils.runtime.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
 from model_utils.runtime.process import pinned_memory_line, seed_everything, share_host_cores
 from model_utils.runtime.run_log import Logger, bars_only_on_a_terminal
+from model_utils.train.reference import check_resumed_reference, prepare_reference
 from model_utils.train.resume import load_checkpoint
 from model_utils.train.run import Run
 
@@ -70,11 +72,13 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
               document_eos=plan.tokenizer.eos_token_id if cfg.data.document_mask and not loaded.examples else None,
               document_boundaries=documents and (takes_document_boundaries(model) or dist.sequence_parallel > 1),
               lora=cfg.model.lora_settings(),
-              examples=loaded.examples,
+              examples=loaded.examples, preference=preference_settings(cfg),
               offload=HostActivations(pinned=dist.device.type == "cuda") if cfg.model.offload_activations else None)
     describe_run(run, plan, loaded.length)
+    run.reference = prepare_reference(run, plan)  # the step-0 model's: before any checkpoint is loaded
     if plan.resume:
         load_checkpoint(run, plan.resume, resume_tag)
+        check_resumed_reference(run, plan.resume.manifest)
     log.sinks = Sinks(cfg, run.run_dir, dist, ds, engine, run.step, log)  # TensorBoard / W&B (rank 0)
     return run
 
@@ -202,6 +206,11 @@ def describe_run(run: Run, plan: Plan, length) -> None:
     # neither FlashAttention-4 nor PyTorch's varlen runs)
     in_force = run.speed_in_force.get("attention_kernel", "sdpa")
     kernel = KERNEL_LABELS["sdpa-documents" if in_force == "sdpa" else in_force]
+    if run.preference:
+        log.info(run.preference.describe() + "; reference: " + (
+            "none (reference-free)" if not run.preference.needs_reference else
+            "the model with its adapters off (LoRA), under no_grad" if run.lora else
+            "the step-0 model's log-probabilities, computed once before the first step"))
     if run.examples:
         log.info("attention: within each example (positions restart at every example, "
                  + (f"{kernel} takes the examples' boundaries)" if run.document_boundaries

@@ -1,6 +1,7 @@
 """The training loop, top to bottom: `train(run)` steps, logs, evaluates, agrees with the other ranks, judges the
 update, saves or stops, and returns the exit status; `evaluate`, `save` and `finish` (the final evaluation, the
-export, the sample) beside it. The run comes from build.build_run; its step from step.py.
+export, the sample) beside it. The run comes from build.build_run; its step from step.py, or from preference.py where
+it tunes on preference pairs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from model_utils.models.quantization import merged_dtype, plain_tensor
 from model_utils.patches.deepspeed_offload import settle
 from model_utils.runtime.monitor import write_summary
 from model_utils.runtime.process import StopSignal, rng_state
+from model_utils.train.preference import describe_evaluation, preference_evaluation, preference_step
+from model_utils.train.reference import reference_manifest
 from model_utils.train.resume import checkpoint_options
 from model_utils.train.run import Run
 from model_utils.train.step import agree_after_step, model_inputs, train_step
@@ -54,7 +57,7 @@ def train(run: Run) -> int:
             run.saves.reserve_buffers(run.engine, checkpoint_options(run)[0])
         lr = run.engine.get_lr()[0]
         t0 = time.perf_counter()
-        result = train_step(run)
+        result = preference_step(run) if run.preference else train_step(run)
         interval.add(result, time.perf_counter() - t0)
         trace.write(run.step, result.blocks)
         if run.offload:
@@ -119,10 +122,12 @@ def evaluate(run: Run) -> dict:
 
 
 def log_evaluation(run: Run, label: str):
-    result = evaluate(run)
+    result = preference_evaluation(run) if run.preference else evaluate(run)
     if result:
         run.log.metrics({"step": run.step, **result})
-        run.log.info(f"{label} step {run.step}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+        run.log.info(f"{label} step {run.step}: " + (describe_evaluation(result) if run.preference else
+                                                     f"loss {result['eval_loss']:.4f}, perplexity "
+                                                     f"{result['eval_ppl']:.2f}"))
 
 
 def save(run: Run, wait: bool = False):
@@ -135,7 +140,9 @@ def save(run: Run, wait: bool = False):
                        "ds_config": run.ds_config, "perf": run.cfg.speed.as_dict(),
                        "rope_scaling": run.cfg.model.rope_scaling,
                        "levers_in_force": run.speed_in_force,
-                       "lora": run.lora.as_manifest() if run.lora else None},
+                       "lora": run.lora.as_manifest() if run.lora else None,
+                       "preference": run.preference.as_manifest() if run.preference else None,
+                       "reference": reference_manifest(run)},
                       save_options=checkpoint_options(run)[0])
     client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
               # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)

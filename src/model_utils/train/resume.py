@@ -8,6 +8,7 @@ import torch
 
 from model_utils.checkpoint.protocol import rng_state_file, world_size_changed
 from model_utils.config.deepspeed import optimisation_changes
+from model_utils.config.preference import resume_changes
 from model_utils.data.blocks import DataPosition
 from model_utils.data.streaming import resume_stream
 from model_utils.models.lora import checkpoint_options as lora_options
@@ -37,6 +38,10 @@ def load_checkpoint(run: Run, info, tag: str):
         run.log.warn("resume: speed options that change the numerics differ from the checkpoint's "
                      f"({'; '.join(changed)}): the run continues, but its losses will not match an uninterrupted "
                      "run's bit for bit")
+    changed = resume_changes((info.manifest or {}).get("preference"), run.preference)
+    if changed:
+        run.log.warn(f"resume: the objective's values differ from the checkpoint's run ({'; '.join(changed)}): the "
+                     "run continues with this run's values")
     changed = optimisation_changes((info.manifest or {}).get("ds_config", {}), run.ds_config)
     if changed:
         run.log.warn(f"resume: the optimisation differs from the checkpoint's run ({'; '.join(changed)}): the run "

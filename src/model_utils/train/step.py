@@ -94,6 +94,7 @@ class StepResult:
     nonfinite: object  # whether any micro-batch's loss was inf/NaN (bool)
     attention_area: int  # query-key pairs the step's attention covered (FLOPs)
     blocks: list  # the block indices this rank read, in order (--trace_data)
+    pairs: object = None  # preference tuning: the sums of what its steps log (models.preference.PairTerms)
 
 
 @dataclass
@@ -105,14 +106,14 @@ class StepFlags:
     save_due: bool  # rank 0's clock says a save is due (--checkpoint_minutes)
 
 
-def _no_phase(name: str):
+def no_phase(name: str):
     return NO_PHASE
 
 
 NO_PHASE = contextlib.nullcontext()
 
 
-def train_step(run: Run, phase=_no_phase) -> StepResult:
+def train_step(run: Run, phase=no_phase) -> StepResult:
     """One optimizer step: grad_accum micro-batches of forward and backward, DeepSpeed applying the update at the
     accumulation boundary, the data position advanced. `phase(name)` wraps the forward, backward and step of each
     micro-batch in a context (benchmarks/profiling.py); the training loop and benchmarks/bench.py both call this."""
@@ -139,16 +140,23 @@ def train_step(run: Run, phase=_no_phase) -> StepResult:
             loss = compute_loss(engine, inputs, run.offload)
             if weights is not None:
                 loss = loss * weights[micro]
-        with phase("backward"):
-            engine.backward(loss)
-        with phase("step"):
-            engine.step()
-            run.position = run.order.advance(run.position)
-        nonfinite |= ~torch.isfinite(loss.detach())
-        loss_sum += torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+        loss_sum, nonfinite = backward_and_step(run, loss, phase, loss_sum, nonfinite)
     run.step += 1
     run.tokens_seen += run.batch.tokens_per_step
     return StepResult(loss_sum, nonfinite, area, blocks_read)
+
+
+def backward_and_step(run: Run, loss, phase, loss_sum, nonfinite) -> tuple:
+    """A micro-batch's backward and DeepSpeed's step (the update at the accumulation boundary), the data position
+    advanced; returns the step's loss sum and non-finite flag with this micro-batch's loss (a non-finite one counts
+    0 in the sum)."""
+    with phase("backward"):
+        run.engine.backward(loss)
+    with phase("step"):
+        run.engine.step()
+        run.position = run.order.advance(run.position)
+    return (loss_sum + torch.nan_to_num(loss.detach().double(), nan=0.0, posinf=0.0, neginf=0.0),
+            nonfinite | ~torch.isfinite(loss.detach()))
 
 
 def read_micro_batch(run: Run, position) -> tuple:

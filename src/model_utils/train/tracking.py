@@ -10,7 +10,9 @@ import time
 import torch
 
 from model_utils.config.deepspeed import precision
+from model_utils.models.preference import METRICS as PAIR_METRICS
 from model_utils.runtime.run_log import Throughput, memory_stats
+from model_utils.train.preference import pair_record
 from model_utils.train.run import Run
 from model_utils.train.step import StepFlags, StepResult
 
@@ -23,10 +25,13 @@ class Interval:
         self.run = run
         self.throughput = Throughput(run.peak_tflops, run.dist.world_size)
         self.loss_sum = torch.zeros((), device=run.dist.device, dtype=torch.float64)
+        self.pair_sums = torch.zeros(1 + len(PAIR_METRICS), device=run.dist.device, dtype=torch.float64)
         self.steps, self.area, self.step_time = 0, 0, 0.0
 
     def add(self, result: StepResult, seconds: float) -> None:
         self.loss_sum += result.loss_sum
+        if result.pairs is not None:
+            self.pair_sums += result.pairs
         self.area += result.attention_area
         self.step_time += seconds
         self.steps += 1
@@ -41,7 +46,8 @@ class Interval:
         times = torch.tensor([self.step_time, -self.step_time], device=dist.device, dtype=torch.float64) / self.steps
         slowest, fastest = dist.all_reduce(times, torch.distributed.ReduceOp.MAX).tolist()
         grad_norm = engine.get_global_grad_norm()
-        record = {"step": run.step, "loss": mean_loss, "lr": lr,
+        pairs = pair_record(dist.all_reduce(self.pair_sums).tolist()) if run.preference else {}
+        record = {"step": run.step, "loss": mean_loss, **pairs, "lr": lr,
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "skipped_steps": engine.skipped_steps, **loss_scale(engine), "tokens_seen": run.tokens_seen,
                   **self.throughput.read(tokens, run.flops.flops(tokens, area_total)),
@@ -50,6 +56,7 @@ class Interval:
         run.log.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         run.log.info(format_record(record))
         self.loss_sum.zero_()
+        self.pair_sums.zero_()
         self.steps, self.area, self.step_time = 0, 0, 0.0
         return record
 
@@ -134,7 +141,9 @@ def loss_scale(engine) -> dict:
 
 
 def format_record(r: dict) -> str:
-    parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
+    parts = [f"step {r['step']}", f"loss {r['loss']:.4f}"]
+    parts += [f"{name} {r[name]:.{3 if name == 'rewards/accuracies' else 4}f}" for name in PAIR_METRICS if name in r]
+    parts.append(f"lr {r['lr']:.3e}")
     if r.get("grad_norm") is not None:
         parts.append(f"grad_norm {r['grad_norm']:.3f}")
     if r.get("loss_scale") is not None:

@@ -83,3 +83,17 @@ def test_every_row_is_a_chat_whose_loss_is_the_docstring(corpus):
     for row, example in zip(validation, encode_rows(validation, encoder)):
         answer = tokenizer.decode([i for i, label in zip(example.ids, example.labels) if label != IGNORE_INDEX])
         assert answer == row["messages"][2]["content"] + tokenizer.eos_token
+
+
+def test_the_preference_pairs_alternate_the_training_chats_and_reject_another_modules_answer(selection, tmp_path):
+    from model_utils.data.chat_corpus import build_preference_corpus
+
+    corpus = build_preference_corpus(tmp_path)
+    functions = selection["train"]
+    for split, half in (("train", functions[0::2]), ("validation", functions[1::2])):
+        pairs = rows(corpus, split)
+        docs = {f.doc: f for f in half}  # every rejected answer is of the same half: none is in both
+        assert len(pairs) == len(half)
+        for function, row in zip(half, pairs):
+            assert row["prompt"] + row["chosen"] == function.messages()  # the chat, its answer chosen
+            assert docs[row["rejected"][0]["content"]].module != function.module

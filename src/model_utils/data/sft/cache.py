@@ -47,7 +47,7 @@ def sft_cache_dir(root: Path, source_identity: str, tokenizer, settings: SFTSett
     return Path(root) / "sft" / hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def _write_array(array: np.ndarray, path: Path) -> None:
+def write_array(array: np.ndarray, path: Path) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     array.tofile(tmp)
     os.replace(tmp, path)
@@ -79,7 +79,7 @@ def build_sft_files(splits: dict, tokenizer, settings: SFTSettings, out_dir: Pat
             raise DataError(Problem("--dataset", source, f"the {split} split holds no example with a token "
                                     "carrying loss", "check the data (answers present) or pass --train_on_prompts"))
         for name in SPLIT_FILES:
-            _write_array(getattr(packed, name), out_dir / f"{split}.{name}.bin")
+            write_array(getattr(packed, name), out_dir / f"{split}.{name}.bin")
         meta["splits"][split] = {"stats": asdict(packed.stats), "dtypes": {n: getattr(packed, n).dtype.name
                                                                            for n in SPLIT_FILES}}
         meta["format"] = encoder.describe()
@@ -104,24 +104,29 @@ def held_out_blocks(num_blocks: int, fraction: float) -> tuple[np.ndarray, np.nd
 def open_sft(out_dir: Path, validation_fraction: float = SFTSettings.validation_fraction) -> PackedData:
     """The packed SFT data as the loop reads `PackedData`: train/val are PackedExamples, the blocks' ids, and the
     description for the run's data line (format, template, the statistics)."""
-    meta = json.loads((out_dir / "meta.json").read_text())
-    train = _open_split(out_dir, "train", meta)
-    if "validation" in meta["splits"]:
-        val = _open_split(out_dir, "validation", meta)
-        train_ids, val_ids = np.arange(train.num_blocks), np.arange(val.num_blocks)
-    else:
-        val = train
-        train_ids, val_ids = held_out_blocks(train.num_blocks, validation_fraction)
+    meta, (train, train_ids, val, val_ids) = open_splits(out_dir, validation_fraction, _open_split)
     stats = PackingStats(**meta["splits"]["train"]["stats"])
     description = (f"fine-tuning data ({meta['format']}): {stats.describe()}; {len(train_ids):,} training blocks "
                    f"(+{len(val_ids):,} validation)")
     return PackedData(train, train_ids, val, val_ids, description)
 
 
+def open_splits(out_dir: Path, validation_fraction: float, open_split) -> tuple[dict, tuple]:
+    """(meta.json, (train, train block ids, validation, validation block ids)) of a cache entry: `open_split(out_dir,
+    split, meta)` memory-maps a split; without a validation split, held-out blocks of the training split are it."""
+    meta = json.loads((out_dir / "meta.json").read_text())
+    train = open_split(out_dir, "train", meta)
+    if "validation" in meta["splits"]:
+        val = open_split(out_dir, "validation", meta)
+        return meta, (train, np.arange(train.num_blocks), val, np.arange(val.num_blocks))
+    train_ids, val_ids = held_out_blocks(train.num_blocks, validation_fraction)
+    return meta, (train, train_ids, train, val_ids)
+
+
 def load_sft_splits(source, cfg):
-    """(train, validation or None) of a fine-tuning source: the embedded chat dataset's two files as its splits,
-    anything else as data.loading.load_splits reads it."""
-    if source.kind != "embedded-chat":
+    """(train, validation or None) of a fine-tuning source: an embedded dataset's two files as its splits (the chats,
+    their preference pairs), anything else as data.loading.load_splits reads it."""
+    if source.kind not in ("embedded-chat", "embedded-preference"):
         return load_splits(source, cfg)
     import datasets
 
@@ -138,20 +143,28 @@ def open_sft_source(cfg, source, tokenizer, seq_len: int, data_format: str, dist
     them (open_sft)."""
     settings = SFTSettings(seq_len, data_format, cfg.train_on_prompts, cfg.validation_fraction)
     out_dir = sft_cache_dir(sft_cache_root(cfg), source_key(source, cfg), tokenizer, settings)
+    build_once(cfg, source, tokenizer, out_dir, dist, log, "examples",
+               lambda splits, workers: build_sft_files(splits, tokenizer, settings, out_dir, source.location, log,
+                                                       workers))
+    return open_sft(out_dir, cfg.validation_fraction)
+
+
+def build_once(cfg, source, tokenizer, out_dir: Path, dist, log, counted: str, write_files) -> None:
+    """The cache entry `out_dir` of a fine-tuning source's rows, built by one rank while the others wait on its files
+    (data.tokens.ensure_token_cache): `write_files(splits, workers)` checks, encodes, packs and writes the splits and
+    returns their meta, whose statistics count `counted` (examples, pairs) and tokens for the progress line."""
 
     def build(cfg, tokenizer, out_dir, log, source, progress=None):
         train, validation = load_sft_splits(source, cfg)
         if progress is not None:
             progress.set_total(len(train) + (len(validation) if validation is not None else 0))
-        meta = build_sft_files({"train": train, "validation": validation}, tokenizer, settings, out_dir,
-                               source.location, log, tokenizing_processes(cfg.num_proc))
+        meta = write_files({"train": train, "validation": validation}, tokenizing_processes(cfg.num_proc))
         if progress is not None:
-            examples = sum(split["stats"]["examples"] for split in meta["splits"].values())
+            rows = sum(split["stats"][counted] for split in meta["splits"].values())
             tokens = sum(split["stats"]["tokens"] for split in meta["splits"].values())
-            progress.update(examples, tokens, examples)
+            progress.update(rows, tokens, rows)
 
     ensure_token_cache(cfg, source, tokenizer, out_dir, dist, log, build=build)
-    return open_sft(out_dir, cfg.validation_fraction)
 
 
 def source_key(source, cfg) -> str:

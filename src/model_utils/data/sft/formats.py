@@ -236,7 +236,8 @@ def source_columns(source, cfg) -> list[str]:
     its first row, streamed). Raises DataError where they cannot be read."""
     try:
         # A stream of local files reads its columns as those files do; a stream of a hub dataset as the hub does.
-        if source.kind in ("files", "embedded", "embedded-chat") or (source.kind == "stream" and source.files):
+        if (source.kind in ("files", "embedded", "embedded-chat", "embedded-preference")
+                or (source.kind == "stream" and source.files)):
             first = source.files[0]
             if source.builder == "json":
                 return list(_first_json_record(first))
@@ -270,11 +271,12 @@ def source_columns(source, cfg) -> list[str]:
         raise load_problem(source, e) from e
 
 
-def resolve_data_format(cfg, source) -> str:
+def resolve_data_format(cfg, source, columns: list[str] | None = None) -> str:
     """--data_format resolved for this source: a fine-tuning format (FORMATS), or PRETRAINING (documents concatenated
     into blocks, concat_dataset's pipeline). auto: chat, prompt_completion or alpaca from the columns, tokens where a
     labels column comes with input_ids, else PRETRAINING. Raises DataError naming the data and the columns where an
-    explicit format's columns are missing or the source is one only pretraining reads."""
+    explicit format's columns are missing or the source is one only pretraining reads. `columns`: the source's, where
+    the caller read them already."""
     if source is None:
         return PRETRAINING
     if source.kind in PRETRAINING_KINDS:
@@ -283,7 +285,7 @@ def resolve_data_format(cfg, source) -> str:
                                     "which holds token streams without examples", "leave --data_format at auto, or "
                                     "point --dataset at rows (JSONL, Parquet, a saved dataset)"))
         return PRETRAINING
-    columns = source_columns(source, cfg)
+    columns = columns if columns is not None else source_columns(source, cfg)
     if cfg.data_format == "auto":
         fmt = next((name for name, required in REQUIRED_COLUMNS.items() if all(c in columns for c in required)), None)
         if fmt in ("chat", "sharegpt", "prompt_completion", "alpaca") or (fmt == "tokens" and "labels" in columns):
