@@ -108,10 +108,14 @@ class FineTuningDefaults:
     filled: tuple[str, ...] = ()  # the flags these values were given to (those the user left unset)
 
     def describe(self) -> str:
-        return (f"fine-tuning defaults: learning rate {self.learning_rate:g}, {self.warmup_steps} warmup steps "
-                f"({WARMUP_RATIO:.0%} of the run, at least DeepSpeed's {MIN_WARMUP_STEPS}), weight decay "
-                f"{self.weight_decay:g} ({self.source}); set "
-                "--learning_rate/--warmup_steps/ds_config's weight_decay to choose others")
+        """The defaults in force: the learning rate and warm-up where the flags left them unset (`filled`; all of
+        them where nothing says which), and the weight decay."""
+        given = {"learning_rate": f"learning rate {self.learning_rate:g}",
+                 "warmup_steps": f"{self.warmup_steps} warmup steps ({WARMUP_RATIO:.0%} of the run, at least "
+                                 f"DeepSpeed's {MIN_WARMUP_STEPS})"}
+        parts = [text for flag, text in given.items() if flag in self.filled or not self.filled]
+        return (f"fine-tuning defaults: {', '.join(parts + [f'weight decay {self.weight_decay:g}'])} ({self.source}); "
+                "set --learning_rate/--warmup_steps/ds_config's weight_decay to choose others")
 
 
 def fine_tuning_defaults(total_steps: int, lora: bool, preference: bool = False) -> FineTuningDefaults:

@@ -7,11 +7,10 @@ corpus (`data/corpus.py`). Like that corpus, it is built at run time into a cach
 same for the same interpreter: the examples, their order, the wording of each question and the train/validation split
 follow from the functions' qualified names alone.
 
-The preference pairs (`embedded-preference`) are made of the chats' training split, its functions alternately a training
-and a held-out (validation) pair: each asks the chat's question, the chosen answer is the chat's, the rejected one the
-answer about the next function of the same half from another module, so no answer is in both halves. A model
-fine-tuned on the chats has seen every pair's question and right answer; the held-out pairs measure whether preference
-tuning on the others taught it to prefer, for questions it was not tuned on, the answer that belongs to the question.
+The preference pairs (`embedded-preference`) are the chats, one pair per chat of each split: the chat's question, its
+answer chosen and the same answer in capitals rejected. The held-out pairs ask the validation split's questions, which
+neither fine-tuning on the chats nor tuning on the training pairs saw. It is a preference a tiny model learns within a
+few steps, so that the CPU journey (docs/PREFERENCE.md) shows the whole road working.
 
     python -m model_utils.data.chat_corpus            # build (once) and print the directory holding the two JSONL files
 """
@@ -157,24 +156,21 @@ def _built(name: str, variant: str, rows_of, cache_root: Path | None, max_exampl
 
 def preference_rows(functions: list[DocumentedFunction]) -> list[dict]:
     """TRL's conversational preference rows: the chat's prompt (system and user turns), its answer as `chosen`, and as
-    `rejected` the answer about the next function of another module (wrapping around)."""
+    `rejected` the same answer with its words in reverse order: the same tokens, none of the language."""
     rows = []
-    for index, function in enumerate(functions):
-        others = functions[index + 1:] + functions[:index]
-        other = next((f for f in others if f.module != function.module), others[0] if others else function)
+    for function in functions:
         *prompt, answer = function.messages()
-        rows.append({"prompt": prompt, "chosen": [answer], "rejected": [{"role": "assistant", "content": other.doc}]})
+        rows.append({"prompt": prompt, "chosen": [answer],
+                     "rejected": [{"role": "assistant", "content": answer["content"].upper()}]})
     return rows
 
 
 def build_preference_corpus(cache_root: Path | None = None, max_examples: int = DEFAULT_MAX_EXAMPLES) -> Path:
-    """Build (once) and return the directory holding the preference pairs' `train.jsonl` and `validation.jsonl`:
-    the chats' training split, its functions alternately a training and a held-out pair (`preference_rows` of each
-    half), keyed like the chats."""
-    def halves(splits: dict) -> dict[str, list[dict]]:
-        return {"train": preference_rows(splits["train"][0::2]), "validation": preference_rows(splits["train"][1::2])}
-
-    return _built("preference-corpus", "|alternate pairs of the training chats", halves, cache_root, max_examples)
+    """Build (once) and return the directory holding the preference pairs' `train.jsonl` and `validation.jsonl`, one
+    pair (`preference_rows`) per chat of each split, keyed like the chats."""
+    return _built("preference-corpus", "|answers against them in capitals",
+                  lambda splits: {split: preference_rows(functions) for split, functions in splits.items()},
+                  cache_root, max_examples)
 
 
 def split_files(corpus_dir: Path) -> dict[str, str]:

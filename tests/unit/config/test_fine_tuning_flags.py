@@ -181,8 +181,12 @@ def test_the_fine_tuning_defaults_are_not_reported_as_the_users_overrides(tmp_pa
     assert defaults.fine_tuning.filled == ("learning_rate", "warmup_steps")
     assert defaults.ds_config["optimizer"]["params"]["lr"] == 2e-4
     assert not [note for note in defaults.notes if "overrides" in note], defaults.notes
+    assert defaults.fine_tuning.describe().startswith("fine-tuning defaults: learning rate 0.0002, 3 warmup steps")
     mine = make_plan(TrainConfig.from_flags(learning_rate=1e-3, **flags), 1, decides=False)
     assert mine.fine_tuning.filled == ("warmup_steps",)
+    # the line states what it filled: the warm-up, not a rate the run does not train at
+    assert mine.fine_tuning.describe().startswith("fine-tuning defaults: 3 warmup steps")
+    assert "learning rate" not in mine.fine_tuning.describe().split("(")[0]
     assert [note for note in mine.notes if "overrides" in note] == [
         "--learning_rate 0.001 overrides optimizer.params.lr=0.0003 from the DeepSpeed config"]
 

@@ -85,15 +85,16 @@ def test_every_row_is_a_chat_whose_loss_is_the_docstring(corpus):
         assert answer == row["messages"][2]["content"] + tokenizer.eos_token
 
 
-def test_the_preference_pairs_alternate_the_training_chats_and_reject_another_modules_answer(selection, tmp_path):
+def test_the_preference_pairs_are_the_chats_with_their_answer_in_capitals_rejected(selection, tmp_path):
+    """One pair per chat of each split, its questions and answer the chat's: the held-out pairs ask what neither the
+    fine-tuning nor the preference tuning saw."""
     from model_utils.data.chat_corpus import build_preference_corpus
 
     corpus = build_preference_corpus(tmp_path)
-    functions = selection["train"]
-    for split, half in (("train", functions[0::2]), ("validation", functions[1::2])):
-        pairs = rows(corpus, split)
-        docs = {f.doc: f for f in half}  # every rejected answer is of the same half: none is in both
-        assert len(pairs) == len(half)
-        for function, row in zip(half, pairs):
+    for split in ("train", "validation"):
+        functions, pairs = selection[split], rows(corpus, split)
+        assert len(pairs) == len(functions) > 0
+        for function, row in zip(functions, pairs):
             assert row["prompt"] + row["chosen"] == function.messages()  # the chat, its answer chosen
-            assert docs[row["rejected"][0]["content"]].module != function.module
+            answer = row["chosen"][0]["content"]
+            assert row["rejected"] == [{"role": "assistant", "content": answer.upper()}] and answer.upper() != answer
