@@ -92,10 +92,11 @@ def pytest_unconfigure(config):
 
 
 # The tiers run in parallel (pytest-xdist, `-n auto --dist loadscope` in pyproject.toml): a trainer run spends much of
-# its time in one rank's work (data, export, summary) while the other waits, and in its processes' starts, so two
-# test processes on two cores finish the suite sooner than one. A module's tests stay on one worker (loadscope), so its
-# shared runs (module fixtures) run once, and the SLURM tier, one module, uses the one local cluster. A run of a few
-# files or test ids takes no workers: starting them (each imports the libraries) would cost more than it saves.
+# its time in one rank's work (data, export, summary) while the other waits, a SLURM job in its scheduling, so one
+# worker more than the cores keeps them busy (2 cores: 3 workers, 12.5 min for the suite against 14.3 with 2 and 25.5
+# with none). A module's tests stay on one worker (loadscope), so its shared runs (module fixtures) run once, and the
+# SLURM tier, one module, uses the one local cluster. A run of a few files or test ids takes no workers: starting them
+# (each imports the libraries) would cost more than it saves. PYTEST_XDIST_AUTO_NUM_WORKERS=N sets the count.
 MAX_WORKERS = 4
 
 
@@ -106,7 +107,7 @@ def pytest_xdist_auto_num_workers(config):
     named = [arg for arg in config.args if not Path(arg.split("::")[0]).is_dir()]
     if config.args and len(named) == len(config.args) and len(named) <= 2:
         return 0
-    return max(2, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+    return max(2, min(MAX_WORKERS, len(os.sched_getaffinity(0)) + 1))
 
 
 # `pytest -m quick`: the unit tier and, of the slower tiers, one test of each journey a change most often breaks (a
