@@ -40,15 +40,14 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import host_peak_gib, normalize_env, peak_memory  # noqa: E402
-from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
 from fine_tuning_cli import add_run_arguments, report, reporter  # noqa: E402
-from sft_bench import (BenchProblem, all_ranks_max, all_ranks_sum, compare_losses, liger_applied,  # noqa: E402
-                       model_directory, run_flags, segment_lengths, timed_steps, work_of)
+from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
+from sft_bench import (BenchProblem, all_ranks_max, all_ranks_sum, built_run, compare_losses,  # noqa: E402
+                       liger_applied, model_directory, run_flags, segment_lengths, timed_steps, work_of, worker_result)
 
 SIDES = {"ours": "ours", "trl": "TRL DPOTrainer"}
 REFERENCE_FORWARD = 1 / 3  # a forward pass's FLOPs against a forward and backward pass's
@@ -93,25 +92,11 @@ def trainer_argv(job: dict, workdir: Path) -> list[str]:
 
 def worker_ours(job: dict, workdir: Path) -> dict | None:
     normalize_env()
-    import torch
-
-    from model_utils.config.flags import parse_args
-    from model_utils.planning.plan import make_plan
-    from model_utils.planning.preflight import check_plan, raise_on_problems
-    from model_utils.runtime.distributed import distributed_env_problems, setup_distributed
-    from model_utils.train.build import build_run, start_log
     from model_utils.train.preference import preference_step
 
     steps, warmup = job["steps"], job["warmup"]
-    cfg = parse_args(trainer_argv(job, workdir))
-    assert not distributed_env_problems()
-    dist = setup_distributed()
-    t0 = time.perf_counter()
-    log = start_log(cfg, dist)
-    plan = make_plan(cfg, dist.world_size, on_training_hardware=True)
-    raise_on_problems(check_plan(plan, check_disk=False))  # a benchmark never saves
-    run = build_run(plan, dist, log)  # full fine-tuning: the reference's log-probabilities, once, here
-    setup_s = time.perf_counter() - t0
+    # full fine-tuning: the reference's log-probabilities computed once, in the build
+    cfg, dist, run, setup_s = built_run(trainer_argv(job, workdir))
     scale = run.batch.accumulation * dist.world_size  # the step's loss: the mean over the pairs of all ranks
     times, losses, timed_blocks, gpu = timed_steps(
         run, preference_step, steps, warmup, lambda result: all_ranks_sum([result.loss_sum.item()], dist.device)[0]
@@ -130,14 +115,8 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
            "attention": run.speed_in_force.get("attention_kernel", cfg.model.attn_implementation),
            "liger": run.speed_in_force.get("fused_kernels", "off"),
            **pair_figures(run.engine.module.config, num_params, job["seq_len"], int(pairs), int(tokens), int(area),
-                          times, dist.world_size, reference_in_step=run.reference is None),
-           **peak_memory(), **gpu}
-    if "peak_mem_gib" in out:
-        out["peak_mem_gib"] = all_ranks_max(out["peak_mem_gib"], dist.device)
-    out["host_peak_gib"] = all_ranks_max(host_peak_gib(), dist.device)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return out if dist.is_main else None
+                          times, dist.world_size, reference_in_step=run.reference is None), **gpu}
+    return worker_result(out, dist)
 
 
 def read_rows(path: str) -> list[dict]:

@@ -192,25 +192,11 @@ def run_flags(job: dict, workdir: Path) -> list[str]:
 def worker_ours(job: dict, workdir: Path) -> dict | None:
     normalize_env()
     import numpy as np
-    import torch
 
-    from model_utils.config.flags import parse_args
-    from model_utils.planning.plan import make_plan
-    from model_utils.planning.preflight import check_plan, raise_on_problems
-    from model_utils.runtime.distributed import distributed_env_problems, setup_distributed
-    from model_utils.train.build import build_run, start_log
     from model_utils.train.step import train_step
 
     steps, warmup = job["steps"], job["warmup"]
-    cfg = parse_args(trainer_argv(job, workdir))
-    assert not distributed_env_problems()
-    dist = setup_distributed()
-    t0 = time.perf_counter()
-    log = start_log(cfg, dist)
-    plan = make_plan(cfg, dist.world_size, on_training_hardware=True)
-    raise_on_problems(check_plan(plan, check_disk=False))  # a benchmark never saves
-    run = build_run(plan, dist, log)
-    setup_s = time.perf_counter() - t0
+    cfg, dist, run, setup_s = built_run(trainer_argv(job, workdir))
     # this rank's mean over its micro-batches (fine-tuning data: its share of the step's per-token mean, x ranks)
     times, losses, timed_blocks, gpu = timed_steps(run, train_step, steps, warmup,
                                                    lambda result: result.loss_sum.item() / run.batch.accumulation)
@@ -230,7 +216,36 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
            "attention": run.speed_in_force.get("attention_kernel", cfg.model.attn_implementation),
            "liger": run.speed_in_force.get("fused_kernels", "off"),
            **figures(run.engine.module.config, base_parameters(run.engine.module), run.batch.seq_len, int(tokens),
-                     int(area), int(loss_tokens), times, dist.world_size), **peak_memory(), **gpu}
+                     int(area), int(loss_tokens), times, dist.world_size), **gpu}
+    return worker_result(out, dist)
+
+
+def built_run(argv: list[str]):
+    """(cfg, dist, run, setup seconds): the trainer's run of `argv` as its main() builds it, on this process's rank
+    (parse_args -> make_plan -> check_plan -> build_run), without the disk checks: a benchmark never saves."""
+    from model_utils.config.flags import parse_args
+    from model_utils.planning.plan import make_plan
+    from model_utils.planning.preflight import check_plan, raise_on_problems
+    from model_utils.runtime.distributed import distributed_env_problems, setup_distributed
+    from model_utils.train.build import build_run, start_log
+
+    cfg = parse_args(argv)
+    assert not distributed_env_problems()
+    dist = setup_distributed()
+    t0 = time.perf_counter()
+    log = start_log(cfg, dist)
+    plan = make_plan(cfg, dist.world_size, on_training_hardware=True)
+    raise_on_problems(check_plan(plan, check_disk=False))
+    run = build_run(plan, dist, log)
+    return cfg, dist, run, time.perf_counter() - t0
+
+
+def worker_result(out: dict, dist) -> dict | None:
+    """A worker's result with every rank's peak memory (GPU and host, the largest) on rank 0, the process group
+    ended; None on the other ranks."""
+    import torch
+
+    out.update(peak_memory())
     if "peak_mem_gib" in out:
         out["peak_mem_gib"] = all_ranks_max(out["peak_mem_gib"], dist.device)
     out["host_peak_gib"] = all_ranks_max(host_peak_gib(), dist.device)
