@@ -50,6 +50,12 @@
 #               step 5 is logged; resumed again to 6: the step 4-5 losses against the killed run's (step 4 bit for
 #               bit, step 5 within bf16 noise on GPUs), evaluate, save, export, a sample, then
 #               `python -m model_utils.generate --chat` on the export
+#   qlora       the seeds' small GPU: JOURNEY_QLORA_MODEL (llama-8b, a preset quantized on load) with LoRA of rank 16 on
+#               a 4-bit base (--load_in_4bit), the GPU held to JOURNEY_QLORA_GPU_GIB (15: a T4's 16 GB) in
+#               JOURNEY_QLORA_DS_CONFIG's precision (configs/fp16.json: a T4 has no bf16), 2048-token chats at the
+#               automatic micro-batch: the preflight's plan without a GPU (a login node), then 6 steps with an evaluation
+#               and a checkpoint at 3, killed (SIGKILL) once step 5 is logged; resumed to 6: the step 4-5 losses
+#               against the killed run's, evaluate, save, the merged model exported and prompted
 #   fp16        benchmarks/fp16_check.py on the first GPU: the tiny preset in fp16, its loss scale logged, overflows
 #               skipped and counted, a kill -9 and resume continuing the scale and the losses exactly
 #
@@ -73,6 +79,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
 : "${JOURNEY_KEEP_LARGE:=0}" # 1: a *-large journey's checkpoint stays for its -resume in a later invocation
+: "${JOURNEY_QLORA_MODEL:=llama-8b}" # qlora: a preset or a model directory, quantized to 4 bits on load
+: "${JOURNEY_QLORA_GPU_GIB:=15}" # qlora: the GPU memory it may use (GPU_MEMORY_GIB; 44 for an L40's 48 GB)
+: "${JOURNEY_QLORA_DS_CONFIG:=configs/fp16.json}" # qlora: its precision (ds_config.json: bf16, for an L40)
+: "${JOURNEY_QLORA_FLAGS:=}" # qlora: more trainer flags, e.g. "--micro_batch_size 4" (split on spaces)
 : "${JOURNEY_LONG_MODEL:=llama-8b}" # long-sft: a preset written as a Hugging Face model, or a model directory
 : "${JOURNEY_LONG_TOKENS:=131072}" # long-sft: the sequence length; its chats are about this long
 : "${JOURNEY_LONG_SP:=0}" # long-sft: GPUs per sequence (0: every GPU of the node)
@@ -151,7 +161,7 @@ EOF
     # Checkpoints take disk (8 GiB each for Qwen3-0.6B, 55 GiB for Qwen3-4B): only those a later journey resumes from
     # stay.
     [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed ||
-        $name == sft-lora || $name == long-sft || $name == long-sft-resume ]] \
+        $name == sft-lora || $name == long-sft || $name == long-sft-resume || $name == qlora-resume ]] \
         || { [[ $name == *-large ]] && { wanted "$name-resume" || ((JOURNEY_KEEP_LARGE)); }; } || rm -rf "$dir"
 }
 
@@ -201,7 +211,7 @@ parts = [f"journey {name}: {'SIGKILL after its pattern, as planned' if status ==
 records = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()] \
     if (ckpt / "metrics.jsonl").exists() else []
 steps = [r for r in records if "tokens_per_s" in r and "loss" in r]
-if steps and resumed and steps[-1]["step"] > int(resumed[-1]):
+if steps and (not resumed or steps[-1]["step"] > int(resumed[-1])):
     r = steps[-1]
     parts += [f"step {r['step']} loss {r['loss']:.4f}", f"{r['tokens_per_s']:,.0f} tokens/s",
               f"peak {r.get('peak_mem_gib') or 0:.1f} GiB", f"host peak {r.get('host_peak_mem_gib') or 0:.1f} GiB"]
@@ -343,6 +353,46 @@ if wanted finetune; then
 fi
 python=$(command -v python3) # the launchers' choice (resolve_python): the repository's .venv where one exists
 [[ -x .venv/bin/python ]] && python=$PWD/.venv/bin/python
+# compare_resumed NAME KILLED_METRICS RESUMED_METRICS RESUME_STEP: the steps a killed run trained after RESUME_STEP,
+# trained again by the run resumed from there (its log, JOURNEY_DIR/NAME-resume.log, names that step), give the same
+# losses (one line; sets failed where they do not).
+compare_resumed() {
+    "$python" - "$2" "$3" "$1" "$4" "$JOURNEY_DIR/$1-resume.log" <<'EOF' | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+import json, math, re, sys
+
+def losses(path):  # each step's last record: a resumed run logs its steps again
+    found = {}
+    for line in open(path):
+        record = json.loads(line)
+        if "loss" in record and "lr" in record:
+            found[record["step"]] = record["loss"]
+    return found
+
+killed, resumed = losses(sys.argv[1]), losses(sys.argv[2])
+steps = sorted(s for s in set(killed) & set(resumed) if s > int(sys.argv[4]))
+# The first step after the resume point trains the restored weights on the restored data: its loss is the killed run's
+# bit for bit. Later steps follow gradients that GPU kernels sum in no fixed order (attention's backward): equal on
+# CPU, within bf16 noise on GPUs.
+def off(s):  # relative difference; nan where either loss is not finite
+    k, r = killed[s], resumed[s]
+    return abs(k - r) / max(abs(k), 1e-12) if math.isfinite(k) and math.isfinite(r) else math.nan
+
+later = [off(s) for s in steps[1:]]
+resumed_from = re.findall(r"resume: continuing from \S+ at step (\d+)", open(sys.argv[5], errors="replace").read())
+if resumed_from[-1:] != [sys.argv[4]]:
+    verdict = f"not resumed from step {sys.argv[4]} (from {resumed_from[-1] if resumed_from else 'none'})"
+elif len(steps) < 2 or killed[steps[0]] != resumed[steps[0]] or not all(d <= 0.01 for d in later):
+    verdict = "not equal"  # (a nan compares false) or fewer than the two steps the killed run trained again
+elif max(later) == 0:
+    verdict = "equal"
+else:
+    verdict = f"step {steps[0]} equal, later within {max(later):.2%}"
+print(f"journey {sys.argv[3]}: " + ", ".join(f"step {s} loss {killed[s]:.5f} killed, {resumed[s]:.5f} resumed" for s in steps)
+      + f" ({verdict})")
+sys.exit(0 if verdict == "equal" or verdict.startswith("step") else 1)
+EOF
+}
+
 # hf_model PRESET_OR_DIRECTORY: a preset written once under JOURNEY_DIR/models as a random-init Hugging Face model (the
 # stand-in for a hub checkpoint), or the directory given; its path on stdout
 hf_model() {
@@ -436,43 +486,34 @@ if wanted long-sft; then
     cp "$JOURNEY_DIR/long/metrics.jsonl" "$JOURNEY_DIR/long-killed-metrics.jsonl"
     run long-sft-resume "$JOURNEY_DIR/long" "${long[@]}" MAX_STEPS=6 -- "${long_flags[@]}" --eval_interval 6 \
         --generate_prompt "What does json.dumps do?"
-    # the steps the killed run trained after its resume point, trained again by the resumed run: the same losses
-    "$python" - "$JOURNEY_DIR/long-killed-metrics.jsonl" "$JOURNEY_DIR/long/metrics.jsonl" <<'EOF' \
-        | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
-import json, math, sys
-
-def losses(path):  # each step's last record: a resumed run logs its steps again
-    found = {}
-    for line in open(path):
-        record = json.loads(line)
-        if "loss" in record and "lr" in record:
-            found[record["step"]] = record["loss"]
-    return found
-
-killed, resumed = losses(sys.argv[1]), losses(sys.argv[2])
-steps = sorted(set(killed) & set(resumed) - {1, 2, 3})
-# The first step after the resume point trains the restored weights on the restored data: its loss is the killed run's
-# bit for bit. Later steps follow gradients that GPU kernels sum in no fixed order (attention's backward): equal on
-# CPU, within bf16 noise on GPUs.
-def off(s):  # relative difference; nan where either loss is not finite
-    k, r = killed[s], resumed[s]
-    return abs(k - r) / max(abs(k), 1e-12) if math.isfinite(k) and math.isfinite(r) else math.nan
-
-later = [off(s) for s in steps[1:]]
-if len(steps) < 2 or killed[steps[0]] != resumed[steps[0]] or not all(d <= 0.01 for d in later):
-    verdict = "not equal"  # (a nan compares false) or fewer than the two steps the killed run trained again
-elif max(later) == 0:
-    verdict = "equal"
-else:
-    verdict = f"step {steps[0]} equal, later within {max(later):.2%}"
-print("journey long-sft: " + ", ".join(f"step {s} loss {killed[s]:.5f} killed, {resumed[s]:.5f} resumed" for s in steps)
-      + f" ({verdict})")
-sys.exit(0 if verdict != "not equal" else 1)
-EOF
+    compare_resumed long-sft "$JOURNEY_DIR/long-killed-metrics.jsonl" "$JOURNEY_DIR/long/metrics.jsonl" 3
     rm -rf "$JOURNEY_DIR/long"
     command=("$python" -m model_utils.generate --model "$long_export" --chat "What does os.path.join do?")
     echo "${command[*]}"
     (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+fi
+if wanted qlora; then
+    rm -rf "$JOURNEY_DIR/qlora" "$JOURNEY_DIR/qlora-hf"  # a checkpoint left by an interrupted journey would be resumed
+    qlora=(MODEL="$JOURNEY_QLORA_MODEL" DATASET=embedded-chat DS_CONFIG="$JOURNEY_QLORA_DS_CONFIG"
+           GPU_MEMORY_GIB="$JOURNEY_QLORA_GPU_GIB" OUTPUT_DIR="$JOURNEY_DIR/qlora-hf")
+    qlora_flags=(--lora_rank 16 --load_in_4bit --gradient_checkpointing --seq_len 2048 --log_interval 1 --eval_iters 2
+                 --checkpoint_freq 3 --eval_interval 3 --keep_last_checkpoints 1 --export_merged)
+    read -r -a qlora_more <<<"$JOURNEY_QLORA_FLAGS"
+    qlora_flags+=("${qlora_more[@]}")
+    # the plan as a login node prints it: no GPU visible, GPU_MEMORY_GIB the GPU nodes' size
+    (cd src && CUDA_VISIBLE_DEVICES="" GPU_MEMORY_GIB="$JOURNEY_QLORA_GPU_GIB" "$python" train_deepspeed.py --preflight \
+        --model "$JOURNEY_QLORA_MODEL" --dataset embedded-chat --ds_config "../$JOURNEY_QLORA_DS_CONFIG" "${qlora_flags[@]}") \
+        2>&1 | grep -E "^(batch|micro-batch|memory|QLoRA|preflight)" | cut -c1-300 | sed 's/^/journey qlora preflight: /' \
+        | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+    crash qlora-killed "$JOURNEY_DIR/qlora" "^step 5 " "${qlora[@]}" MAX_STEPS=6 -- "${qlora_flags[@]}" --no-export
+    cp "$JOURNEY_DIR/qlora/metrics.jsonl" "$JOURNEY_DIR/qlora-killed-metrics.jsonl"
+    run qlora-resume "$JOURNEY_DIR/qlora" "${qlora[@]}" MAX_STEPS=6 -- "${qlora_flags[@]}" \
+        --generate_prompt "What does json.dumps do?"
+    compare_resumed qlora "$JOURNEY_DIR/qlora-killed-metrics.jsonl" "$JOURNEY_DIR/qlora/metrics.jsonl" 3
+    command=("$python" -m model_utils.generate --model "$JOURNEY_DIR/qlora-hf/merged" --chat "What does os.path.join do?")
+    echo "${command[*]}"
+    (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+    rm -rf "$JOURNEY_DIR/qlora" "$JOURNEY_DIR/qlora-hf"
 fi
 if wanted fp16; then
     "$python" benchmarks/fp16_check.py --out "$JOURNEY_DIR/fp16" | tee -a "$JOURNEY_DIR/journey.txt" || failed=1

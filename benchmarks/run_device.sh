@@ -33,7 +33,7 @@ run_bench() {  # run_bench SCRIPT NAME SECONDS_NEEDED ARGS...: one invocation of
   echo "=== $name ($(($(date +%s) - START))s)"
   # --log-dir: one folder per section, so runs of the same name in two sections keep both logs
   python3 "$script" --json "$OUT/results.jsonl" --log-dir "$OUT/logs/$name" --write-doc "$OUT/$name.md" "$@" 2>&1 \
-    | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|ours|trl|full|lora|loss|Loss|#|Best|Round|Over)' \
+    | grep -v '^\[rank' | tee "$OUT/$name.txt" | grep -E '^(\||engine|hf|ours|trl|full|lora|qlora|loss|Loss|#|Best|Round|Over)' \
     | cut -c1-400
 }
 bench() { run_bench benchmarks/bench.py "$@"; }  # bench NAME SECONDS_NEEDED bench.py-ARGS...
