@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_utils.data.corpus import MIN_DOCSTRING_CHARS, default_cache_root, stdlib_sources
+from model_utils.data.corpus import MIN_DOCSTRING_CHARS, default_cache_root, place_once, stdlib_sources
 
 DEFAULT_MAX_EXAMPLES = 4000
 VALIDATION_PERCENT = 5  # of the examples, chosen by name: the split does not move when max_examples changes
@@ -131,7 +131,8 @@ def select_examples(max_examples: int = DEFAULT_MAX_EXAMPLES) -> dict[str, list[
 def build_sft_corpus(cache_root: Path | None = None, max_examples: int = DEFAULT_MAX_EXAMPLES) -> Path:
     """Build (once) and return the directory holding `train.jsonl` and `validation.jsonl`, one `{"messages": ...}`
     chat per line. The key is the Python version, the stdlib location and the selection, so different interpreters
-    never share a stale dataset; each file is written to a temporary name and renamed."""
+    never share a stale dataset; each file is written to a temporary name and put in place where no other process's is
+    (corpus.place_once)."""
     return _built("sft-corpus", "", lambda splits: {split: [{"messages": f.messages()} for f in functions]
                                                     for split, functions in splits.items()}, cache_root, max_examples)
 
@@ -150,7 +151,7 @@ def _built(name: str, variant: str, rows_of, cache_root: Path | None, max_exampl
         with open(tmp, "w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, out_dir / f"{split}.jsonl")
+        place_once(tmp, out_dir / f"{split}.jsonl")
     return out_dir
 
 

@@ -67,7 +67,9 @@ def build_embedded_corpus(cache_root: Path | None = None) -> Path:
     """Build (once) and return the path of `corpus.jsonl`, one `{"text": ...}` document per line.
 
     The cache key is the Python version and stdlib location, so different interpreters never share a stale corpus.
-    The file is written to a temporary name and renamed, so a crash never leaves a half-written corpus behind.
+    The file is written to a temporary name and linked into place only where no other process put one there first:
+    a crash never leaves a half-written corpus behind, and a corpus another process is already reading is never
+    replaced under it (its tokenization would see the file change and stop).
     """
     stdlib = sysconfig.get_paths()["stdlib"]
     key = hashlib.sha256(f"{sys.version}|{stdlib}|{MIN_DOCSTRING_CHARS}".encode()).hexdigest()[:12]
@@ -80,5 +82,19 @@ def build_embedded_corpus(cache_root: Path | None = None) -> Path:
     with open(tmp, "w", encoding="utf-8") as f:
         for doc in iter_documents():
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-    os.replace(tmp, corpus)
+    place_once(tmp, corpus)
     return corpus
+
+
+def place_once(tmp: Path, path: Path) -> None:
+    """Move a finished `tmp` to `path` unless another process put a file there first, which then stays: a file that a
+    process may already be reading (the embedded datasets' caches, built by whichever process comes first) is never
+    replaced under it."""
+    try:
+        os.link(tmp, path)  # fails where the other process's file got there first
+    except FileExistsError:
+        pass
+    except OSError:  # a filesystem without hard links
+        if not path.exists():
+            os.replace(tmp, path)
+    tmp.unlink(missing_ok=True)

@@ -47,6 +47,31 @@ def corpus_docs() -> list[str]:
     return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
 
 
+def test_a_corpus_another_process_put_in_place_first_is_never_replaced(tmp_path, monkeypatch):
+    """Two processes that build the embedded corpus at once: the one that finishes second keeps the first one's file
+    (the same inode and time), since a process already tokenizing it would see it change and stop; and no temporary
+    file is left behind."""
+    import model_utils.data.corpus as corpus_module
+
+    first = {}
+
+    def documents_while_another_process_finishes():
+        yield "a document of this process"
+        # the other process's corpus lands while this one is still writing its own
+        out_dir = next(tmp_path.glob("embedded-corpus-*"))
+        (out_dir / "corpus.jsonl").write_text(json.dumps({"text": "the other process's corpus"}) + "\n")
+        first["stat"] = (out_dir / "corpus.jsonl").stat()
+
+    monkeypatch.setattr(corpus_module, "iter_documents", documents_while_another_process_finishes)
+    path = build_embedded_corpus(tmp_path)
+    assert json.loads(path.read_text())["text"] == "the other process's corpus"
+    assert (path.stat().st_ino, path.stat().st_mtime_ns) == (first["stat"].st_ino, first["stat"].st_mtime_ns)
+    assert [p.name for p in path.parent.iterdir()] == ["corpus.jsonl"]
+    monkeypatch.setattr(corpus_module, "iter_documents", lambda: iter(["one document"]))
+    fresh = build_embedded_corpus(tmp_path / "alone")  # with no other process: its own corpus, in place
+    assert json.loads(fresh.read_text())["text"] == "one document" and len(list(fresh.parent.iterdir())) == 1
+
+
 def write_jsonl_dir(folder: Path, docs: list[str]) -> Path:
     """Two JSONL files, with what the JSON reader skips or empties: a blank line, a record without the text field."""
     folder.mkdir(parents=True)
