@@ -50,7 +50,9 @@
 #               step 5 is logged; resumed again to 6: the step 4-5 losses against the killed run's (step 4 bit for
 #               bit, step 5 within bf16 noise on GPUs), evaluate, save, export, a sample, then
 #               `python -m model_utils.generate --chat` on the export
-#   qlora       the seeds' small GPU: JOURNEY_QLORA_MODEL (llama-8b, a preset quantized on load) with LoRA of rank 16 on
+#   qlora       the seeds' small GPU: JOURNEY_QLORA_MODEL (llama-8b: Llama 3.1 8B's dimensions, random weights written
+#               once as a Hugging Face model, loaded in 4 bits as a hub checkpoint is; a preset's own random init runs
+#               on the host's CPU, minutes for 8B) with LoRA of rank 16 on
 #               a 4-bit base (--load_in_4bit), the GPU held to JOURNEY_QLORA_GPU_GIB (15: a T4's 16 GB) in
 #               JOURNEY_QLORA_DS_CONFIG's precision (configs/fp16.json: a T4 has no bf16), 2048-token chats at the
 #               automatic micro-batch: the preflight's plan without a GPU (a login node), then 6 steps with an evaluation
@@ -79,7 +81,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_WRITES:=background synchronous}" # the saves journeys' ways of writing checkpoints
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
 : "${JOURNEY_KEEP_LARGE:=0}" # 1: a *-large journey's checkpoint stays for its -resume in a later invocation
-: "${JOURNEY_QLORA_MODEL:=llama-8b}" # qlora: a preset or a model directory, quantized to 4 bits on load
+: "${JOURNEY_QLORA_MODEL:=llama-8b}" # qlora: a preset written as a Hugging Face model, or a model directory
 : "${JOURNEY_QLORA_GPU_GIB:=15}" # qlora: the GPU memory it may use (GPU_MEMORY_GIB; 44 for an L40's 48 GB)
 : "${JOURNEY_QLORA_DS_CONFIG:=configs/fp16.json}" # qlora: its precision (ds_config.json: bf16, for an L40)
 : "${JOURNEY_QLORA_FLAGS:=}" # qlora: more trainer flags, e.g. "--micro_batch_size 4" (split on spaces)
@@ -494,7 +496,8 @@ if wanted long-sft; then
 fi
 if wanted qlora; then
     rm -rf "$JOURNEY_DIR/qlora" "$JOURNEY_DIR/qlora-hf"  # a checkpoint left by an interrupted journey would be resumed
-    qlora=(MODEL="$JOURNEY_QLORA_MODEL" DATASET=embedded-chat DS_CONFIG="$JOURNEY_QLORA_DS_CONFIG"
+    qlora_model=$(hf_model "$JOURNEY_QLORA_MODEL")
+    qlora=(MODEL="$qlora_model" DATASET=embedded-chat DS_CONFIG="$JOURNEY_QLORA_DS_CONFIG"
            GPU_MEMORY_GIB="$JOURNEY_QLORA_GPU_GIB" OUTPUT_DIR="$JOURNEY_DIR/qlora-hf")
     qlora_flags=(--lora_rank 16 --load_in_4bit --gradient_checkpointing --seq_len 2048 --log_interval 1 --eval_iters 2
                  --checkpoint_freq 3 --eval_interval 3 --keep_last_checkpoints 1 --export_merged)
@@ -502,7 +505,7 @@ if wanted qlora; then
     qlora_flags+=("${qlora_more[@]}")
     # the plan as a login node prints it: no GPU visible, GPU_MEMORY_GIB the GPU nodes' size
     (cd src && CUDA_VISIBLE_DEVICES="" GPU_MEMORY_GIB="$JOURNEY_QLORA_GPU_GIB" "$python" train_deepspeed.py --preflight \
-        --model "$JOURNEY_QLORA_MODEL" --dataset embedded-chat --ds_config "../$JOURNEY_QLORA_DS_CONFIG" "${qlora_flags[@]}") \
+        --model "$qlora_model" --dataset embedded-chat --ds_config "../$JOURNEY_QLORA_DS_CONFIG" "${qlora_flags[@]}") \
         2>&1 | grep -E "^(batch|micro-batch|memory|QLoRA|preflight)" | cut -c1-300 | sed 's/^/journey qlora preflight: /' \
         | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
     crash qlora-killed "$JOURNEY_DIR/qlora" "^step 5 " "${qlora[@]}" MAX_STEPS=6 -- "${qlora_flags[@]}" --no-export

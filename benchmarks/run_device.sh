@@ -148,6 +148,14 @@ case "$1" in
       --peer-packing grouped --timeout "${SFT_TIMEOUT:-300}" --attention_kernel varlen \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 off on both: ours (varlen) against TRL"
     ;;
+  dpo)  # preference tuning (DPO) against TRL's DPOTrainer + DeepSpeed + Liger: Qwen3-1.7B, full fine-tuning, 2,000
+    # embedded pairs, 32,768 block tokens a step, FlashAttention-4 on both sides; ours at 4 and 8 blocks, TRL at 8
+    # pairs (its setup precomputes the reference over the pairs: minutes) (~8 min)
+    run_bench benchmarks/dpo_bench.py dpo 420 --model qwen3-1.7b --modes full --seq_len 1024 --global_batch_tokens 32768 \
+      --micro_batch_size 4 8 --peer-micro-batch-size 8 --steps 20 --warmup 2 --peer-attn flash_attention_4 \
+      --max_examples 2000 --timeout 400 --workdir /tmp/dpo-work \
+      --title "Preference tuning (DPO), Qwen3-1.7B, full, 1 GPU, FlashAttention-4 on both sides: ours against TRL"
+    ;;
   small-gpu)  # LoRA and QLoRA on one GPU against the peers as their docs run them (docs/QLORA.md): SMALL_MODEL (default
     # llama-8b) at 2048-token blocks, 16,384 tokens a step, 20 timed steps, each side at its micro-batches: TRL + peft
     # + bitsandbytes (qlora), then Unsloth (lora, qlora) and axolotl (full, lora) from their own `pip install --target`
