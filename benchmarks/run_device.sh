@@ -166,7 +166,7 @@ case "$1" in
     sft small-gpu-trl 900 "${small[@]}" --peer trl --modes qlora --title "QLoRA, 1 GPU: ours against TRL + peft + bitsandbytes"
     for peer in unsloth axolotl; do
       dir=${PEER_DIR:-/tmp/peers}/$peer
-      [ -d "$dir" ] || python3 -m pip install -q --target "$dir" "$([ "$peer" = axolotl ] && echo 'axolotl[deepspeed]' || echo unsloth)" \
+      [ -d "$dir" ] || python3 -m pip install -q --target "$dir" "$([ "$peer" = axolotl ] && echo 'axolotl[deepspeed]==0.19.0' || echo unsloth==2026.10.9)" \
         liger-kernel || { echo "SKIP small-gpu-$peer (no $peer installed in $dir)"; continue; }
       modes=(lora qlora); [ "$peer" = axolotl ] && modes=(full lora)
       sft "small-gpu-$peer" 1200 "${small[@]}" --peer "$peer" --peer-env "$dir" --modes "${modes[@]}" \
