@@ -37,14 +37,13 @@ import json
 import math
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import host_peak_gib, normalize_env, peak_memory  # noqa: E402
-from fine_tuning_cli import add_run_arguments, report, reporter  # noqa: E402
+from fine_tuning_cli import add_run_arguments, report, reporter, results_table  # noqa: E402
 from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
 from sft_bench import (BenchProblem, all_ranks_max, all_ranks_sum, built_run, compare_losses,  # noqa: E402
                        liger_applied, model_directory, run_flags, segment_lengths, timed_steps, work_of, worker_result)
@@ -287,23 +286,12 @@ def make_jobs(a, model: Path, rows: Path, data_cache: Path, global_tokens: int, 
     return jobs
 
 
-def row(job: dict, r: dict) -> str:
-    if "error" in r:
-        return f"| {job['name']} | {SIDES[job['side']]} | {job['micro_batch_size']} | {r['error']} | | | | | | | |"
-    mfu = f"{100 * r['mfu']:.1f}% / {100 * r['mfu_6']:.1f}%" if "mfu" in r else "-"
-    mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
-    losses = r.get("losses") or []
-    return (f"| {job['name']} | {SIDES[job['side']]} | {r['micro_batch_size']} x {r['gradient_accumulation_steps']} | "
-            f"{r['pairs_per_s']:,.1f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | {mem} | "
-            f"{1e3 * r['step_s_mean']:.0f} / {1e3 * r['step_s_median']:.0f} | {r['pairs_per_step']:,.1f} | "
-            f"{statistics.fmean(losses) if losses else float('nan'):.4f} |")
-
-
 def table(jobs: list[dict], results: list[dict]) -> str:
-    lines = ["| run | side | micro-batch x accumulation | pairs/s | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT / "
-             "6·LHQT) | peak GiB | step ms mean / median | pairs/step | mean loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    return "\n".join(lines + [row(j, r) for j, r in zip(jobs, results)])
+    return results_table(jobs, results, lambda job: SIDES[job["side"]], [
+        ("pairs/s", lambda r: f"{r['pairs_per_s']:,.1f}"),
+        ("tokens/s/GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"),
+        ("TFLOP/s/GPU", lambda r: f"{r['tflops_per_gpu']:.0f}")],
+        [("pairs/step", lambda r: f"{r['pairs_per_step']:,.1f}")])
 
 
 def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[str, dict]:

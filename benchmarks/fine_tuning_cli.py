@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 
@@ -68,3 +69,25 @@ def report(a, text: str, record: dict, results: list[dict], vers: dict, command:
                 data_line, "", text, ""]
         Path(a.write_doc).write_text("\n".join(body))
     return 0 if all("error" not in r for r in results) else 1
+
+
+def results_table(jobs: list[dict], results: list[dict], side_label, rates: list[tuple[str, object]],
+                  per_step: list[tuple[str, object]]) -> str:
+    """The markdown table of an invocation's measurements: the run, its side (`side_label(job)`), its micro-batch x
+    accumulation, its `rates`, the MFU, peak memory and step times, its `per_step` counts (each column a (header,
+    cell(result) -> str)) and its mean loss; a failed run shows its error."""
+    columns = rates + [
+        ("MFU (12·LHQT / 6·LHQT)", lambda r: f"{100 * r['mfu']:.1f}% / {100 * r['mfu_6']:.1f}%" if "mfu" in r else "-"),
+        ("peak GiB", lambda r: f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"),
+        ("step ms mean / median", lambda r: f"{1e3 * r['step_s_mean']:.0f} / {1e3 * r['step_s_median']:.0f}"),
+    ] + per_step + [("mean loss", lambda r: f"{statistics.fmean(r['losses']) if r.get('losses') else float('nan'):.4f}")]
+    headers = ["run", "side", "micro-batch x accumulation"] + [header for header, _ in columns]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for job, r in zip(jobs, results):
+        if "error" in r:
+            cells = [job["name"], side_label(job), str(job["micro_batch_size"]), r["error"]] + [""] * (len(columns) - 1)
+        else:
+            cells = [job["name"], side_label(job), f"{r['micro_batch_size']} x {r['gradient_accumulation_steps']}",
+                     *(cell(r) for _, cell in columns)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

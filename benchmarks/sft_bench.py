@@ -62,7 +62,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory  # noqa: E402
-from fine_tuning_cli import add_run_arguments, report, reporter  # noqa: E402
+from fine_tuning_cli import add_run_arguments, report, reporter, results_table  # noqa: E402
 from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
 from telemetry import GpuTelemetry  # noqa: E402
 
@@ -430,23 +430,12 @@ def side_label(job: dict) -> str:
     return SIDES["ours"] if job["side"] == "ours" else PEERS[job.get("peer", "trl")]
 
 
-def row(job: dict, r: dict) -> str:
-    if "error" in r:
-        return f"| {job['name']} | {side_label(job)} | {job['micro_batch_size']} | {r['error']} | | | | | | | |"
-    mfu = f"{100 * r['mfu']:.1f}% / {100 * r['mfu_6']:.1f}%" if "mfu" in r else "-"
-    mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
-    losses = r.get("losses") or []
-    return (f"| {job['name']} | {side_label(job)} | {r['micro_batch_size']} x {r['gradient_accumulation_steps']} | "
-            f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | {mem} | "
-            f"{1e3 * r['step_s_mean']:.0f} / {1e3 * r['step_s_median']:.0f} | {r['tokens_per_step_per_gpu']:,.0f} | "
-            f"{r['loss_tokens_per_step_per_gpu']:,.0f} | {statistics.fmean(losses) if losses else float('nan'):.4f} |")
-
-
 def table(jobs: list[dict], results: list[dict]) -> str:
-    lines = ["| run | side | micro-batch x accumulation | tokens/s/GPU | TFLOP/s/GPU | MFU (12·LHQT / 6·LHQT) | "
-             "peak GiB | step ms mean / median | tokens/step/GPU | loss tokens/step/GPU | mean loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    return "\n".join(lines + [row(j, r) for j, r in zip(jobs, results)])
+    return results_table(jobs, results, side_label, [
+        ("tokens/s/GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"),
+        ("TFLOP/s/GPU", lambda r: f"{r['tflops_per_gpu']:.0f}")],
+        [("tokens/step/GPU", lambda r: f"{r['tokens_per_step_per_gpu']:,.0f}"),
+        ("loss tokens/step/GPU", lambda r: f"{r['loss_tokens_per_step_per_gpu']:,.0f}")])
 
 
 def best_of(jobs: list[dict], results: list[dict], side: str, mode: str) -> tuple[dict, dict] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -29,7 +30,6 @@ from slurm_fixtures import LAUNCHER_SETTINGS  # noqa: E402
 
 import preloaded  # noqa: E402
 
-from model_utils.runtime.distributed import free_port  # noqa: E402
 
 # Hermetic: what a user's shell commonly exports must not change a test's outcome. Every launcher setting
 # (scripts/launch_common.sh), SLURM's job variables, a distributed rank environment and its OpenMP threads, GPU
@@ -273,6 +273,30 @@ class TrainerRun:
         return {step: r["loss"] for step, r in self.train_records_by_step().items()}
 
 
+_PORTS_PER_WORKER = 1000
+_port_counter = itertools.count()
+
+
+def rendezvous_port() -> int:
+    """A free port for a test run's rendezvous (MASTER_PORT). Not the kernel's pick (`bind(("", 0))`): that comes from
+    the ephemeral range, where the connections of the ranks that other workers run at the same time take their local
+    ports, and one of them took a test's port between its pick and rank 0's bind (rank 0 died of EADDRINUSE, rank 1
+    waited). These lie below that range, in a block of their own for each xdist worker."""
+    import socket
+
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    base = 10000 + (worker % 20) * _PORTS_PER_WORKER  # below 32768, the lowest default ephemeral port
+    for _ in range(_PORTS_PER_WORKER):
+        port = base + next(_port_counter) % _PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # still held by an earlier run of this worker
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + _PORTS_PER_WORKER - 1} for this test worker")
+
+
 def rank_environment(rank: int, nproc: int, port: int, env: dict | None = None) -> dict:
     """The environment of one of `nproc` trainer ranks on this machine, as srun or torchrun give it (RANK, WORLD_SIZE,
     MASTER_*), one OpenMP thread each; `env` adds to it, a None value unsets."""
@@ -288,7 +312,7 @@ class Trainer:
 
     def __init__(self, checkpoint_dir: Path, args: list[str], nproc: int = 2, env: dict | None = None):
         self.checkpoint_dir = checkpoint_dir
-        port = free_port()
+        port = rendezvous_port()
         self.logs = [checkpoint_dir.parent / f"{checkpoint_dir.name}-rank{r}-{time.monotonic_ns()}.log" for r in range(nproc)]
         self.procs = []
         for rank in range(nproc):

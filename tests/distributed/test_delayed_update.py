@@ -11,9 +11,8 @@ import sys
 import pytest
 import preloaded
 from conftest import (FAST_ARGS, SRC, assert_ok, gpu_count, gpu_environment, kill_after_checkpoint_then_resume,
-                      run_trainer)
+                      rendezvous_port, run_trainer)
 
-from model_utils.runtime.distributed import free_port
 
 # Runs in a fresh process (DeepSpeed initialises torch.distributed). "delayed": the patch from step 1. "reference":
 # DeepSpeed's own offload step with torch's fused AdamW on the host (the kernel the patch's thread runs), the model's
@@ -107,7 +106,7 @@ print("RESULT " + json.dumps({"delayed": delayed, "losses": losses, "norms": nor
 
 def _run(mode: str, stage: int, accumulation: str, offload: str = "full") -> list[dict]:
     """Two ranks (gloo): each rank's result."""
-    port = str(free_port())
+    port = str(rendezvous_port())
     ranks = [preloaded.Popen([sys.executable, "-c", SCRIPT, mode, port, str(SRC), str(stage), str(rank), accumulation,
                               offload],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
@@ -209,7 +208,7 @@ def test_the_prefetch_to_the_gpu_changes_no_weight(world):
         pytest.skip(f"needs {world} GPU(s): the prefetch is a CUDA stream's copy (PLAN=gpu-tests on the device)")
     runs = {}
     for prefetch in ("on", "off"):
-        port = str(free_port())
+        port = str(rendezvous_port())
         ranks = [subprocess.Popen([sys.executable, "-c", PREFETCH_ON_GPU, port, str(SRC), prefetch, str(rank),
                                    str(world)], env=gpu_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
@@ -253,7 +252,7 @@ def test_a_process_ending_with_an_update_in_flight_exits_cleanly():
     """The update thread is no daemon: a process that ends while it runs waits for it. A daemon thread inside
     torch's AdamW kernel when the interpreter finalises aborts the process (SIGABRT, 'terminate called without an
     active exception'): a benchmark run of Qwen3-4B under ZeRO-3 ended so, and so would a run stopped by an error."""
-    done = preloaded.run([sys.executable, "-c", EXIT_IN_FLIGHT, str(free_port()), str(SRC)], capture_output=True,
+    done = preloaded.run([sys.executable, "-c", EXIT_IN_FLIGHT, str(rendezvous_port()), str(SRC)], capture_output=True,
                          text=True, timeout=300)
     assert "IN FLIGHT True" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]

@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import preloaded
-from conftest import REPO, rank_environment
+from conftest import REPO, rank_environment, rendezvous_port
 
-from model_utils.runtime.distributed import free_port
 
 SCRIPT = Path(__file__).with_name("lora_zero2_run.py")
 
 
 def run_ranks(base: Path, work: Path, phase: str, nproc: int = 2) -> None:
-    port = free_port()
+    port = rendezvous_port()
     logs = [work / f"{phase}-rank{r}.log" for r in range(nproc)]
     procs = [preloaded.Popen([sys.executable, str(SCRIPT), str(base), str(work), phase], cwd=REPO,
                              env=rank_environment(r, nproc, port), stdout=open(logs[r], "w"),

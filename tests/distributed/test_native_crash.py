@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from conftest import FAST_ARGS, REPO, TRAINER, Trainer, free_port, rank_environment
+from conftest import FAST_ARGS, REPO, TRAINER, Trainer, rank_environment, rendezvous_port
 
 
 def test_a_rank_that_dies_in_native_code_leaves_its_threads_stacks(tmp_path, session_cache):
@@ -48,7 +48,7 @@ def test_a_finished_rank_exits_with_its_status_whatever_its_teardown_would_do(tm
     would abort the process."""
     wrapper = tmp_path / "aborting_teardown.py"
     wrapper.write_text(ABORTING_TEARDOWN)
-    env = rank_environment(0, 1, free_port(), {"PYTHONFAULTHANDLER": None})
+    env = rank_environment(0, 1, rendezvous_port(), {"PYTHONFAULTHANDLER": None})
     finished = subprocess.run([sys.executable, str(wrapper), str(TRAINER), *FAST_ARGS, "--max_steps", "2",
                                "--checkpoint_dir", str(tmp_path / "ck")],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

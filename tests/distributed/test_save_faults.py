@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import preloaded
-from conftest import REPO, TrainerRun, assert_ok, rank_environment, run_trainer
+from conftest import REPO, TrainerRun, assert_ok, rank_environment, rendezvous_port, run_trainer
 from inputs import mounted_tmpfs
 from test_training import RESUME_ARGS, _assert_continues_exactly, baseline  # noqa: F401 (the fixture)
 
 from model_utils.checkpoint.protocol import inspect_checkpoint
-from model_utils.runtime.distributed import free_port
 
 INJECT = Path(__file__).with_name("fault_injection.py")
 EVERY_STEP = [*RESUME_ARGS, "--checkpoint_freq", "1", "--keep_last_checkpoints", "0"]
@@ -27,7 +26,7 @@ def run_with_fault(ckpt: Path, args: list[str], fault: str, timeout: float = 300
                    log_dir: Path | None = None) -> TrainerRun:
     """Both ranks run the trainer through the injector; when one dies, the other is killed too (as srun does). Their
     logs go to `log_dir` (default: beside `ckpt`)."""
-    port, procs, logs = free_port(), [], []
+    port, procs, logs = rendezvous_port(), [], []
     for rank in range(2):
         env = rank_environment(rank, 2, port, {"FAULT": fault})
         logs.append((log_dir or ckpt.parent) / f"{ckpt.name}-fault-rank{rank}.log")

@@ -12,15 +12,13 @@ from pathlib import Path
 
 import pytest
 import preloaded
-from conftest import REPO, rank_environment
-
-from model_utils.runtime.distributed import free_port
+from conftest import REPO, rank_environment, rendezvous_port
 
 SCRIPT = Path(__file__).with_name("zero3_layers_run.py")
 
 
 def run(work: Path, mode: str) -> dict:
-    port = free_port()
+    port = rendezvous_port()
     logs = [work / f"{mode}-rank{r}.log" for r in range(2)]
     procs = [preloaded.Popen([sys.executable, str(SCRIPT), str(work), mode], cwd=REPO,
                              env=rank_environment(r, 2, port), stdout=open(logs[r], "w"), stderr=subprocess.STDOUT)

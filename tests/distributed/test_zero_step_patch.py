@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import preloaded
-from conftest import SRC
+from conftest import SRC, rendezvous_port
 
-from model_utils.runtime.distributed import free_port
 
 # Runs in a fresh process (DeepSpeed initialises torch.distributed): bf16 ZeRO-2 on CPU, the same optimizer class and
 # step() as on GPUs (torch's fused AdamW, as ds_config.json), with a warm-up LR schedule so that every scheduler step
@@ -62,7 +61,7 @@ print("RESULT " + json.dumps({"streamlined": streamlined, "patched": patched, "s
 
 
 def _run(mode: str, world: int = 1) -> list[dict]:
-    port = str(free_port())
+    port = str(rendezvous_port())
     procs = [preloaded.Popen([sys.executable, "-c", OVERFLOW_SCRIPT, mode, port, str(SRC), str(rank), str(world)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
     outputs = [p.communicate(timeout=240) for p in procs]
