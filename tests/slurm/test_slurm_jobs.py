@@ -64,6 +64,7 @@ def fake_image(tmp_path: Path) -> Path:
 
 
 def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
+    """`train.sbatch` across node1 and node2: a real job (~35 s: its scheduling, two ranks' imports and a short run)."""
     ckpt = tmp_path / "ckpt"
     result = slurm.run("./train.sbatch", *FAST_ARGS, env={**FAST_ENV, "CHECKPOINT_DIR": str(ckpt)})
     assert result.returncode == 0, result.stderr

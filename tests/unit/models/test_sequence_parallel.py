@@ -36,6 +36,8 @@ def test_a_sequence_parallel_groups_ranks_read_the_same_blocks():
 
 
 def test_tiled_mlps_give_the_mlps_outputs_and_gradients():
+    """Tiled MLPs against untiled ones, outputs and gradients of a whole model in float64 (the comparison exact to
+    rounding): ~10 s on 2 cores, float64 matmuls of 1,200 positions forward and backward, twice."""
     from model_utils.data.tokenizer import load_tokenizer
     from model_utils.models.build import build_model, model_config
 
