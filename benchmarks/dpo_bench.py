@@ -8,7 +8,7 @@
     python benchmarks/dpo_bench.py --model tiny --seq_len 96 --micro_batch_size 1 --global_batch_tokens 384 \\
         --steps 2 --warmup 1 --max_examples 32                                     # CPU smoke run
 
-Both sides tune the same model (sft_bench.model_directory: a preset written once as a random-init model, or a model
+Both sides tune the same model (fine_tuning_work.model_directory: a preset written once as a random-init model, or a model
 directory) on the same pair rows (the first --max_examples of --dataset: embedded-preference's training split or a
 JSONL file of pairs) with DPO's sigmoid loss at --beta, each sequence cut at --seq_len tokens (TRL's max_length,
 keep_start), the same DeepSpeed config, optimizer and schedule:
@@ -45,8 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import host_peak_gib, normalize_env, peak_memory  # noqa: E402
 from fine_tuning_cli import add_run_arguments, report, reporter, results_table  # noqa: E402
 from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
-from sft_bench import (BenchProblem, all_ranks_max, all_ranks_sum, built_run, compare_losses,  # noqa: E402
-                       liger_applied, model_directory, run_flags, segment_lengths, timed_steps, work_of, worker_result)
+from fine_tuning_work import (BenchProblem, all_ranks_max, all_ranks_sum, built_run, compare_losses,  # noqa: E402
+                              liger_applied, model_directory, run_flags, segment_lengths, timed_steps, work_of,
+                              worker_result)
 
 SIDES = {"ours": "ours", "trl": "TRL DPOTrainer"}
 REFERENCE_FORWARD = 1 / 3  # a forward pass's FLOPs against a forward and backward pass's
@@ -84,7 +85,7 @@ def padding_free_supported() -> bool:
 # Workers (one process per GPU; rank 0 writes the result)
 # ----------------------------------------------------------------------------------------------------------------------
 def trainer_argv(job: dict, workdir: Path) -> list[str]:
-    """The trainer's flags for a job: its rows as pairs, DPO at beta, the rest as sft_bench runs ours."""
+    """The trainer's flags for a job: its rows as pairs, DPO at beta, the rest as every benchmark job of ours (fine_tuning_work.run_flags)."""
     return ["--model", job["model"], "--dataset", job["rows"], "--preference", "dpo", "--beta", str(job["beta"]),
             "--data_format", "preference", *run_flags(job, workdir)]
 

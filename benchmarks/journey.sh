@@ -399,7 +399,7 @@ EOF
 # stand-in for a hub checkpoint), or the directory given; its path on stdout
 hf_model() {
     "$python" -c 'import sys; sys.path.insert(0, "benchmarks"); from pathlib import Path
-from sft_bench import model_directory; print(model_directory(sys.argv[1], 0, Path(sys.argv[2])))' \
+from fine_tuning_work import model_directory; print(model_directory(sys.argv[1], 0, Path(sys.argv[2])))' \
         "$1" "$JOURNEY_DIR/models" | tail -1
 }
 

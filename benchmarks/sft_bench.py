@@ -52,143 +52,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory  # noqa: E402
+from common import normalize_env  # noqa: E402
 from fine_tuning_cli import add_run_arguments, report, reporter, results_table  # noqa: E402
-from report import base_parameters, flops_per_token, throughput, versions  # noqa: E402
-from telemetry import GpuTelemetry  # noqa: E402
+from fine_tuning_work import (IGNORE_INDEX, BenchProblem, all_ranks_sum, block_example_lengths,  # noqa: E402
+                              built_run, compare_losses, figures, model_directory, timed_steps, trainer_argv,
+                              work_of, worker_result)
+from report import base_parameters, versions  # noqa: E402
 
 SIDES = {"ours": "ours", "trl": "TRL SFTTrainer"}  # "trl": the peer's slot, whichever --peer fills it
 MODES = ("full", "lora", "qlora")
-IGNORE_INDEX = -100
-LOSSES_SHOWN = 5  # first losses printed per side
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# What both workers count
-# ----------------------------------------------------------------------------------------------------------------------
-def segment_lengths(positions) -> list[int]:
-    """The lengths of the runs in one row of position ids: a run starts wherever the position is 0."""
-    import numpy as np
-
-    positions = np.asarray(positions).reshape(-1)
-    starts = np.flatnonzero(positions == 0)
-    if len(starts) == 0 or starts[0] != 0:
-        starts = np.concatenate([[0], starts])
-    return np.diff(np.append(starts, len(positions))).tolist()
-
-
-def block_example_lengths(positions, targets) -> list[int]:
-    """The examples' lengths in one packed block of ours: its runs of positions, less a last run whose targets carry
-    no loss (the padding; every example placed carries loss, data.sft.packing.pack_examples)."""
-    import numpy as np
-
-    lengths = segment_lengths(positions)
-    targets = np.asarray(targets).reshape(-1)
-    if lengths and not (targets[len(targets) - lengths[-1]:] != IGNORE_INDEX).any():
-        lengths = lengths[:-1]
-    return lengths
-
-
-def peer_example_lengths(packing: str, numel: int, positions, rows_lengths) -> list[int]:
-    """The examples' lengths in one of TRL's micro-batches: with packing (bfd), the runs of its flattened row's position
-    ids; without, each padded row's attention-mask count (its example, not the padding); a row of neither, whole."""
-    if packing != "bfd" and rows_lengths is not None:
-        return [int(n) for n in rows_lengths.cpu().tolist()]
-    return segment_lengths(positions.cpu().numpy()) if positions is not None else [numel]
-
-
-def work_of(lengths: list[int]) -> tuple[int, int]:
-    """(tokens, attention query-key pairs) of examples of these lengths, each attending within itself."""
-    return sum(lengths), sum(n * n for n in lengths)
-
-
-def figures(config, num_params: int, seq_len: int, tokens: int, area: int, loss_tokens: int, times: list[float],
-            world_size: int) -> dict:
-    """Per-GPU throughput of the timed steps from the tokens and attention pairs all ranks processed in them."""
-    import torch
-
-    from model_utils.models.build import gpu_peak_tflops
-
-    steps = max(len(times), 1)
-    per_gpu_step = tokens / world_size / steps
-    f12, f6 = flops_per_token(config, num_params, seq_len, area / tokens if tokens else None)
-    peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-    return {"tokens_per_step_per_gpu": per_gpu_step, "loss_tokens_per_step_per_gpu": loss_tokens / world_size / steps,
-            **throughput(per_gpu_step, times, f12, f6, peak)}
-
-
-def liger_applied(model) -> bool:
-    """Whether Liger's kernels are in `model`: Trainer's use_liger_kernel swaps modules for Liger's classes or their
-    forward for Liger's functions, and leaves the model as it was where Liger does not know its family."""
-    for module in model.modules():
-        forward = getattr(type(module), "forward", None)
-        bound = getattr(module, "forward", None)
-        if any(getattr(x, "__module__", "").startswith("liger_kernel") for x in (type(module), forward, bound)):
-            return True
-    return False
-
-
-def all_ranks_sum(values: list[float], device) -> list[float]:
-    """`values` summed over the ranks (as they are without a process group)."""
-    import torch
-
-    if not torch.distributed.is_initialized():
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor)
-    return tensor.tolist()
-
-
-def all_ranks_max(value: float, device) -> float:
-    import torch
-
-    if not torch.distributed.is_initialized():
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor, torch.distributed.ReduceOp.MAX)
-    return float(tensor.item())
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Workers (one process per GPU; rank 0 writes the result)
 # ----------------------------------------------------------------------------------------------------------------------
-def trainer_argv(job: dict, workdir: Path) -> list[str]:
-    """The trainer's flags for a job: its rows as chat data, the global batch, the DeepSpeed config, LoRA."""
-    return ["--model", job["model"], "--dataset", job["rows"], "--data_format", "chat", *run_flags(job, workdir)]
-
-
-def run_flags(job: dict, workdir: Path) -> list[str]:
-    """The trainer's flags every benchmark job of ours takes beside its data: no held-out blocks, the packed data's
-    cache, the block length, the batch, the steps, the DeepSpeed config, no saves or logs, LoRA."""
-    argv = ["--validation_fraction", "0", "--data_cache_dir", job["data_cache"], "--seq_len", str(job["seq_len"]),
-            "--micro_batch_size", str(job["micro_batch_size"]),
-            "--global_batch_tokens", str(job["global_batch_tokens"]),
-            "--max_steps", str(job["steps"] + job["warmup"]),
-            "--ds_config", str(ds_config_for(job, workdir / "ds_config.json")),
-            "--checkpoint_dir", str(workdir / "ckpt"), "--resume", "never", "--eval_interval", "0",
-            "--checkpoint_freq", "0", "--no-export", "--log_interval", str(10**6), "--seed", str(job["seed"]),
-            "--attention_kernel", job.get("attention_kernel", "auto")]
-    if job.get("gradient_checkpointing"):
-        argv.append("--gradient_checkpointing")
-    if job["mode"] in ("lora", "qlora"):
-        argv += ["--lora_rank", str(job["lora_rank"]), "--lora_alpha", str(job["lora_alpha"]),
-                 "--lora_dropout", str(job.get("lora_dropout", 0.05))]
-        if job.get("lora_target_modules"):
-            argv += ["--lora_target_modules", job["lora_target_modules"]]
-    if job["mode"] == "qlora":
-        argv.append("--load_in_4bit")
-    return argv
-
-
 def worker_ours(job: dict, workdir: Path) -> dict | None:
     normalize_env()
     import numpy as np
@@ -220,70 +103,6 @@ def worker_ours(job: dict, workdir: Path) -> dict | None:
     return worker_result(out, dist)
 
 
-def built_run(argv: list[str]):
-    """(cfg, dist, run, setup seconds): the trainer's run of `argv` as its main() builds it, on this process's rank
-    (parse_args -> make_plan -> check_plan -> build_run), without the disk checks: a benchmark never saves."""
-    from model_utils.config.flags import parse_args
-    from model_utils.planning.plan import make_plan
-    from model_utils.planning.preflight import check_plan, raise_on_problems
-    from model_utils.runtime.distributed import distributed_env_problems, setup_distributed
-    from model_utils.train.build import build_run, start_log
-
-    cfg = parse_args(argv)
-    assert not distributed_env_problems()
-    dist = setup_distributed()
-    t0 = time.perf_counter()
-    log = start_log(cfg, dist)
-    plan = make_plan(cfg, dist.world_size, on_training_hardware=True)
-    raise_on_problems(check_plan(plan, check_disk=False))
-    run = build_run(plan, dist, log)
-    return cfg, dist, run, time.perf_counter() - t0
-
-
-def worker_result(out: dict, dist) -> dict | None:
-    """A worker's result with every rank's peak memory (GPU and host, the largest) on rank 0, the process group
-    ended; None on the other ranks."""
-    import torch
-
-    out.update(peak_memory())
-    if "peak_mem_gib" in out:
-        out["peak_mem_gib"] = all_ranks_max(out["peak_mem_gib"], dist.device)
-    out["host_peak_gib"] = all_ranks_max(host_peak_gib(), dist.device)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return out if dist.is_main else None
-
-
-def timed_steps(run, step, steps: int, warmup: int, loss_of) -> tuple[list, list, list, dict]:
-    """(each timed step's seconds, every step's `loss_of(result)`, the blocks the timed steps read, GPU telemetry):
-    `step(run)` and the collective after it, --warmup steps untimed first, CUDA synchronised at both ends, as the
-    trainer's loop runs them."""
-    from model_utils.train.step import agree_after_step
-
-    run.engine.train()
-    times, losses, timed_blocks = [], [], []
-    telemetry = GpuTelemetry()
-    for i in range(steps + warmup):
-        if i == warmup and run.dist.is_main:
-            telemetry.start()
-        cuda_sync()
-        t = time.perf_counter()
-        result = step(run)
-        agree_after_step(run, result)
-        cuda_sync()
-        dt = time.perf_counter() - t
-        losses.append(loss_of(result))
-        if i >= warmup:
-            times.append(dt)
-            timed_blocks += result.blocks
-    return times, losses, timed_blocks, telemetry.stop()
-
-
-def read_rows(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def median_tokens_per_s(result: dict) -> float:
     """A run's tokens per second at its median step: its mean example tokens per step over its median step time."""
     return result["tokens_per_step_per_gpu"] / result["step_s_median"]
@@ -304,12 +123,8 @@ def worker_main(job_json: str, result_path: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Driver: the rows and the model both sides read, the runs, the report
+# Driver: the rows both sides read, the runs, the report
 # ----------------------------------------------------------------------------------------------------------------------
-class BenchProblem(Exception):
-    """Input the benchmark cannot run with; the message names it and says what to do."""
-
-
 def write_rows(dataset: str, max_examples: int, out: Path) -> tuple[Path, int]:
     """The first `max_examples` chat rows (0: all) of --dataset as JSONL at `out`, each checked as a chat
     (data.sft.formats.check_row); returns the file and its row count."""
@@ -348,41 +163,6 @@ def write_rows(dataset: str, max_examples: int, out: Path) -> tuple[Path, int]:
         raise BenchProblem(f"--dataset {dataset}: holds no rows; give a chat JSONL file with conversations")
     out.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     return out, len(rows)
-
-
-def model_directory(model: str, seed: int, workdir: Path) -> Path:
-    """The model both sides load: a preset written once under `workdir` as a random-init Hugging Face model (bf16,
-    the run's tokenizer with the chat template ours renders with), or the directory given."""
-    from model_utils.config.presets import is_preset, preset_names
-
-    if not is_preset(model):
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise BenchProblem(f"--model {model}: neither a preset ({preset_names()}) nor a model directory with "
-                               "config.json; give a preset or a Hugging Face model directory (the trainer's --export "
-                               "writes one)")
-        return path.resolve()
-    out = workdir / f"model-{model.lower()}-seed{seed}"
-    if (out / "config.json").is_file():
-        return out
-    import torch
-
-    from model_utils.data.sft.formats import attach_chat_template
-    from model_utils.data.tokenizer import load_tokenizer
-    from model_utils.models.build import build_model, model_config
-    from model_utils.runtime.process import seed_everything
-
-    tokenizer = load_tokenizer(None)
-    attach_chat_template(tokenizer)
-    seed_everything(seed)
-    # initialised on the GPU where there is one: a 7B model's random init takes minutes on a host's CPU
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        built = build_model(model, model_config(model, tokenizer), torch.bfloat16, "sdpa", False)
-    tmp = out.with_name(out.name + ".tmp")
-    built.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out)
-    return out
 
 
 def global_batch(a) -> int:
@@ -441,18 +221,6 @@ def table(jobs: list[dict], results: list[dict]) -> str:
 def best_of(jobs: list[dict], results: list[dict], side: str, mode: str) -> tuple[dict, dict] | None:
     ran = [(j, r) for j, r in zip(jobs, results) if j["side"] == side and j["mode"] == mode and "error" not in r]
     return max(ran, key=lambda jr: jr[1]["tokens_per_s_per_gpu"], default=None)
-
-
-def compare_losses(ours: list[float], peer: list[float]) -> dict:
-    """The same steps of both sides: their first losses, each side's mean over them and the difference of the means
-    (the steps see different examples: see the module docstring)."""
-    n = min(len(ours), len(peer))
-    if not n:
-        return {}
-    mean_ours, mean_peer = statistics.fmean(ours[:n]), statistics.fmean(peer[:n])
-    return {"steps": n, "ours_first": [round(x, 4) for x in ours[:min(n, LOSSES_SHOWN)]],
-            "peer_first": [round(x, 4) for x in peer[:min(n, LOSSES_SHOWN)]], "ours_mean": mean_ours,
-            "peer_mean": mean_peer, "mean_diff": mean_ours - mean_peer}
 
 
 def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[str, dict]:

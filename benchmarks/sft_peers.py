@@ -19,7 +19,7 @@ Unsloth and axolotl pin other releases of transformers, TRL and datasets than th
 our plan's learning rate, betas, epsilon, weight decay, clipping, warm-up and LoRA rank, alpha, dropout and targets, so
 the losses compare; the optimizer is each peer's recommended one. `peer_settings` gives what a peer is handed
 (`sft_bench.py --print-config` prints it without a GPU or the peer); the workers hand it over, time whole optimizer
-steps (hf_peer.step_timer) and count the example tokens of each micro-batch as sft_bench counts ours. Each result
+steps (hf_peer.step_timer) and count the example tokens of each micro-batch as ours are counted (fine_tuning_work). Each result
 records the kernels the peer ran (attention, Liger or its own) and the peer's versions.
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 from common import host_peak_gib, normalize_env, peak_memory
 from report import base_parameters
-from sft_bench import (IGNORE_INDEX, all_ranks_max, all_ranks_sum, figures, liger_applied, peer_example_lengths,
-                       read_rows, trainer_argv, work_of)
+from fine_tuning_work import (IGNORE_INDEX, all_ranks_max, all_ranks_sum, figures, liger_applied,
+                              peer_example_lengths, read_rows, trainer_argv, work_of)
 
 PEERS = {"trl": "TRL SFTTrainer", "unsloth": "Unsloth", "axolotl": "axolotl"}
 PEER_MODES = {"trl": ("full", "lora", "qlora"), "unsloth": ("lora", "qlora"), "axolotl": ("full", "lora")}

@@ -1,6 +1,6 @@
-"""benchmarks/sft_bench.py's own arithmetic on CPU: the example tokens and attention pairs counted in packed blocks and
-flattened bins, the global batch both sides share, the runs of an invocation, and the loss comparison; and the
-llama-1b preset it benchmarks beside Qwen3."""
+"""benchmarks/sft_bench.py's and fine_tuning_work.py's own arithmetic on CPU: the example tokens and attention pairs
+counted in packed blocks and flattened bins, the global batch both sides share, the runs of an invocation, and the loss
+comparison; and the llama-1b preset it benchmarks beside Qwen3."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 def test_example_lengths_of_a_packed_block_leave_out_its_padding():
     """Ours: examples of 3 and 2 positions, then 3 of padding (targets -100); a full block has no padding run."""
-    import sft_bench
+    import fine_tuning_work
 
     positions = np.array([0, 1, 2, 0, 1, 0, 1, 2])
     targets = np.array([-100, 7, 8, -100, 9, -100, -100, -100])
-    assert sft_bench.segment_lengths(positions) == [3, 2, 3]
-    assert sft_bench.block_example_lengths(positions, targets) == [3, 2]
+    assert fine_tuning_work.segment_lengths(positions) == [3, 2, 3]
+    assert fine_tuning_work.block_example_lengths(positions, targets) == [3, 2]
     full = np.array([-100, 7, 8, -100, 9, -100, 4, 5])
-    assert sft_bench.block_example_lengths(positions, full) == [3, 2, 3]
-    assert sft_bench.work_of([3, 2]) == (5, 13)
+    assert fine_tuning_work.block_example_lengths(positions, full) == [3, 2, 3]
+    assert fine_tuning_work.work_of([3, 2]) == (5, 13)
     # TRL's flattened bins: one row, positions restarting per example, no padding.
-    assert sft_bench.segment_lengths(np.array([[0, 1, 0, 1, 2, 3]])) == [2, 4]
+    assert fine_tuning_work.segment_lengths(np.array([[0, 1, 0, 1, 2, 3]])) == [2, 4]
 
 
 def bench_args(**overrides) -> Namespace:
@@ -39,11 +39,12 @@ def bench_args(**overrides) -> Namespace:
 
 
 def test_global_batch_is_whole_steps_for_every_micro_batch_of_both_sides():
+    import fine_tuning_work
     import sft_bench
 
     assert sft_bench.global_batch(bench_args()) == 12 * 1024  # lcm of 1, 2, 3, 4 blocks
     assert sft_bench.global_batch(bench_args(global_batch_tokens=24 * 1024)) == 24 * 1024
-    with pytest.raises(sft_bench.BenchProblem, match="not a multiple of micro-batch 3 x 1 GPU"):
+    with pytest.raises(fine_tuning_work.BenchProblem, match="not a multiple of micro-batch 3 x 1 GPU"):
         sft_bench.global_batch(bench_args(global_batch_tokens=16 * 1024))
 
 
@@ -64,18 +65,19 @@ def test_unpacked_peer_micro_batches_count_examples_not_blocks():
 
 def test_the_peers_tokens_are_its_examples_not_padding():
     """Padded rows count their attention mask's tokens; packed rows the runs of their positions."""
-    import sft_bench
+    import fine_tuning_work
     import torch
 
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    assert sft_bench.peer_example_lengths("none", mask.numel(), None, mask.sum(-1)) == [3, 5, 1]
-    assert sft_bench.peer_example_lengths("grouped", mask.numel(), None, mask.sum(-1)) == [3, 5, 1]
+    assert fine_tuning_work.peer_example_lengths("none", mask.numel(), None, mask.sum(-1)) == [3, 5, 1]
+    assert fine_tuning_work.peer_example_lengths("grouped", mask.numel(), None, mask.sum(-1)) == [3, 5, 1]
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
-    assert sft_bench.peer_example_lengths("bfd", 9, positions, None) == [3, 2, 4]
-    assert sft_bench.work_of([3, 5, 1]) == (9, 35)
+    assert fine_tuning_work.peer_example_lengths("bfd", 9, positions, None) == [3, 2, 4]
+    assert fine_tuning_work.work_of([3, 5, 1]) == (9, 35)
 
 
 def test_jobs_per_mode_each_side_at_its_micro_batches_with_the_same_global_batch():
+    import fine_tuning_work
     import sft_bench
 
     jobs = sft_bench.make_jobs(bench_args(), Path("/m"), Path("/rows.jsonl"), Path("/cache"), 12 * 1024)
@@ -86,19 +88,19 @@ def test_jobs_per_mode_each_side_at_its_micro_batches_with_the_same_global_batch
                                     12 * 1024)
     assert [j["name"] for j in only_ours] == ["ours-lora-mb2-ga6", "ours-lora-mb4-ga3"]
     lora = next(j for j in jobs if j["mode"] == "lora")
-    argv = sft_bench.trainer_argv(lora, Path("/tmp"))
+    argv = fine_tuning_work.trainer_argv(lora, Path("/tmp"))
     assert argv[argv.index("--lora_rank") + 1] == "16" and argv[argv.index("--data_format") + 1] == "chat"
     assert argv[argv.index("--global_batch_tokens") + 1] == str(12 * 1024)
     assert argv[argv.index("--attention_kernel") + 1] == "varlen"  # our side's kernel, as asked
 
 
 def test_losses_compared_over_the_same_steps():
-    import sft_bench
+    import fine_tuning_work
 
-    compared = sft_bench.compare_losses([10.0, 9.0, 8.0, 7.0], [10.5, 9.5, 8.5])
+    compared = fine_tuning_work.compare_losses([10.0, 9.0, 8.0, 7.0], [10.5, 9.5, 8.5])
     assert compared["steps"] == 3 and compared["ours_first"] == [10.0, 9.0, 8.0]
     assert compared["mean_diff"] == pytest.approx(-0.5)
-    assert sft_bench.compare_losses([], [1.0]) == {}
+    assert fine_tuning_work.compare_losses([], [1.0]) == {}
 
 
 def test_the_summary_gives_both_ratios_and_the_kernels_each_side_ran():
@@ -127,18 +129,18 @@ def test_the_summary_gives_both_ratios_and_the_kernels_each_side_ran():
 def test_liger_is_found_where_trainer_put_it():
     import types
 
-    import sft_bench
+    import fine_tuning_work
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
-    assert not sft_bench.liger_applied(model)
+    assert not fine_tuning_work.liger_applied(model)
     norm = types.new_class("LigerRMSNorm", (torch.nn.Module,))
     norm.__module__ = "liger_kernel.transformers.rms_norm"  # a module swapped for Liger's class
-    assert sft_bench.liger_applied(torch.nn.Sequential(torch.nn.Linear(2, 2), norm()))
+    assert fine_tuning_work.liger_applied(torch.nn.Sequential(torch.nn.Linear(2, 2), norm()))
     forward = types.FunctionType(compile("def lce_forward(self, x): return x", "liger", "exec").co_consts[0],
                                  {"__name__": "liger_kernel.transformers.model.llama"})
     model[0].forward = types.MethodType(forward, model[0])  # a forward swapped for Liger's function
-    assert sft_bench.liger_applied(model)
+    assert fine_tuning_work.liger_applied(model)
 
 
 def test_llama_1b_preset_is_llama_3_2_1b_in_transformers_llama_architecture():

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from model_utils.config.preference import max_length_of, pair_block_len
 from model_utils.core.problems import Problem
@@ -19,7 +17,7 @@ from model_utils.data.errors import DataError
 from model_utils.data.preference.encode import PairEncoder
 from model_utils.data.preference.formats import check_pair_rows, is_messages
 from model_utils.data.preference.packing import PackedPairs, PairStats, pack_pairs
-from model_utils.data.sft.cache import build_once, open_splits, sft_cache_root, source_key, write_array
+from model_utils.data.sft.cache import build_once, open_splits, sft_cache_root, source_key, split_arrays, write_split
 from model_utils.data.sft.encode import encode_all
 from model_utils.data.sft.formats import resolve_chat_template
 from model_utils.data.tokens import tokenizer_identity
@@ -59,10 +57,7 @@ def build_pair_files(splits: dict, tokenizer, settings: PairSettings, out_dir: P
             raise DataError(Problem("--dataset", source, f"the {split} split holds no pair with an answer token "
                                     f"within --seq_len {settings.max_length} tokens", "raise --seq_len, or shorten "
                                     "the prompts"))
-        for name in SPLIT_FILES:
-            write_array(getattr(packed, name), out_dir / f"{split}.{name}.bin")
-        meta["splits"][split] = {"stats": asdict(packed.stats),
-                                 "dtypes": {n: getattr(packed, n).dtype.name for n in SPLIT_FILES}}
+        meta["splits"][split] = write_split(packed, SPLIT_FILES, out_dir, split)
         meta["format"] = encoder.describe(is_messages(rows[0]["chosen"]))
         log(f"data: {split}: {packed.stats.describe()}")
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -70,9 +65,7 @@ def build_pair_files(splits: dict, tokenizer, settings: PairSettings, out_dir: P
 
 
 def _open_split(out_dir: Path, split: str, meta: dict) -> PackedPairs:
-    dtypes = meta["splits"][split]["dtypes"]
-    arrays = [np.memmap(out_dir / f"{split}.{n}.bin", dtype=np.dtype(dtypes[n]), mode="r") for n in SPLIT_FILES]
-    return PackedPairs(*arrays, seq_len=pair_block_len(meta["max_length"]))
+    return PackedPairs(*split_arrays(out_dir, split, meta, SPLIT_FILES), seq_len=pair_block_len(meta["max_length"]))
 
 
 def open_pairs(out_dir: Path, validation_fraction: float = PairSettings.validation_fraction) -> PackedData:

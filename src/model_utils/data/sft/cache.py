@@ -53,6 +53,20 @@ def write_array(array: np.ndarray, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def write_split(packed, names: tuple[str, ...], out_dir: Path, split: str) -> dict:
+    """One split's packed arrays `names` (attributes of `packed`) as `{split}.{name}.bin`; its meta.json entry: the
+    packing's stats and each array's dtype (split_arrays reads them back)."""
+    for name in names:
+        write_array(getattr(packed, name), out_dir / f"{split}.{name}.bin")
+    return {"stats": asdict(packed.stats), "dtypes": {name: getattr(packed, name).dtype.name for name in names}}
+
+
+def split_arrays(out_dir: Path, split: str, meta: dict, names: tuple[str, ...]) -> list[np.memmap]:
+    """One split's arrays `names` as write_split left them, mapped read-only."""
+    dtypes = meta["splits"][split]["dtypes"]
+    return [np.memmap(out_dir / f"{split}.{name}.bin", dtype=np.dtype(dtypes[name]), mode="r") for name in names]
+
+
 SPLIT_FILES = ("inputs", "targets", "positions")
 
 
@@ -78,10 +92,7 @@ def build_sft_files(splits: dict, tokenizer, settings: SFTSettings, out_dir: Pat
         if packed.stats.blocks == 0:
             raise DataError(Problem("--dataset", source, f"the {split} split holds no example with a token "
                                     "carrying loss", "check the data (answers present) or pass --train_on_prompts"))
-        for name in SPLIT_FILES:
-            write_array(getattr(packed, name), out_dir / f"{split}.{name}.bin")
-        meta["splits"][split] = {"stats": asdict(packed.stats), "dtypes": {n: getattr(packed, n).dtype.name
-                                                                           for n in SPLIT_FILES}}
+        meta["splits"][split] = write_split(packed, SPLIT_FILES, out_dir, split)
         meta["format"] = encoder.describe()
         log(f"data: {split}: {packed.stats.describe()}")
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -89,9 +100,7 @@ def build_sft_files(splits: dict, tokenizer, settings: SFTSettings, out_dir: Pat
 
 
 def _open_split(out_dir: Path, split: str, meta: dict) -> PackedExamples:
-    dtypes = meta["splits"][split]["dtypes"]
-    arrays = [np.memmap(out_dir / f"{split}.{n}.bin", dtype=np.dtype(dtypes[n]), mode="r") for n in SPLIT_FILES]
-    return PackedExamples(*arrays, seq_len=meta["seq_len"])
+    return PackedExamples(*split_arrays(out_dir, split, meta, SPLIT_FILES), seq_len=meta["seq_len"])
 
 
 def held_out_blocks(num_blocks: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
