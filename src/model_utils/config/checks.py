@@ -184,7 +184,7 @@ def release(version: str) -> tuple[int, ...]:
 
 # The datasets built offline (data.sources.resolve_source): the pretraining text corpus, the chat dataset and its
 # preference pairs.
-EMBEDDED_DATASETS = ("embedded", "embedded-chat", "embedded-preference")
+EMBEDDED_DATASETS = ("embedded", "embedded-chat", "embedded-preference", "embedded-vision")
 
 
 # Environment variables a job script may set for the speed options: the trainer reads flags only, so a script that

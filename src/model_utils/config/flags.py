@@ -138,7 +138,8 @@ def _add_hf_names(parser: TrainerArgumentParser) -> None:
 SECTION_TITLES = {"model": "model", "data": "data", "batch": "batch", "optim": "optimisation (overrides of the "
                   "DeepSpeed config)", "checkpoint": "checkpoints, resume and export", "logging": "evaluation and "
                   "logging", "speed": "speed options (GPU; docs/PERFORMANCE.md)",
-                  "preference": "preference tuning (docs/PREFERENCE.md)"}
+                  "preference": "preference tuning (docs/PREFERENCE.md)",
+                  "vision": "vision-language models (docs/VISION.md)"}
 
 
 def build_parser() -> TrainerArgumentParser:

@@ -54,11 +54,38 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# Vision-language presets (models/vision/build.py): the Qwen2.5-VL architecture (its processor's mRoPE, window
+# attention in the tower, the patch merger as projector) from random weights, with the shipped tokenizer and the vision
+# tokens added (data/vision/processor.py). tiny-vl is the CPU-sized one of the embedded journey (~0.7M parameters);
+# qwen2.5-vl-7b has Qwen2.5-VL-7B-Instruct's dimensions (its config.json) and vocabulary size.
+VISION_PRESETS: dict[str, dict] = {
+    "tiny-vl": dict(
+        text_config=dict(vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]},
+                         rms_norm_eps=1e-6, attention_dropout=0.0, initializer_range=0.02, tie_word_embeddings=True),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1], initializer_range=0.02)),
+    "qwen2.5-vl-7b": dict(
+        text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                                          "mrope_section": [16, 24, 24]},
+                         rms_norm_eps=1e-6, attention_dropout=0.0, initializer_range=0.02, tie_word_embeddings=False,
+                         hidden_act="silu"),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", in_chans=3,
+                           tokens_per_second=2, initializer_range=0.02)),
+}
+
+
 # The transformers architecture of each preset not in Qwen3's.
 PRESET_ARCHITECTURES = {"llama-1b": "llama", "llama-7b": "llama", "llama-8b": "llama"}
 
 
-DEFAULT_SEQ_LEN = {"tiny": 256}
+DEFAULT_SEQ_LEN = {"tiny": 256, "tiny-vl": 256}
 
 
 DEFAULT_SEQ_LEN_QWEN3 = 4096
@@ -68,12 +95,16 @@ DEFAULT_SEQ_LEN_PRETRAINED = 2048
 
 
 def is_preset(name: str) -> bool:
-    return name.lower() in PRESETS
+    return name.lower() in PRESETS or name.lower() in VISION_PRESETS
+
+
+def is_vision_preset(name: str) -> bool:
+    return name.lower() in VISION_PRESETS
 
 
 def preset_names() -> str:
     """The presets, comma-separated (for help texts and problems)."""
-    return ", ".join(PRESETS)
+    return ", ".join([*PRESETS, *VISION_PRESETS])
 
 
 def default_seq_len(model: str) -> int:

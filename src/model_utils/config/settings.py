@@ -314,10 +314,29 @@ class PreferenceConfig:
     simpo_gamma: float | None = _f(None, "SimPO's target reward margin gamma. Default 0.5 (TRL's CPOConfig).")
 
 
+@dataclass(frozen=True)
+class VisionConfig:
+    """Vision-language models (docs/VISION.md): what trains, and how many tokens an image becomes."""
+    freeze: str | None = _f(None, "The parts of a vision-language model that do not train, comma-separated among "
+                                  "vision_tower, projector and language_model, or none. Default: vision_tower (the "
+                                  "projector and the language model train, as Qwen's and ms-swift's fine-tuning "
+                                  "defaults).")
+    vision_tower_lr: float | None = _f(None, "The vision tower's learning rate where it trains (Qwen's "
+                                             "vision_tower_lr, ms-swift's vit_lr), following the schedule as the "
+                                             "language model's does. Default: the language model's.")
+    projector_lr: float | None = _f(None, "The projector's learning rate (Qwen's mm_projector_lr, ms-swift's "
+                                          "aligner_lr). Default: the language model's.")
+    max_image_pixels: int | None = _f(None, "The most pixels an image is resized to (the Qwen-VL family's max_pixels; "
+                                            "28 x 28 pixels make one image token). Default: as many as keep one "
+                                            "image within a quarter of --seq_len, at most the processor's own.")
+    min_image_pixels: int | None = _f(None, "The fewest pixels an image is resized to (min_pixels). Default: the "
+                                            "processor's own.")
+
+
 # The section each flag belongs to: the command line stays flat, the configuration is a tree.
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "batch": BatchConfig, "optim": OptimConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "speed": SpeedConfig,
-            "preference": PreferenceConfig}
+            "preference": PreferenceConfig, "vision": VisionConfig}
 
 
 @dataclass(frozen=True)
@@ -332,6 +351,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"section": True})
     speed: SpeedConfig = field(default_factory=SpeedConfig, metadata={"section": True})
     preference: PreferenceConfig = field(default_factory=PreferenceConfig, metadata={"section": True})
+    vision: VisionConfig = field(default_factory=VisionConfig, metadata={"section": True})
     seed: int = _f(1234, "Seed for initialisation and data order.")
     # ----- modes -----
     preflight: bool = _f(False, "Check configuration, data, tokenizer, model and checkpoints, print the plan, exit 0 or 2.")
@@ -413,6 +433,9 @@ class LoraSettings:
     """Export also the merged model (adapters added into the weights), loadable by transformers without peft."""
     load_in_4bit: bool = False
     """QLoRA: the frozen base's linear layers stored in 4-bit NF4 (models.quantization); the adapters stay 16-bit."""
+    vision_frozen: tuple[str, ...] | None = None
+    """A vision-language model's frozen parts (models.vision.parts): the adapters go on its language model only, and
+    its other parts that train are trained whole. None: a text model."""
 
     def problems(self) -> list[Problem]:
         """What is wrong with the values themselves (before any model is built)."""
@@ -435,8 +458,9 @@ class LoraSettings:
     @classmethod
     def from_manifest(cls, recorded: dict) -> LoraSettings:
         fields = dict(recorded)
-        if fields.get("target_modules") is not None:
-            fields["target_modules"] = tuple(fields["target_modules"])
+        for name in ("target_modules", "vision_frozen"):
+            if fields.get(name) is not None:
+                fields[name] = tuple(fields[name])
         return cls(**fields)
 
 

@@ -24,6 +24,8 @@ from model_utils.data.sft.cache import open_sft_source
 from model_utils.data.sft.formats import FORMATS
 from model_utils.data.sources import MANIFEST, DataSource, resolve_source, with_dataset
 from model_utils.data.streaming import open_stream
+from model_utils.data.vision.cache import open_vision_source
+from model_utils.data.vision.formats import VISION
 from model_utils.data.tokens import cache_dir_for, check_token_ids, ensure_token_cache, token_dtype, tokenizer_identity
 
 
@@ -113,19 +115,22 @@ def dummy_packed(num_blocks: int, seq_len: int, vocab_size: int, seed: int) -> P
 
 
 def prepare_data(cfg: TrainConfig, tokenizer, seq_len: int, dist, log=print, source: DataSource | None = None,
-                 seed: int = 0, data_format: str | None = None) -> PackedData:
+                 seed: int = 0, data_format: str | None = None, processor=None) -> PackedData:
     """The run's packed data on every rank. Prepared directories and token files are memory-mapped by each rank; raw
     data are tokenized once into the token cache (ensure_token_cache) while the other ranks wait on its files; a
     mixture does either for each part; a stream (--streaming) is read by each rank as it trains (data/streaming.py).
     `source`: what --dataset means, as the run's plan resolved it (resolved here where not given); `seed`: the run's
     --seed (random blocks, a mixture's draw); `data_format`: a fine-tuning format (data.sft.formats.resolve_data_format)
-    packs examples with their labels (data.sft.cache.open_sft_source) instead."""
+    packs examples with their labels (data.sft.cache.open_sft_source) instead, VISION rows with images with a
+    vision-language model's `processor` (data.vision.cache.open_vision_source)."""
     if cfg.dummy_data:
         return dummy_packed(cfg.dummy_data, seq_len, len(tokenizer), seed)
     source = source or resolve_source(cfg)
     if source.kind == "stream":
         return open_stream(cfg, source, tokenizer, seq_len, dist, log, seed)
 
+    if data_format == VISION:
+        return open_vision_source(cfg, source, processor, seq_len, dist, log)
     if data_format in FORMATS:
         return open_sft_source(cfg, source, tokenizer, seq_len, data_format, dist, log)
     if data_format == PREFERENCE:  # pairs in blocks of seq_len positions (data.preference.packing.pair_block_len)

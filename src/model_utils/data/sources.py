@@ -19,6 +19,7 @@ from model_utils.data.chat_corpus import build_preference_corpus, build_sft_corp
 from model_utils.data.corpus import build_embedded_corpus
 from model_utils.data.errors import DataError
 from model_utils.data.progress import read_json
+from model_utils.data.vision.shapes import build_vision_corpus
 
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
                  ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -72,7 +73,8 @@ def resolve_source(cfg: TrainConfig) -> DataSource:
     if not cfg.dataset or cfg.dataset == "embedded":
         corpus = build_embedded_corpus(Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
         return DataSource("embedded", str(corpus), files=[str(corpus)], builder="json")
-    embedded = {"embedded-chat": build_sft_corpus, "embedded-preference": build_preference_corpus}
+    embedded = {"embedded-chat": build_sft_corpus, "embedded-preference": build_preference_corpus,
+                "embedded-vision": build_vision_corpus}
     if cfg.dataset in embedded and not Path(cfg.dataset).exists():
         corpus = embedded[cfg.dataset](Path(cfg.data_cache_dir) if cfg.data_cache_dir else None)
         return DataSource(cfg.dataset, str(corpus), files=list(split_files(corpus).values()), builder="json")

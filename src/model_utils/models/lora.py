@@ -74,12 +74,23 @@ def target_problems(model, targets: list[str] | str) -> list[Problem]:
                     f"name layers among: {', '.join(available)}")]
 
 
-def lora_config(model_config, settings: LoraSettings):
-    """The peft LoraConfig for a model of `model_config`."""
+def lora_config(model_config, settings: LoraSettings, model=None):
+    """The peft LoraConfig for a model of `model_config`; a vision-language model's (settings.vision_frozen set) has
+    its adapters on the language model's layers only and its other trained parts saved whole (models.vision.parts),
+    which needs the `model` built."""
     from peft import LoraConfig, TaskType
 
+    targets, whole = target_modules_for(model_config, settings), None
+    if settings.vision_frozen is not None:
+        from model_utils.models.vision.parts import language_model_linear_names, language_model_targets, part_modules
+
+        if targets == ALL_LINEAR:
+            targets = language_model_linear_names(model)
+        whole = [name for part in ("projector", "vision_tower") if part not in settings.vision_frozen
+                 for name in part_modules(model, part)] or None
+        targets = language_model_targets(targets)
     return LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.rank, lora_alpha=settings.alpha,
-                      lora_dropout=settings.dropout, target_modules=target_modules_for(model_config, settings),
+                      lora_dropout=settings.dropout, target_modules=targets, modules_to_save=whole,
                       fan_in_fan_out=conv1d_layers(model_config, settings.load_in_4bit), bias="none")
 
 
@@ -106,7 +117,7 @@ def apply_lora(model, settings: LoraSettings):
         problems = target_problems(model, target_modules_for(model.config, settings))
     if problems:
         raise LoraError(problems)
-    wrapped = get_peft_model(model, lora_config(model.config, settings))
+    wrapped = get_peft_model(model, lora_config(model.config, settings, model))
     checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers < 5.x: the older name
     if checkpointing if checkpointing is not None else getattr(model, "is_gradient_checkpointing", False):
         wrapped.enable_input_require_grads()
@@ -274,7 +285,7 @@ def export_lora_checkpoint(base_model: str, settings: LoraSettings, fp32_state_d
         base = load_quantized(base_model, None, Quantization("fp32", 0), "cpu")
         leave_quantization_state_out(base)
     else:
-        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        base = auto_model_class(settings).from_pretrained(base_model, dtype=torch.float32)
     model = apply_lora(base, settings)
     load_adapter_weights(model, fp32_state_dict)
     if settings.load_in_4bit:
@@ -329,17 +340,25 @@ class LoraSummary:
 
 def summary(model, settings: LoraSettings) -> LoraSummary:
     """The LoRA line of a wrapped model."""
-    return LoraSummary(target_modules_for(model.config, settings), parameter_counts(model), settings)
+    targets = target_modules_for(model.config, settings)
+    if settings.vision_frozen is not None:
+        targets = "the language model's " + (targets if isinstance(targets, str) else ",".join(targets))
+    return LoraSummary(targets, parameter_counts(model), settings)
 
 
 def unpartitioned_copy(config, settings, state_dict: dict):
     """A LoRA model of `config` on the CPU holding `state_dict` (a gathered ZeRO-3 model's, adapters included)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-
-    model = apply_lora(AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32), settings)
+    model = apply_lora(auto_model_class(settings).from_config(copy.deepcopy(config), dtype=torch.float32), settings)
     return holding(model, state_dict, config, "the gathered model")
+
+
+def auto_model_class(settings: LoraSettings):
+    """transformers' auto class of the adapted model: image-text-to-text for a vision-language model's settings."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if settings.vision_frozen is not None else AutoModelForCausalLM
 
 
 def holding(model, state: dict, config, what: str, assign: bool = False):

@@ -66,18 +66,22 @@ class MemoryModel:
         if prefetch is None:
             prefetch = self.speed.delayed_update_prefetch == "on" and self.prefetch_applies(ds)
         off_opt, off_par = dsc.offloads(ds)
-        return phase_memory(self.model.trainable_params, self.model.config, self.world, self.seq_len, micro,
-                            dsc.zero_stage(ds), off_opt, off_par, dsc.precision(ds) != "fp32",
-                            ds.get("zero_optimization", {}), self.gradient_checkpointing, self.fused_loss,
-                            self.speed.flce_chunk_budget, self.generation,
-                            fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), compiled=self.compiles(ds),
-                            gpu_optimizer_share=self.gpu_optimizer_share(ds),
-                            checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
-                            accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params,
-                            adapters=self.model.adapters, whole_params=self.keeps_whole_parameters(ds),
-                            offloaded_activations=self.offload_activations,
-                            tiled_mlp=self.tiles_mlp(ds, micro, checkpointed_layers, prefetch),
-                            quantized=self.model.quantized)
+        phases = phase_memory(self.model.trainable_params, self.model.config, self.world, self.seq_len, micro,
+                              dsc.zero_stage(ds), off_opt, off_par, dsc.precision(ds) != "fp32",
+                              ds.get("zero_optimization", {}), self.gradient_checkpointing, self.fused_loss,
+                              self.speed.flce_chunk_budget, self.generation,
+                              fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), compiled=self.compiles(ds),
+                              gpu_optimizer_share=self.gpu_optimizer_share(ds),
+                              checkpointed_layers=checkpointed_layers, delayed_prefetch=prefetch,
+                              accumulation=self.batch.accumulation_at(micro), frozen_params=self.model.frozen_params,
+                              adapters=self.model.adapters, whole_params=self.keeps_whole_parameters(ds),
+                              offloaded_activations=self.offload_activations,
+                              tiled_mlp=self.tiles_mlp(ds, micro, checkpointed_layers, prefetch),
+                              quantized=self.model.quantized)
+        if self.model.vision is None:
+            return phases
+        tower = self.model.vision.activation_bytes(micro, self.seq_len, dsc.precision(ds) != "fp32")
+        return replace(phases, train=phases.train + tower, evaluation=phases.evaluation + tower / 2)
 
     def tiles_mlp(self, ds: dict, micro: int, checkpointed_layers: int | None = None,
                   prefetch: bool | None = None) -> bool:
@@ -240,6 +244,7 @@ class ModelPlan:
     adapters: object = None  # models.memory.AdapterActivations: LoRA's adapters per layer, as their activations scale
     largest_param: int = 0  # the largest parameter's elements (the embedding or the LM head, frozen ones included)
     quantized: object = None  # models.memory.QuantizedBase: QLoRA's 4-bit base (--load_in_4bit); None: 16-bit weights
+    vision: object = None  # planning.vision.VisionPlan of a vision-language model (config is its language model's)
 
     @property
     def trainable_params(self) -> int:

@@ -47,8 +47,10 @@ from model_utils.models.memory import (GIB, PhaseMemory, QuantizedBase, choose_m
 from model_utils.models.quantization import quantized_sizes
 from model_utils.models.sequence_parallel import sequence_parallel_problems
 from model_utils.models.speed import liger_kernels_in_force, use_fused_kernels
+from model_utils.models.vision.build import is_vision_model
 from model_utils.planning.memory_model import (Hardware, MemoryModel, ModelPlan, choose_checkpointed_layers,
                                                choose_prefetch, choose_whole_parameters)
+from model_utils.planning.vision import load_vision_model, vision_data_format, vision_defaults
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
     ranks other than 0) leaves the resume point and the data source to the deciding rank. `move_incomplete` (the
     deciding rank of a run, holding the run lock) moves incomplete checkpoints aside; a preflight only names them."""
     problems, notes = list(validate_args(cfg)), []
+    cfg = vision_defaults(cfg)
     fine_tuning = None
     if cfg.batch.num_epochs is None:  # with --num_epochs the trainer applies them once the data give the length
         cfg, fine_tuning = with_fine_tuning_defaults(cfg, cfg.batch.max_steps)
@@ -213,7 +216,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         resume, moved, found, said = find_resume_point(cfg, move_incomplete)
         problems += found
         notes += said
-        source, data_format, found = find_data_source(cfg, tokenizer)
+        source, data_format, found = find_data_source(cfg, tokenizer, model is not None and model.vision is not None)
         problems += found
         plan = dataclasses.replace(plan, resume=resume, incomplete_moved=tuple(moved), data_source=source,
                                    data_format=data_format)
@@ -246,7 +249,9 @@ def fused_loss(speed: SpeedConfig, hardware: Hardware) -> bool:
 
 
 def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None, list[Problem]]:
-    """(tokenizer, the model sized on the meta device, problems)."""
+    """(tokenizer, the model sized on the meta device, problems); a vision-language model's by planning.vision."""
+    if is_vision_model(cfg.model.model):
+        return load_vision_model(cfg, seq_len)
     try:
         tokenizer = load_tokenizer(tokenizer_source(cfg.model.tokenizer, cfg.model.model))
     except (OSError, ValueError) as e:
@@ -408,14 +413,17 @@ def find_resume_point(cfg: TrainConfig, move_incomplete: bool) -> tuple[object, 
     return resume, moved, [], notes
 
 
-def find_data_source(cfg: TrainConfig, tokenizer) -> tuple[object, str | None, list[Problem]]:
+def find_data_source(cfg: TrainConfig, tokenizer, vision: bool = False) -> tuple[object, str | None, list[Problem]]:
     """What --dataset means (files, a saved dataset, the hub, the embedded corpus) and what its rows hold (a
-    fine-tuning format or pretraining text, from --data_format and the columns); the data themselves are read by the
-    preflight's sample check and the run's tokenization."""
+    fine-tuning format or pretraining text, from --data_format and the columns; rows with images for a
+    vision-language model); the data themselves are read by the preflight's sample check and the run's
+    tokenization."""
     if cfg.data.dummy_data or tokenizer is None:
         return None, None, []
     try:
         source = resolve_source(cfg.data)
+        if vision:
+            return source, vision_data_format(cfg.data, source), []
         return source, resolve_run_format(cfg.data, source, cfg.preference.preference != OFF), []
     except DataError as e:
         return None, None, [e.problem]

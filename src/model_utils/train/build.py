@@ -31,6 +31,9 @@ from model_utils.models.offload import HostActivations
 from model_utils.models.quantization import Quantization, prepare_for_training
 from model_utils.models.sequence_parallel import enable_ulysses, tile_mlps, uses_tiled_mlp
 from model_utils.models.speed import apply_speed_options, register_lm_head_for_zero3, streamline_zero_step
+from model_utils.models.vision.build import build_vision_model
+from model_utils.models.vision.parts import keep_lr_scales, lr_scales, part_groups
+from model_utils.models.vision.tower import run_tower_on_every_batch
 from model_utils.patches.deepspeed_offload import delay_offload_updates
 from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
 from model_utils.planning.plan import Plan
@@ -71,7 +74,7 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
               peak_tflops=gpu_peak(dist), position=DataPosition(), saves=saves, incomplete_moved=plan.incomplete_moved,
               document_eos=plan.tokenizer.eos_token_id if cfg.data.document_mask and not loaded.examples else None,
               document_boundaries=documents and (takes_document_boundaries(model) or dist.sequence_parallel > 1),
-              lora=cfg.model.lora_settings(),
+              lora=plan.model.lora, vision=plan.model.vision,
               examples=loaded.examples, preference=preference_settings(cfg),
               offload=HostActivations(pinned=dist.device.type == "cuda") if cfg.model.offload_activations else None)
     describe_run(run, plan, loaded.length)
@@ -113,7 +116,8 @@ def load_data(plan: Plan, ds: dict, dist: Dist, log: Logger) -> LoadedData:
     """Every rank's data (rank 0 prepares, the others wait on its files), checked against the resume point."""
     cfg, batch = plan.cfg, plan.batch
     data = prepare_data(cfg.data, plan.tokenizer, batch.seq_len, dist, log.info, source=plan.data_source,
-                        seed=cfg.seed, data_format=plan.data_format)
+                        seed=cfg.seed, data_format=plan.data_format,
+                        processor=plan.model.vision.processor if plan.model.vision else None)
     length = None
     if cfg.batch.num_epochs is not None:  # the length in steps follows from the packed data
         cfg, ds, length = settle_length(plan, ds, len(data.train_ids), dist.data_world, log)
@@ -136,13 +140,18 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     zero.Init for ZeRO-3), its speed options applied, LoRA's adapters where asked, the engine with its patches."""
     cfg, ds = loaded.cfg, loaded.ds_config
     seed_everything(cfg.seed)
-    lora = cfg.model.lora_settings()
+    lora, vision = plan.model.lora, plan.model.vision
     quantization = Quantization(dsc.precision(ds), dsc.zero_stage(ds)) if lora and lora.load_in_4bit else None
     zero3_context = None
     if dsc.zero_stage(ds) == 3 and quantization is None:  # a 4-bit model is built whole, partitioned by initialize
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
-    model = build_model(cfg.model.model, plan.model.config, torch.float32, cfg.model.attn_implementation,
-                        cfg.model.gradient_checkpointing, plan.memory.checkpointed_layers, quantization, dist.device)
+    if vision is not None:
+        model = build_vision_model(cfg.model.model, vision.config, torch.float32, cfg.model.attn_implementation,
+                                   cfg.model.gradient_checkpointing, vision.frozen, plan.memory.checkpointed_layers)
+    else:
+        model = build_model(cfg.model.model, plan.model.config, torch.float32, cfg.model.attn_implementation,
+                            cfg.model.gradient_checkpointing, plan.memory.checkpointed_layers, quantization,
+                            dist.device)
     if quantization is not None:
         prepare_for_training(model, log.info)
         log.info(f"QLoRA: {quantization.describe()}")
@@ -159,16 +168,26 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     elif uses_tiled_mlp(cfg.model.tiled_mlp, plan.seq_len, dist.sequence_parallel):
         log.info("tiled MLP: off (--tiled_mlp auto: the step fits the GPU untiled by the estimate, and untiled MLPs "
                  "run inside the compiled layers without a recomputation of their own)")
+    inner = model
     if lora is not None:
         model = wrap_with_adapters(model, lora, log)
 
-    matrices, others = decay_groups(model.parameters())
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
+    if vision is not None:  # a learning rate per part
+        groups = part_groups(model, decay_groups, wd, vision_lr_scales(vision, ds, cfg))
+    else:
+        matrices, others = decay_groups(model.parameters())
+        groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds, mpu=mpu)
+    if vision is not None:  # after ZeRO-3's hooks: the blank image runs once the embedding's are done, as images do
+        inner.tower_on_every_batch = run_tower_on_every_batch(model, inner, vision.processor, dist.device)
+        in_force["vision_tower_every_batch"] = "on"
     if quantization is not None and dsc.zero_stage(ds) == 3 and in_force["fused_kernels"] != "off":
         register_lm_head_for_zero3(model.get_base_model(), log.info)  # partitioned by initialize, not by zero.Init
     start_schedule(engine)
+    if vision is not None and keep_lr_scales(engine):
+        log.info("learning rates: " + ", ".join(f"{g['part'].replace('_', ' ')} x{g['lr_scale']:g}"
+                                                for g in engine.optimizer.param_groups[::2]) + " the schedule's")
     in_force.update(streamline_zero_step(engine, cfg.speed, log.info))
     from_step = cfg.optim.delayed_update_from_step
     delayed = delay_offload_updates(engine, from_step, log.info,  # ZeRO, optimizer offloaded
@@ -181,6 +200,14 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     if plan.checkpoints.background:
         saves = BackgroundSaves(install(engine, log.info), dist, log.info, metrics=log.metrics)
     return model, engine, in_force, saves
+
+
+def vision_lr_scales(vision, ds: dict, cfg: TrainConfig) -> dict:
+    """Each trained part's learning rate as a factor of the schedule's (--vision_tower_lr, --projector_lr over the
+    optimizer's lr)."""
+    rate = ds.get("optimizer", {}).get("params", {}).get("lr")
+    return lr_scales(vision.frozen, rate if isinstance(rate, (int, float)) else 0.0, cfg.vision.vision_tower_lr,
+                     cfg.vision.projector_lr)
 
 
 def start_schedule(engine) -> None:
@@ -220,6 +247,8 @@ def describe_run(run: Run, plan: Plan, length) -> None:
                  + (f"{kernel} takes the documents' boundaries)" if run.document_boundaries
                     else "transformers masks attention to each document)"))
     precision = dsc.precision(ds)
+    if run.vision is not None:
+        log.info(run.vision.describe() + "; the tower runs on every micro-batch (a blank image where it has none)")
     log.info(f"model: {cfg.model.model}, {plan.model.num_params / 1e6:.1f}M parameters, "
              f"{plan.model.flops.per_token() / 1e9:.3f} GFLOP/token; "
              f"precision {precision}{' (dynamic loss scaling)' if precision == 'fp16' else ''}, "

@@ -193,6 +193,8 @@ def finish(run: Run):
         else:
             out = export_hf(run.engine, run.model, run.tokenizer, run.run_dir.export, zero_stage(run.ds_config),
                             run.dist, run.log.info)
+            if run.vision is not None and run.dist.is_main:  # the image processor and template beside the model
+                run.vision.processor.save_pretrained(out)
         if run.cfg.logging.generate_prompt and run.dist.is_main and out is not None:
             run.log.info(f"sample: {generate_text(out, run.cfg.logging.generate_prompt)}")
     write_summary(run, "completed", export=str(run.run_dir.export) if run.cfg.checkpoint.export else None)
@@ -217,6 +219,9 @@ def export_adapters(run: Run):
                 module = unpartitioned_copy(module.config, run.lora, state)
             written = export_lora(module, run.tokenizer, out, merged=merged, in_place=state is not None)
     if written:
+        if run.vision is not None:
+            for path in written.values():
+                run.vision.processor.save_pretrained(path)
         run.log.info("export: " + "; ".join(f"{kind} written to {path}" for kind, path in written.items()))
     run.dist.barrier()
     return written.get("merged") if written else None

@@ -43,6 +43,7 @@ class Run:
     lora: object = None  # config.settings.LoraSettings of a LoRA run; None: every weight trains
     examples: bool = False  # fine-tuning data (sft_data): blocks of examples with their labels and positions
     preference: object = None  # config.preference.PreferenceSettings of a preference run (its data are pairs)
+    vision: object = None  # planning.vision.VisionPlan of a vision-language model (its processor, parts, FLOPs)
     reference: object = None  # data.preference.reference.StoredReference: the step-0 model's log-probs of the pairs
     offload: HostActivations | None = None  # --offload_activations: the host buffers of what each forward keeps
     step: int = 0

@@ -95,6 +95,7 @@ class StepResult:
     attention_area: int  # query-key pairs the step's attention covered (FLOPs)
     blocks: list  # the block indices this rank read, in order (--trace_data)
     pairs: object = None  # preference tuning: the sums of what its steps log (models.preference.PairTerms)
+    vision_flops: float = 0.0  # a vision-language model's tower and projector on the step's images (MFU)
 
 
 @dataclass
@@ -120,7 +121,7 @@ def train_step(run: Run, phase=no_phase) -> StepResult:
     dist, engine = run.dist, run.engine
     loss_sum = torch.zeros((), device=dist.device, dtype=torch.float64)
     nonfinite = torch.zeros((), device=dist.device, dtype=torch.bool)
-    blocks_read, area = [], 0
+    blocks_read, area, vision_flops = [], 0, 0.0
     split = dist.sequence_parallel > 1
     # Packed examples, or sequences split across ranks: the step's micro-batches read up front, to weigh each loss
     # token of the step alike (a micro-batch's or a slice's own mean would weigh its few tokens as much as many)
@@ -135,6 +136,8 @@ def train_step(run: Run, phase=no_phase) -> StepResult:
             if dist.sequence_rank == 0:  # the group's ranks compute one sequence together: its attention once
                 area += attention_area(run, blocks)
             inputs = model_inputs(run, blocks)
+            if run.vision is not None:
+                vision_flops += run.vision.flops.flops(blocks.patches, blocks.image_tokens)
             if loss_items is not None:
                 inputs["num_items_in_batch"] = loss_items
             loss = compute_loss(engine, inputs, run.offload)
@@ -143,7 +146,7 @@ def train_step(run: Run, phase=no_phase) -> StepResult:
         loss_sum, nonfinite = backward_and_step(run, loss, phase, loss_sum, nonfinite)
     run.step += 1
     run.tokens_seen += run.batch.tokens_per_step
-    return StepResult(loss_sum, nonfinite, area, blocks_read)
+    return StepResult(loss_sum, nonfinite, area, blocks_read, vision_flops=vision_flops)
 
 
 def backward_and_step(run: Run, loss, phase, loss_sum, nonfinite) -> tuple:

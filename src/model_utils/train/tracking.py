@@ -26,20 +26,22 @@ class Interval:
         self.throughput = Throughput(run.peak_tflops, run.dist.world_size)
         self.loss_sum = torch.zeros((), device=run.dist.device, dtype=torch.float64)
         self.pair_sums = torch.zeros(1 + len(PAIR_METRICS), device=run.dist.device, dtype=torch.float64)
-        self.steps, self.area, self.step_time = 0, 0, 0.0
+        self.steps, self.area, self.step_time, self.vision_flops = 0, 0, 0.0, 0.0
 
     def add(self, result: StepResult, seconds: float) -> None:
         self.loss_sum += result.loss_sum
         if result.pairs is not None:
             self.pair_sums += result.pairs
         self.area += result.attention_area
+        self.vision_flops += result.vision_flops
         self.step_time += seconds
         self.steps += 1
 
     def log(self, lr: float) -> dict:
         run, dist, engine = self.run, self.run.dist, self.run.engine
-        sums = torch.stack([self.loss_sum, torch.tensor(float(self.area), device=dist.device, dtype=torch.float64)])
-        loss_total, area_total = dist.all_reduce(sums).tolist()
+        sums = torch.stack([self.loss_sum, torch.tensor(float(self.area), device=dist.device, dtype=torch.float64),
+                            torch.tensor(self.vision_flops, device=dist.device, dtype=torch.float64)])
+        loss_total, area_total, vision_total = dist.all_reduce(sums).tolist()
         mean_loss = loss_total / (self.steps * run.batch.accumulation * run.batch.world)  # data-parallel ranks
         tokens = self.steps * run.batch.tokens_per_step
         # slowest and fastest rank's mean step time (max of t and of -t: one collective)
@@ -50,14 +52,14 @@ class Interval:
         record = {"step": run.step, "loss": mean_loss, **pairs, "lr": lr,
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "skipped_steps": engine.skipped_steps, **loss_scale(engine), "tokens_seen": run.tokens_seen,
-                  **self.throughput.read(tokens, run.flops.flops(tokens, area_total)),
+                  **self.throughput.read(tokens, run.flops.flops(tokens, area_total) + vision_total),
                   "step_time_s": slowest, "step_time_min_s": -fastest, **memory_stats(dist.device)}
         run.log.metrics(record)
         run.log.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         run.log.info(format_record(record))
         self.loss_sum.zero_()
         self.pair_sums.zero_()
-        self.steps, self.area, self.step_time = 0, 0, 0.0
+        self.steps, self.area, self.step_time, self.vision_flops = 0, 0, 0.0, 0.0
         return record
 
 

@@ -132,10 +132,13 @@ def open_splits(out_dir: Path, validation_fraction: float, open_split) -> tuple[
     return meta, (train, train_ids, train, val_ids)
 
 
+EMBEDDED_SPLIT_KINDS = ("embedded-chat", "embedded-preference", "embedded-vision")  # a train and a validation file
+
+
 def load_sft_splits(source, cfg):
     """(train, validation or None) of a fine-tuning source: an embedded dataset's two files as its splits (the chats,
     their preference pairs), anything else as data.loading.load_splits reads it."""
-    if source.kind not in ("embedded-chat", "embedded-preference"):
+    if source.kind not in EMBEDDED_SPLIT_KINDS:
         return load_splits(source, cfg)
     import datasets
 

@@ -236,7 +236,7 @@ def source_columns(source, cfg) -> list[str]:
     its first row, streamed). Raises DataError where they cannot be read."""
     try:
         # A stream of local files reads its columns as those files do; a stream of a hub dataset as the hub does.
-        if (source.kind in ("files", "embedded", "embedded-chat", "embedded-preference")
+        if (source.kind in ("files", "embedded", "embedded-chat", "embedded-preference", "embedded-vision")
                 or (source.kind == "stream" and source.files)):
             first = source.files[0]
             if source.builder == "json":

@@ -1,0 +1,176 @@
+"""The plan of a vision-language model, beside planning.plan's text path: its processor (the tokenizer, the image
+processor with the pixel bounds the run sets, the chat template), its config, its parts sized and frozen on the meta
+device, and what the plan's memory model and the run's MFU count of its vision tower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from model_utils.config.presets import is_vision_preset, preset_names
+from model_utils.config.settings import TrainConfig
+from model_utils.core.problems import Problem
+from model_utils.data.vision.formats import VISION
+
+IMAGE_SHARE_OF_BLOCK = 4  # by default an image is resized to at most a quarter of a block's tokens
+EMBEDDED_VISION = "embedded-vision"
+
+
+@dataclass(frozen=True)
+class VisionPlan:
+    """What the run builds a vision-language model with, beside ModelPlan's language model."""
+
+    processor: object  # the transformers processor, its image processor's pixel bounds set
+    config: object  # the whole model's config (ModelPlan.config is its language model's)
+    frozen: tuple[str, ...]  # the parts that do not train (models.vision.parts)
+    part_params: dict  # each part's parameters
+    flops: object  # models.vision.flops.VisionFlops
+    pixels: tuple[int, int] | None  # (min, max) pixels an image is resized within; None: a fixed size
+    pixels_choice: str  # how the bounds were set, for the plan's line
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{part.replace('_', ' ')} {count / 1e6:,.1f}M"
+                          + (" (frozen)" if part in self.frozen else "") for part, count in self.part_params.items())
+        return f"vision-language model: {parts}; images {self.pixels_choice}"
+
+    def activation_bytes(self, micro: int, seq_len: int, bf16: bool) -> float:
+        """The tower's activations for a micro-batch whose blocks were all image tokens (the most it can hold): kept
+        for the backward pass where the tower trains, one layer's at a time where it is frozen."""
+        vision = self.config.vision_config
+        merge = getattr(vision, "spatial_merge_size", 1) or 1
+        hidden = getattr(vision, "hidden_size", 0) or getattr(vision, "embed_dim", 0)
+        layers = getattr(vision, "depth", None) or getattr(vision, "num_hidden_layers", 1)
+        patches = micro * seq_len * merge ** 2
+        per_layer = 34 * hidden * patches * (1 if bf16 else 2) / 2  # Korthikanti et al.'s 34 s h bytes in 16-bit
+        return per_layer * (layers if "vision_tower" not in self.frozen else 1)
+
+
+def vision_defaults(cfg: TrainConfig) -> TrainConfig:
+    """A vision preset without --dataset trains on the embedded images (data.vision.shapes), as a text preset does on
+    the embedded corpus."""
+    if is_vision_preset(cfg.model.model) and not cfg.data.dataset and not cfg.data.dummy_data:
+        return cfg.with_flags(dataset=EMBEDDED_VISION)
+    return cfg
+
+
+def vision_data_format(data, source) -> str:
+    """The data format of a vision-language model's run (VISION), its rows' layout checked from the columns
+    (data.vision.formats.vision_format: a DataError names the data, the columns and the layouts)."""
+    from model_utils.core.problems import Problem
+    from model_utils.data.errors import DataError
+    from model_utils.data.sft.formats import source_columns
+    from model_utils.data.vision.formats import VISION_FORMATS, vision_format
+
+    if data.data_format not in ("auto", *VISION_FORMATS):
+        raise DataError(Problem("--data_format", data.data_format, "is not a layout of rows with images",
+                                f"use auto, or one of {', '.join(VISION_FORMATS)} (docs/VISION.md)"))
+    vision_format(source_columns(source, data), data.data_format, source.location)
+    return VISION
+
+
+def default_max_pixels(processor, seq_len: int) -> tuple[int | None, str]:
+    """The most pixels an image keeps by default: a quarter of a block's tokens, within the processor's own bound."""
+    from model_utils.data.vision.processor import image_pixels, pixels_per_token
+
+    bounds, per_token = image_pixels(processor), pixels_per_token(processor)
+    if bounds is None or per_token is None:
+        return None, "at the image processor's fixed size"
+    budget = per_token * max(seq_len // IMAGE_SHARE_OF_BLOCK, 1)
+    if budget >= bounds[1]:
+        return None, f"within the processor's {bounds[0]:,}-{bounds[1]:,} pixels"
+    return budget, (f"resized to at most {budget:,} pixels ({budget // per_token:,} tokens, a quarter of --seq_len "
+                    f"{seq_len}: --max_image_pixels sets it)")
+
+
+def load_processor_for(cfg: TrainConfig):
+    """The run's processor (a preset's built, a model's loaded) and its config's model type; raises ProcessorError."""
+    from model_utils.data.vision.processor import load_processor, preset_processor
+
+    name = cfg.model.model
+    if is_vision_preset(name):
+        return preset_processor()
+    from transformers import AutoConfig
+
+    return load_processor(name, getattr(AutoConfig.from_pretrained(name), "model_type", None))
+
+
+def token_problems(config, processor, name: str) -> list[Problem]:
+    """The image token the processor writes must be the one the model replaces with image features."""
+    from model_utils.data.vision.processor import image_token
+
+    token, token_id = image_token(processor)
+    expected = getattr(config, "image_token_id", None)
+    if expected is None:
+        expected = getattr(config, "image_token_index", None)
+    if expected is not None and expected != token_id and not hasattr(processor, "boi_token"):
+        return [Problem("--model", name, f"its processor writes images as {token} (id {token_id}) and the model "
+                        f"replaces id {expected} with image features", "use the processor saved with the model")]
+    return []
+
+
+def load_vision_model(cfg: TrainConfig, seq_len: int):
+    """(tokenizer, ModelPlan with its VisionPlan, problems) of a vision-language --model: the processor, the config,
+    the model on the meta device with its parts frozen (and LoRA's adapters on the language model), sized."""
+    from model_utils.data.vision.processor import ProcessorError, image_pixels, set_image_pixels
+    from model_utils.models.build import FlopsModel, decay_groups
+    from model_utils.models.lora import LoraError, adapter_activations, apply_lora, parameter_counts
+    from model_utils.models.vision.build import language_model_layers, meta_vision_model, vision_model_config
+    from model_utils.models.vision.flops import VisionFlops
+    from model_utils.models.vision.parts import freeze, freeze_problems, parse_parts
+    from model_utils.planning.memory_model import ModelPlan
+
+    name = cfg.model.model
+    try:
+        processor = load_processor_for(cfg)
+    except (ProcessorError, OSError, ValueError) as e:
+        return None, None, [Problem("--model", name, f"has no processor that loads here: {e}".split("\n")[0],
+                                    f"use a vision preset ({preset_names()}) or a model directory holding its "
+                                    "processor (preprocessor_config.json and the tokenizer)")]
+    tokenizer = processor.tokenizer
+    vision = cfg.vision
+    default, choice = default_max_pixels(processor, seq_len)
+    pixels = vision.max_image_pixels or default
+    if not set_image_pixels(processor, pixels, vision.min_image_pixels):
+        choice = "at the image processor's fixed size"
+        if vision.max_image_pixels or vision.min_image_pixels:
+            return tokenizer, None, [Problem("--max_image_pixels" if vision.max_image_pixels else "--min_image_pixels",
+                                             vision.max_image_pixels or vision.min_image_pixels,
+                                             f"{type(processor.image_processor).__name__} resizes every image to one "
+                                             "size, so its tokens per image are fixed", "leave out the pixel bounds")]
+    elif vision.max_image_pixels or vision.min_image_pixels:
+        choice = f"resized within {image_pixels(processor)[0]:,}-{image_pixels(processor)[1]:,} pixels (the flags)"
+    try:
+        config = vision_model_config(name, processor, cfg.model.attention_dropout)
+    except (OSError, ValueError) as e:
+        return tokenizer, None, [Problem("--model", name, f"could not be loaded: {e}".split("\n")[0],
+                                         "use a vision preset or a model directory with config.json")]
+    lora = cfg.model.lora_settings()
+    problems = token_problems(config, processor, name) + freeze_problems(vision.freeze, lora is not None)
+    if lora is not None and lora.load_in_4bit:
+        problems.append(Problem("--load_in_4bit", True, "4-bit bases of vision-language models are not built yet",
+                                "train LoRA on the 16-bit model (drop --load_in_4bit), or ZeRO-3 to partition it"))
+    if problems:
+        return tokenizer, None, problems
+    frozen = parse_parts(vision.freeze)
+    sized = meta_vision_model(config, frozen)
+    part_params = freeze(sized, frozen)
+    if lora is not None:
+        lora = dataclasses.replace(lora, vision_frozen=frozen)
+        try:
+            sized = apply_lora(sized, lora)
+        except LoraError as e:
+            return tokenizer, None, e.problems
+    counts = parameter_counts(sized)
+    text = config.get_text_config()
+    layers = len(language_model_layers(sized))
+    model = ModelPlan(
+        tokenizer, text, counts.trainable + counts.frozen,
+        param_groups=tuple(tuple(p.numel() for p in group) for group in decay_groups(sized.parameters())),
+        checkpointable_layers=layers, flops=FlopsModel.from_config(text, part_params["language_model"], seq_len),
+        frozen_params=counts.frozen, lora=lora,
+        adapters=adapter_activations(sized, lora, layers) if lora is not None else None,
+        largest_param=max(p.numel() for p in sized.parameters()),
+        vision=VisionPlan(processor, config, frozen, part_params, VisionFlops.of(config, part_params, frozen),
+                          image_pixels(processor), choice))
+    return tokenizer, model, []
