@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory  # noqa: E402
 from hf_peer import HF_PEERS, worker_hf  # noqa: E402
 from profiling import profile_steps  # noqa: E402
-from report import best_per_side, flops_per_token, is_hf_liger_peer, loss_check, table, throughput, versions  # noqa: E402
+from report import base_parameters, best_per_side, flops_per_token, is_hf_liger_peer, loss_check, table, throughput, versions  # noqa: E402
 from telemetry import GpuTelemetry  # noqa: E402
 
 from model_utils.config.settings import SpeedConfig  # noqa: E402  (importable once common is imported)
@@ -173,7 +173,7 @@ def worker_engine(job: dict, workdir: Path) -> dict:
     if job.get("profile"):
         profile_steps(step, dist.is_main, trace=job.get("trace"))
     config = engine.module.config
-    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    num_params = base_parameters(engine.module)
     tokens_per_step = run.batch.tokens_per_rank_step  # per GPU
     f12, f6 = flops_per_token(config, num_params, run.batch.seq_len, timed_area / (tokens_per_step * steps) if steps else None)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None

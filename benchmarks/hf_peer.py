@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from common import cuda_sync, ds_config_for, host_peak_gib, normalize_env, peak_memory
-from report import flops_per_token, throughput
+from report import base_parameters, flops_per_token, throughput
 from telemetry import GpuTelemetry
 
 # Hugging Face Trainer peers (--compare-hf): Liger on/off, and (--hf-fa4) Liger with transformers' own FA4 path.
@@ -141,7 +141,7 @@ def worker_hf(job: dict, workdir: Path) -> dict:
     trainer.train()
     gpu = timer.finish()
     world = args.world_size
-    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    num_params = base_parameters(model)
     f12, f6 = flops_per_token(mconf, num_params, seq_len)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if cuda else None
     times = timer.times[warmup:]

@@ -57,7 +57,10 @@
 #               JOURNEY_QLORA_DS_CONFIG's precision (configs/fp16.json: a T4 has no bf16), 2048-token chats at the
 #               automatic micro-batch: the preflight's plan without a GPU (a login node), then 6 steps with an evaluation
 #               and a checkpoint at 3, killed (SIGKILL) once step 5 is logged; resumed to 6: the step 4-5 losses
-#               against the killed run's, evaluate, save, the merged model exported and prompted
+#               against the killed run's, evaluate, save, the merged model exported; then `python -m
+#               model_utils.generate --chat` on the export (the resume prints no sample: loading the export beside the
+#               engine needs ~21 GiB)
+#   qlora-l40   the same on an L40's 48 GB: the GPU held to 44 GiB, in bf16 (ds_config.json)
 #   fp16        benchmarks/fp16_check.py on the first GPU: the tiny preset in fp16, its loss scale logged, overflows
 #               skipped and counted, a kill -9 and resume continuing the scale and the losses exactly
 #
@@ -82,9 +85,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_ONLY:=}" # names of the journeys to run (space-separated); empty: all
 : "${JOURNEY_KEEP_LARGE:=0}" # 1: a *-large journey's checkpoint stays for its -resume in a later invocation
 : "${JOURNEY_QLORA_MODEL:=llama-8b}" # qlora: a preset written as a Hugging Face model, or a model directory
-: "${JOURNEY_QLORA_GPU_GIB:=15}" # qlora: the GPU memory it may use (GPU_MEMORY_GIB; 44 for an L40's 48 GB)
-: "${JOURNEY_QLORA_DS_CONFIG:=configs/fp16.json}" # qlora: its precision (ds_config.json: bf16, for an L40)
-: "${JOURNEY_QLORA_FLAGS:=}" # qlora: more trainer flags, e.g. "--micro_batch_size 4" (split on spaces)
+: "${JOURNEY_QLORA_GPU_GIB:=15}" # qlora: the GPU memory it may use (GPU_MEMORY_GIB; qlora-l40: 44)
+: "${JOURNEY_QLORA_DS_CONFIG:=configs/fp16.json}" # qlora: its precision (qlora-l40: ds_config.json, bf16)
+: "${JOURNEY_QLORA_FLAGS:=}" # qlora, qlora-l40: more trainer flags, e.g. "--micro_batch_size 4" (split on spaces)
 : "${JOURNEY_LONG_MODEL:=llama-8b}" # long-sft: a preset written as a Hugging Face model, or a model directory
 : "${JOURNEY_LONG_TOKENS:=131072}" # long-sft: the sequence length; its chats are about this long
 : "${JOURNEY_LONG_SP:=0}" # long-sft: GPUs per sequence (0: every GPU of the node)
@@ -163,7 +166,7 @@ EOF
     # Checkpoints take disk (8 GiB each for Qwen3-0.6B, 55 GiB for Qwen3-4B): only those a later journey resumes from
     # stay.
     [[ $name == default || $name == resume || $name == delayed || $name == zero3-offload || $name == zero3-delayed ||
-        $name == sft-lora || $name == long-sft || $name == long-sft-resume || $name == qlora-resume ]] \
+        $name == sft-lora || $name == long-sft || $name == long-sft-resume || $name == qlora*-resume ]] \
         || { [[ $name == *-large ]] && { wanted "$name-resume" || ((JOURNEY_KEEP_LARGE)); }; } || rm -rf "$dir"
 }
 
@@ -494,29 +497,40 @@ if wanted long-sft; then
     echo "${command[*]}"
     (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
 fi
-if wanted qlora; then
-    rm -rf "$JOURNEY_DIR/qlora" "$JOURNEY_DIR/qlora-hf"  # a checkpoint left by an interrupted journey would be resumed
-    qlora_model=$(hf_model "$JOURNEY_QLORA_MODEL")
-    qlora=(MODEL="$qlora_model" DATASET=embedded-chat DS_CONFIG="$JOURNEY_QLORA_DS_CONFIG"
-           GPU_MEMORY_GIB="$JOURNEY_QLORA_GPU_GIB" OUTPUT_DIR="$JOURNEY_DIR/qlora-hf")
-    qlora_flags=(--lora_rank 16 --load_in_4bit --gradient_checkpointing --seq_len 2048 --log_interval 1 --eval_iters 2
+# qlora_journey NAME GPU_GIB DS_CONFIG: the qlora journey under NAME (its logs, checkpoint and exports), the GPU held to
+# GPU_GIB in DS_CONFIG's precision.
+qlora_journey() {
+    local name=$1 gib=$2 ds_config=$3
+    local dir=$JOURNEY_DIR/$name export=$JOURNEY_DIR/$name-hf model more command
+    rm -rf "$dir" "$export"  # a checkpoint left by an interrupted journey would be resumed
+    model=$(hf_model "$JOURNEY_QLORA_MODEL")
+    local settings=(MODEL="$model" DATASET=embedded-chat DS_CONFIG="$ds_config" GPU_MEMORY_GIB="$gib"
+                    OUTPUT_DIR="$export")
+    local flags=(--lora_rank 16 --load_in_4bit --gradient_checkpointing --seq_len 2048 --log_interval 1 --eval_iters 2
                  --checkpoint_freq 3 --eval_interval 3 --keep_last_checkpoints 1 --export_merged)
-    read -r -a qlora_more <<<"$JOURNEY_QLORA_FLAGS"
-    qlora_flags+=("${qlora_more[@]}")
+    read -r -a more <<<"$JOURNEY_QLORA_FLAGS"
+    flags+=("${more[@]}")
     # the plan as a login node prints it: no GPU visible, GPU_MEMORY_GIB the GPU nodes' size
-    (cd src && CUDA_VISIBLE_DEVICES="" GPU_MEMORY_GIB="$JOURNEY_QLORA_GPU_GIB" "$python" train_deepspeed.py --preflight \
-        --model "$qlora_model" --dataset embedded-chat --ds_config "../$JOURNEY_QLORA_DS_CONFIG" "${qlora_flags[@]}") \
-        2>&1 | grep -E "^(batch|micro-batch|memory|QLoRA|preflight)" | cut -c1-300 | sed 's/^/journey qlora preflight: /' \
+    (cd src && CUDA_VISIBLE_DEVICES="" GPU_MEMORY_GIB="$gib" "$python" train_deepspeed.py --preflight \
+        --model "$model" --dataset embedded-chat --ds_config "../$ds_config" "${flags[@]}") \
+        2>&1 | grep -E "^(batch|micro-batch|memory|QLoRA|preflight)" | cut -c1-300 | sed "s/^/journey $name preflight: /" \
         | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
-    crash qlora-killed "$JOURNEY_DIR/qlora" "^step 5 " "${qlora[@]}" MAX_STEPS=6 -- "${qlora_flags[@]}" --no-export
-    cp "$JOURNEY_DIR/qlora/metrics.jsonl" "$JOURNEY_DIR/qlora-killed-metrics.jsonl"
-    run qlora-resume "$JOURNEY_DIR/qlora" "${qlora[@]}" MAX_STEPS=6 -- "${qlora_flags[@]}" \
-        --generate_prompt "What does json.dumps do?"
-    compare_resumed qlora "$JOURNEY_DIR/qlora-killed-metrics.jsonl" "$JOURNEY_DIR/qlora/metrics.jsonl" 3
-    command=("$python" -m model_utils.generate --model "$JOURNEY_DIR/qlora-hf/merged" --chat "What does os.path.join do?")
+    crash "$name-killed" "$dir" "^step 5 " "${settings[@]}" MAX_STEPS=6 -- "${flags[@]}" --no-export
+    cp "$dir/metrics.jsonl" "$JOURNEY_DIR/$name-killed-metrics.jsonl"
+    # no --generate_prompt: its sample loads the merged export beside the engine (~21 GiB), more than a T4 holds; the
+    # export is prompted below, in a process of its own
+    run "$name-resume" "$dir" "${settings[@]}" MAX_STEPS=6 -- "${flags[@]}"
+    compare_resumed "$name" "$JOURNEY_DIR/$name-killed-metrics.jsonl" "$dir/metrics.jsonl" 3
+    command=("$python" -m model_utils.generate --model "$export/merged" --chat "What does os.path.join do?")
     echo "${command[*]}"
     (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
-    rm -rf "$JOURNEY_DIR/qlora" "$JOURNEY_DIR/qlora-hf"
+    rm -rf "$dir" "$export"
+}
+if wanted qlora; then
+    qlora_journey qlora "$JOURNEY_QLORA_GPU_GIB" "$JOURNEY_QLORA_DS_CONFIG"
+fi
+if wanted qlora-l40; then
+    qlora_journey qlora-l40 44 ds_config.json
 fi
 if wanted fp16; then
     "$python" benchmarks/fp16_check.py --out "$JOURNEY_DIR/fp16" | tee -a "$JOURNEY_DIR/journey.txt" || failed=1

@@ -4,6 +4,7 @@ round, each side at its best micro-batch, the loss check, and the versions in th
 
 from __future__ import annotations
 
+import math
 import platform
 import statistics
 
@@ -25,9 +26,18 @@ def throughput(tokens_per_step_per_gpu: int, step_times: list[float], flops_per_
 
 
 def base_parameters(model) -> int:
-    """The model's parameters less LoRA adapters' (ZeRO-3's partitioned ones by their full size): what the FLOPs and
-    MFU of both sides count."""
-    return sum(getattr(p, "ds_numel", p.numel()) for name, p in model.named_parameters() if "lora_" not in name)
+    """The model's parameters less LoRA adapters', each by its values (parameter_size): what the FLOPs and MFU of both
+    sides count."""
+    return sum(parameter_size(p) for name, p in model.named_parameters() if "lora_" not in name)
+
+
+def parameter_size(p) -> int:
+    """A parameter's values: a bitsandbytes 4-bit weight's from its quantization state (its storage packs 2 values a
+    byte: an 8B model's would count 4.5B), ZeRO-3's partitioned one's by its full size (ds_numel), else numel."""
+    state = getattr(p, "quant_state", None)
+    if state is not None:
+        return math.prod(state.shape)
+    return getattr(p, "ds_numel", p.numel())
 
 
 def flops_per_token(config, num_params: int, seq_len: int, attention_span: float | None = None) -> tuple[float, float]:

@@ -26,25 +26,21 @@ def _base_type(annotation):
 
 
 class TrainerArgumentParser(argparse.ArgumentParser):
-    """argparse that answers bad input as the trainer does: each problem a Problem, never the usage dump. `options`
-    holds every flag's action by option string; `problems` what the Hugging Face names' actions refused."""
+    """argparse that answers bad input as the trainer does: each problem a Problem, never the usage dump. A flag is
+    its whole name (no abbreviations: `--learning_rat` is a misspelling, not --learning_rate). `options` holds every
+    flag's action by option string; `problems` what the Hugging Face names' actions refused."""
 
     def __init__(self, **kw):
-        super().__init__(exit_on_error=False, **kw)
+        super().__init__(exit_on_error=False, allow_abbrev=False, **kw)
         self.options: dict[str, argparse.Action] = {}
         self.problems: list[Problem] = []
 
-    def error(self, message):  # argparse's own complaints (an ambiguous abbreviation): raised, made a Problem
+    def error(self, message):  # argparse's own complaints: raised, made a Problem
         raise argparse.ArgumentError(None, message)
 
     def action_of(self, option: str) -> argparse.Action | None:
-        """The action of an option string as argparse reads it: exact, or the one option it abbreviates."""
-        if option in self.options:
-            return self.options[option]
-        if not option.startswith("--"):
-            return None
-        matches = {action for name, action in self.options.items() if name.startswith(option)}
-        return matches.pop() if len(matches) == 1 else None
+        """The action of an option string: its flag's, by the whole name."""
+        return self.options.get(option)
 
     def add(self, container, *names, **kw) -> argparse.Action:
         action = container.add_argument(*names, **kw)

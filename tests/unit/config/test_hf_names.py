@@ -87,6 +87,24 @@ def test_unknown_flags_and_bad_values_get_one_problem_each(argv, expected, capsy
     assert expected in refused_command_line(argv, capsys)
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--learning_rat", "1e-4"], "--learning_rat = 1e-4: is not a flag of this trainer\n    fix: did you mean "
+                                 "--learning_rate?"),  # argparse's prefix matching took it as --learning_rate
+    (["--max_step=5"], "--max_step = 5: is not a flag of this trainer\n    fix: did you mean --max_steps"),
+    (["--no-gradient_checkpoint"], "--no-gradient_checkpoint = True: is not a flag of this trainer\n    fix: did you "
+                                   "mean --no-gradient_checkpointing"),
+    (["--conf", "run.yaml"], "--conf = run.yaml: is not a flag of this trainer\n    fix: did you mean --config"),
+    (["--per_device_train_batch", "4"], "--per_device_train_batch = 4: is not a flag of this trainer\n    fix: did "
+                                        "you mean --per_device_train_batch_size"),  # a Trainer name's prefix
+    (["--max", "3"], "--max = 3: is not a flag of this trainer\n    fix: python src/train_deepspeed.py --help"),
+])
+def test_a_flag_is_its_whole_name_and_a_prefix_is_a_misspelling(argv, expected, capsys):
+    """No abbreviations: a flag cut short is not taken as the flag it starts, but answered as a misspelling is, with
+    the nearest flags, in one problem."""
+    err = refused_command_line(argv, capsys)
+    assert err.startswith("error: 1 problem(s) with the inputs") and f"\n  - {expected}" in err, err
+
+
 def test_the_command_line_stops_with_status_2_before_anything_starts():
     """The entry point as users run it, with the flags of a Trainer command: status 2, the problems, no usage dump."""
     done = subprocess.run([sys.executable, str(TRAINER), "--deepspeed", "ds_config.json", "--model_name_or_path",

@@ -44,6 +44,7 @@ def test_the_command_lines_length_replaces_the_files_other_length(tmp_path):
 
 @pytest.mark.parametrize("text, expected", [
     ("max_step: 3\n", "run.yaml: max_step = 3: is not a setting\n    fix: did you mean max_steps"),
+    ("learning_rat: 1e-4\n", "run.yaml: learning_rat = 1e-4: is not a setting\n    fix: did you mean learning_rate?"),
     ("max_steps: 2.5\n", "run.yaml: max_steps = 2.5: invalid int value: '2.5'\n    fix: give max_steps a whole number, "
                          "e.g. max_steps: 300"),
     ("gradient_checkpointing: 1\n", "run.yaml: gradient_checkpointing = 1: is a switch: true or false\n    fix: write "

@@ -5,7 +5,8 @@
                     the assistant's turn.
   implicit prompt   `chosen` and `rejected` only: two whole conversations that share their first turns (as
                     UltraFeedback-binarized holds them), or two strings that share their start; the longest common
-                    prefix is the prompt (trl.extract_prompt).
+                    prefix is the prompt (trl.extract_prompt). Two conversations that differ before the assistant's
+                    turn (another user turn) answer two prompts, and are refused.
 
 `--data_format auto` takes rows with `chosen` and `rejected` for pairs; `--preference` must be on to tune on them.
 """
@@ -74,9 +75,15 @@ def pair_parts(row: dict) -> tuple:
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
+def _turn(messages: list, index: int) -> str:
+    content = " ".join(messages[index]["content"].split())
+    return f"{messages[index]['role']}: {content[:40] + '...' if len(content) > 40 else content!r}"
+
+
 def check_pair_row(row: dict, number: int, source: str) -> None:
     """Raise DataError when row `number` (1-based) of `source` is not a preference pair: a missing answer, values of
-    mixed kinds, conversational answers without an assistant turn, or answers that are the same."""
+    mixed kinds, conversational answers without an assistant turn, answers that are the same, or two conversations
+    (an implicit prompt) that differ before the assistant's turn, so that they answer different prompts."""
     missing = [c for c in PAIR_COLUMNS if row.get(c) in (None, [], "")]
     if missing:
         found = [c for c, v in row.items() if v not in (None, [], "")]
@@ -99,6 +106,14 @@ def check_pair_row(row: dict, number: int, source: str) -> None:
                 raise row_problem(source, number, f"the {name} answer holds no assistant message"
                                   + (" after the turns both answers share" if prompt is None else ""),
                                   "give each answer the assistant's turn")
+        if prompt is None and (chosen[0]["role"] != "assistant" or rejected[0]["role"] != "assistant"):
+            shared = len(row["chosen"]) - len(chosen)
+            raise row_problem(source, number, f"the chosen and rejected conversations differ at message {shared + 1}, "
+                              f"before the assistant's answer ({_turn(row['chosen'], shared)} against "
+                              f"{_turn(row['rejected'], shared)}): they answer two prompts, and a pair scores two "
+                              "answers to one", "give both conversations the same turns up to the assistant's answer, "
+                              "or put the prompt's messages in a `prompt` column and only the answers in `chosen` and "
+                              "`rejected`")
 
 
 def check_pair_rows(rows, source: str) -> int:

@@ -59,12 +59,34 @@ def test_an_implicit_text_prompt_is_the_shared_start_as_trl_extracts_it(trl):
     ({"prompt": "Hi", "chosen": "Same.", "rejected": "Same."}, "the chosen and the rejected answer are the same"),
     ({"chosen": PROMPT + CHOSEN, "rejected": PROMPT + [{"role": "user", "content": "?"}]},
      "the rejected answer holds no assistant message after the turns both answers share"),
+    ({"chosen": PROMPT + CHOSEN, "rejected": PROMPT[:1] + [{"role": "user", "content": "Name a colour."}] + REJECTED},
+     "differ at message 2, before the assistant's answer (user: 'What is 2+2?' against user: 'Name a colour.')"),
+    ({"chosen": PROMPT + CHOSEN, "rejected": [{"role": "system", "content": "Be kind."}] + PROMPT[1:] + REJECTED},
+     "differ at message 1, before the assistant's answer (system: 'Be brief.' against system: 'Be kind.')"),
 ])
 def test_a_row_that_is_no_pair_is_named_with_its_fix(row, message):
     with pytest.raises(DataError) as error:
         check_pair_row(row, 7, "pairs.jsonl")
     assert error.value.problem.value == "pairs.jsonl, row 7" and message in error.value.problem.message
     assert error.value.problem.fix
+
+
+def test_conversations_that_share_no_prompt_are_refused_before_any_pair_is_packed(tokenizer, tmp_path):
+    """Two conversations (an implicit prompt) with different user turns share no prompt: the pair would score two
+    answers to two prompts against each other. The file's row is named with what differs and the fix."""
+    good = {"chosen": PROMPT + CHOSEN, "rejected": PROMPT + REJECTED}
+    other = {"chosen": [{"role": "user", "content": "What is 2+2?"}] + CHOSEN,
+             "rejected": [{"role": "user", "content": "Name a colour."}] + REJECTED}
+    with pytest.raises(DataError) as error:
+        build_pair_files({"train": [good, other], "validation": None}, tokenizer, PairSettings(64), tmp_path / "c",
+                         "pairs.jsonl", log=lambda *_: None)
+    problem = error.value.problem
+    assert problem.setting == "--dataset" and problem.value == "pairs.jsonl (train split), row 2"
+    assert problem.message.startswith("the chosen and rejected conversations differ at message 1, before the "
+                                      "assistant's answer (user: 'What is 2+2?' against user: 'Name a colour.')")
+    assert "the same turns" in problem.fix and "`prompt` column" in problem.fix
+    assert not (tmp_path / "c" / "meta.json").exists()
+    check_pair_row({"prompt": other["chosen"][:1], "chosen": CHOSEN, "rejected": REJECTED}, 2, "pairs.jsonl")  # fixed
 
 
 def test_rows_and_preference_flag_must_agree_with_the_columns_named(tmp_path):
