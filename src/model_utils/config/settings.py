@@ -318,9 +318,9 @@ class PreferenceConfig:
 class VisionConfig:
     """Vision-language models (docs/VISION.md): what trains, and how many tokens an image becomes."""
     freeze: str | None = _f(None, "The parts of a vision-language model that do not train, comma-separated among "
-                                  "vision_tower, projector and language_model, or none. Default: vision_tower (the "
-                                  "projector and the language model train, as Qwen's and ms-swift's fine-tuning "
-                                  "defaults).")
+                                  "vision_tower, projector and language_model, or none. Default: vision_tower for a "
+                                  "pretrained model (the projector and the language model train, as Qwen's and "
+                                  "ms-swift's fine-tuning defaults), none for a preset trained from random weights.")
     vision_tower_lr: float | None = _f(None, "The vision tower's learning rate where it trains (Qwen's "
                                              "vision_tower_lr, ms-swift's vit_lr), following the schedule as the "
                                              "language model's does. Default: the language model's.")

@@ -61,10 +61,20 @@ def mask_needed_reason(config, seq_len: int) -> str | None:
     return None
 
 
+def language_model(model):
+    """The module whose attention the kernels replace: a vision-language model's decoder (transformers'
+    get_decoder; its vision tower keeps SDPA over each image), else the model itself."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapper
+    if getattr(getattr(base, "config", None), "vision_config", None) is not None and hasattr(base, "get_decoder"):
+        return base.get_decoder()
+    return model
+
+
 def takes_document_boundaries(model) -> bool:
     """Whether the model's attention takes documents as boundaries (cu_seq_lens_q) rather than as the dense mask
     transformers builds from position ids that restart at each document."""
-    return getattr(model.config, "_attn_implementation", None) in (FA4_NAME, VARLEN_NAME, SDPA_DOCUMENTS_NAME)
+    return getattr(language_model(model).config, "_attn_implementation", None) in (FA4_NAME, VARLEN_NAME,
+                                                                                   SDPA_DOCUMENTS_NAME)
 
 
 def document_attention_function(kernel: str | None = None):

@@ -17,6 +17,7 @@ eagerly around the layer's compiled `forward`, so the graph sees whole weights a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -24,7 +25,7 @@ import inspect
 from model_utils.config.settings import SpeedConfig
 from model_utils.core.problems import Problem
 from model_utils.models.build import head_dim
-from model_utils.models.document_attention import (enable_document_attention, mask_needed_reason,
+from model_utils.models.document_attention import (enable_document_attention, language_model, mask_needed_reason,
                                                    varlen_unavailable_reason)
 from model_utils.patches import deepspeed_zero, flash_attn4, liger, torch_compile
 
@@ -103,6 +104,11 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
     share of each sequence), which bound the fused loss's chunks (liger.chunk_budget_in_force)."""
     warn = warn or log
     zero3 = _is_zero3(model)
+    # a vision-language model: the kernels and compiled layers are its language model's (the tower keeps SDPA), and
+    # Liger's fused loss alone (its RoPE and norms have broken Qwen2.5-VL: Liger-Kernel#515, #827)
+    decoder, vision = language_model(model), language_model(model) is not model
+    if vision and speed.liger_kernels == "auto":
+        speed = dataclasses.replace(speed, liger_kernels="flce")
     if compiled is None:
         compiled = use_compile(cuda, False, speed)
     applied = {"fused_kernels": "off", "flce_chunk_budget": None, "compile": "layers" if compiled else "off",
@@ -112,7 +118,7 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
     if fused:
         applied["fused_kernels"] = _apply_liger(model, liger_kernels_in_force(speed.liger_kernels, compiled), log)
         if applied["fused_kernels"] != "off":
-            widths = model.config.hidden_size, model.config.vocab_size
+            widths = decoder.config.hidden_size, decoder.config.vocab_size
             budget = liger.chunk_budget_in_force(speed.flce_chunk_budget, loss_tokens, *widths)
             if budget < speed.flce_chunk_budget:
                 logits = liger.logits_chunk_bytes(budget, loss_tokens, *widths) / 1024**3
@@ -128,22 +134,23 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
     if compiled:
         compiled = _compile_layers(model, speed.activation_budget, log, zero3)
         applied["compile"] = "layers" if compiled else "off"
-    if cuda and speed.sdpa_backend != "auto" and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
+    if cuda and speed.sdpa_backend != "auto" and getattr(decoder.config, "_attn_implementation", "sdpa") == "sdpa":
         _sdpa_wrap(model, speed.sdpa_backend, log)  # also the fall-back path of FlashAttention-4
         applied["sdpa_backend"] = speed.sdpa_backend
-    if use_fa4(cuda, model, speed):
-        failure = flash_attn4.fa4_probe_failure(model, documents) if speed.attention_kernel == "auto" else None
+    if use_fa4(cuda, decoder, speed):
+        failure = flash_attn4.fa4_probe_failure(decoder, documents) if speed.attention_kernel == "auto" else None
         if failure:
             warn(f"attention: FlashAttention-4 failed its setup probe ({failure}); using SDPA (--attention_kernel sdpa "
                  "skips the probe)")
         else:
-            flash_attn4.enable_fa4(model, log)
+            flash_attn4.enable_fa4(decoder, log)
             applied["attention_kernel"] = "fa4"
-    elif (speed.attention_kernel == "auto" and cuda and getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+    elif (speed.attention_kernel == "auto" and cuda and getattr(decoder.config, "_attn_implementation", "sdpa") == "sdpa"
           and (reason := flash_attn4.fa4_unavailable_reason())):
         log(f"attention: SDPA ({reason}; on Hopper/Blackwell `pip install .[fa4]` adds FlashAttention-4)")
-    if documents and applied["attention_kernel"] == "sdpa" and use_document_attention(cuda, model, speed, seq_len, log):
-        applied["attention_kernel"] = enable_document_attention(model, log, "varlen" if speed.attention_kernel ==
+    if documents and applied["attention_kernel"] == "sdpa" and use_document_attention(cuda, decoder, speed, seq_len,
+                                                                                      log):
+        applied["attention_kernel"] = enable_document_attention(decoder, log, "varlen" if speed.attention_kernel ==
                                                                 "varlen" else None)
     return applied
 
@@ -168,6 +175,9 @@ def streamline_zero_step(engine, speed: SpeedConfig, log) -> dict:
 
 
 def _decoder_layers(model):
+    decoder = language_model(model)
+    if decoder is not model:  # a vision-language model's language model
+        return getattr(decoder, "layers", None)
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
     return getattr(base, "layers", None)
 

@@ -25,7 +25,9 @@ from model_utils.data.sft.formats import FORMATS
 from model_utils.data.sft.packing import pack_examples
 from model_utils.data.streaming import describe_stream
 from model_utils.data.tokens import cache_dir_for, tokenize_split
+from model_utils.data.vision.formats import VISION
 from model_utils.planning.report import Report
+from model_utils.planning.vision import describe_vision_data
 
 if TYPE_CHECKING:  # annotations only
     from model_utils.planning.plan import Plan
@@ -50,6 +52,13 @@ def check_plan_data(plan: Plan, report: Report):
         except DataError as e:
             report.problems.append(e.problem)
         return
+    elif plan.data_format == VISION:  # rows with images (a vision-language model)
+        try:
+            line, blocks = describe_vision_data(plan, SAMPLE_CHECKED_ROWS, SAMPLE_DOCUMENTS)
+        except DataError as e:
+            report.problems.append(e.problem)
+            return
+        report.lines.append(line)
     elif plan.data_format in FORMATS or plan.data_format == PREFERENCE:  # fine-tuning examples, preference pairs
         try:
             line, blocks = (describe_preference_data if plan.data_format == PREFERENCE

@@ -376,6 +376,11 @@ def check_memory(plan: Plan, report: Report) -> None:
     report.lines.append(f"model: {cfg.model.model}, {plan.model.num_params / 1e6:,.1f}M parameters, "
                         f"{plan.model.flops.per_token() / 1e9:.2f} GFLOP/token, ZeRO stage {stage}"
                         f"{', optimizer offload' if off_opt else ''}{', parameter offload' if off_par else ''}")
+    if plan.model.vision is not None:
+        vision = plan.model.vision
+        report.lines.append(vision.describe() + f"; the tower's activations ~"
+                            f"{vision.activation_bytes(micro, plan.rank_seq_len, bf16) / GIB:.1f} GiB at most in the "
+                            "train step (every token of a micro-batch an image's)")
     phases = plan.memory.phases
     peak_phase, total = phases.peak
     memory, where = plan.hardware.gpu_memory_gib, plan.hardware.gpu_memory_source

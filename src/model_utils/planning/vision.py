@@ -152,7 +152,7 @@ def load_vision_model(cfg: TrainConfig, seq_len: int):
                                 "train LoRA on the 16-bit model (drop --load_in_4bit), or ZeRO-3 to partition it"))
     if problems:
         return tokenizer, None, problems
-    frozen = parse_parts(vision.freeze)
+    frozen = parse_parts(vision.freeze, pretrained=not is_vision_preset(name))
     sized = meta_vision_model(config, frozen)
     part_params = freeze(sized, frozen)
     if lora is not None:
@@ -174,3 +174,51 @@ def load_vision_model(cfg: TrainConfig, seq_len: int):
         vision=VisionPlan(processor, config, frozen, part_params, VisionFlops.of(config, part_params, frozen),
                           image_pixels(processor), choice))
     return tokenizer, model, []
+
+
+def describe_vision_data(plan, checked_rows: int, sampled_rows: int) -> tuple[str, int | None]:
+    """The preflight's data line and training blocks of rows with images: from the packed cache where a run built it,
+    else from the first rows: `checked_rows` of each split read as conversations with their images (every image file
+    there and named by its row), `sampled_rows` of them encoded (their images processed) and packed for the estimate
+    and the image tokens of an example (one whose image would be cut by --seq_len is a DataError naming its row)."""
+    import tempfile
+    from pathlib import Path
+
+    from model_utils.data.blocks import held_out_count
+    from model_utils.data.sft.cache import load_sft_splits, sft_cache_root, source_key
+    from model_utils.data.sft.encode import encode_rows
+    from model_utils.data.sft.formats import source_columns
+    from model_utils.data.vision.cache import data_dir_of, open_vision, vision_cache_dir
+    from model_utils.data.vision.encode import VisionEncoder
+    from model_utils.data.vision.formats import row_messages, vision_format
+    from model_utils.data.vision.images import ImageFiles
+    from model_utils.data.vision.packing import pack_vision_examples
+    from model_utils.data.vision.processor import image_token
+
+    cfg, source, processor = plan.cfg.data, plan.data_source, plan.model.vision.processor
+    cache = vision_cache_dir(sft_cache_root(cfg), source_key(source, cfg), processor, plan.seq_len, cfg.data_format,
+                             cfg.train_on_prompts)
+    if (cache / "meta.json").exists():
+        data = open_vision(cache, processor, cfg.validation_fraction)
+        return f"data: {data.description} (packed cache {cache})", len(data.train_ids)
+    train, validation = load_sft_splits(source, cfg)
+    fmt = vision_format(source_columns(source, cfg), cfg.data_format, source.location)
+    with tempfile.TemporaryDirectory() as store:  # images a dataset holds itself, for the check only
+        files = ImageFiles(data_dir_of(source), Path(store))
+        for split, rows in (("train", train), ("validation", validation)):
+            where = f"{source.location} ({split} split)"
+            for number, row in enumerate(rows.select(range(min(checked_rows, len(rows)))) if rows is not None
+                                         else (), start=1):
+                for value in row_messages(row, fmt, number, where)[1]:
+                    files.path_of(value, where, number)
+        sample = train.select(range(min(sampled_rows, len(train))))
+        encoder = VisionEncoder(processor, fmt, files, cfg.train_on_prompts, f"{source.location} (train split)")
+        tokenizer = processor.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        stats = pack_vision_examples(encode_rows(sample, encoder, checked=True), plan.seq_len, pad, len(tokenizer),
+                                     image_token(processor)[1], source.location).stats
+    blocks = int(stats.blocks * len(train) / max(len(sample), 1))
+    if validation is None:
+        blocks -= held_out_count(blocks, cfg.validation_fraction)
+    return (f"data: {source.location}: rows with images ({encoder.describe()}), {len(train):,} rows; the first "
+            f"{len(sample)}: {stats.describe()}; ~{blocks:,} training blocks estimated"), blocks

@@ -110,7 +110,7 @@ def load_processor(name_or_path: str, model_type: str | None = None):
         processor = AutoProcessor.from_pretrained(name_or_path)
         if getattr(processor, "image_processor", None) is not None and getattr(processor, "tokenizer", None):
             return processor
-    except (ImportError, AttributeError, ValueError, TypeError) as e:  # a video processor needing torchvision
+    except (ImportError, AttributeError, ValueError, TypeError, OSError) as e:  # a video processor needs torchvision
         failure = e
     else:
         failure = None

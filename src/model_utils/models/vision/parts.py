@@ -1,8 +1,9 @@
 """A vision-language model's three parts, found by the names transformers gives their modules: the vision tower
 (`visual`, `vision_tower`, `vision_model`), the projector that maps its features into the language model's
 embeddings (`merger`, `multi_modal_projector`, `connector`, Qwen3-VL's `deepstack_merger_list`) and the language
-model (everything else, the LM head included). What trains is set per part (--freeze, default: the tower frozen, the
-projector and the language model trained, as Qwen's and ms-swift's fine-tuning scripts do), each with a learning rate
+model (everything else, the LM head included). What trains is set per part (--freeze, default: a pretrained model's
+tower frozen, the projector and the language model trained, as Qwen's and ms-swift's fine-tuning scripts do; a preset
+trained from random weights trains every part), each with a learning rate
 of its own as a factor on the schedule's (--vision_tower_lr, --projector_lr). With LoRA the adapters go on the
 language model's layers only, and a projector or tower that trains is trained whole beside them (peft's
 modules_to_save).
@@ -28,10 +29,11 @@ def part_of(name: str) -> str:
     return "language_model"
 
 
-def parse_parts(text: str | None) -> tuple[str, ...]:
-    """--freeze as a tuple of parts: None is the default (the tower), "none" or "" freezes nothing."""
+def parse_parts(text: str | None, pretrained: bool = True) -> tuple[str, ...]:
+    """--freeze as a tuple of parts: None is the default (the tower of a pretrained model; nothing of a preset trained
+    from random weights, whose tower would otherwise stay random), "none" or "" freezes nothing."""
     if text is None:
-        return DEFAULT_FROZEN
+        return DEFAULT_FROZEN if pretrained else ()
     names = tuple(name.strip() for name in text.split(",") if name.strip() and name.strip() != "none")
     return names
 

@@ -33,7 +33,9 @@ class TowerOnEveryBatch:
             return None
         self.runs += 1
         features = self.model.get_image_features(**self.blank)
-        return embeddings + 0.0 * sum(t.float().sum() for t in output_tensors(features)).to(embeddings.dtype)
+        used = getattr(features, "pooler_output", None)  # what the model itself takes of the output (transformers 5)
+        return embeddings + 0.0 * sum(t.float().sum() for t in output_tensors(features if used is None else used)) \
+            .to(embeddings.dtype)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -41,8 +43,10 @@ class TowerOnEveryBatch:
 
 
 def output_tensors(output) -> list:
-    """Every tensor of get_image_features' output (a tensor, a tuple or list of them, or a ModelOutput whose fields
-    hold them), so that whatever the projector produced is part of the sum."""
+    """Every tensor of what the model takes of get_image_features' output (its pooler_output: the projector's
+    features, as a tensor or a tuple of them per image; an older release's tensor or tuple itself). Only those: a
+    tensor the model leaves unused (the tower's last hidden state) would add a backward pass that an image's step has
+    not, and ZeRO-3's ranks would trace different modules."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, dict):  # transformers' ModelOutput
