@@ -4,7 +4,7 @@
 # folders over, and run_device.sh installs them: .whl/ (DeepSpeed built as a wheel, Liger, datasets, TRL and the
 # packages of theirs the image lacks) and .fa4/part-aa, part-ab (flash-attn-4 with its CuTe DSL libraries, unpacked and
 # xz-compressed: ~69 MB, split into PART_BYTES parts for a transfer limit smaller than the bundle, joined again on the
-# node; README.md). Both folders are ignored by git (.git/info/exclude). Versions: benchmarks/constraints.txt.
+# node; README.md). Both folders are ignored by git (.gitignore). Versions: benchmarks/constraints.txt.
 #   bash benchmarks/device_bundle.sh          # needs pip with a package index and, for DeepSpeed's wheel, torch
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,9 +18,6 @@ platforms=(--python-version "$PYTHON_VERSION" --implementation cp --only-binary=
 for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 platforms+=(--platform manylinux2014_x86_64)
 
-for dir in .whl .fa4; do
-    grep -qxF "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >>.git/info/exclude
-done
 rm -rf .whl .fa4
 mkdir -p .whl .fa4
 
@@ -28,7 +25,8 @@ mkdir -p .whl .fa4
 cmd=("$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w .whl "deepspeed==$(pin deepspeed)")
 echo "+ ${cmd[*]}"
 "${cmd[@]}"
-# What a CUDA image with torch and transformers typically lacks besides.
+# What a CUDA image with torch and transformers typically lacks besides. TRL's vision-language path (vlm_bench.py)
+# needs nothing more: Pillow (datasets' Image feature) and torchvision (the Qwen-VL processors) come with the image.
 cmd=("$PYTHON" -m pip download -q --no-deps "${platforms[@]}" -d .whl "liger-kernel==$(pin liger-kernel)"
      "datasets==$(pin datasets)" "dill<0.4.2" "multiprocess<0.70.20" pydantic==2.13.4 pydantic-core==2.46.4 annotated-types
      typing-inspection hjson "trl==$(pin trl)")

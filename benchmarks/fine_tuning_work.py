@@ -28,8 +28,9 @@ class BenchProblem(Exception):
 
 def model_directory(model: str, seed: int, workdir: Path) -> Path:
     """The model both sides load: a preset written once under `workdir` as a random-init Hugging Face model (bf16,
-    the run's tokenizer with the chat template ours renders with), or the directory given."""
-    from model_utils.config.presets import is_preset, preset_names
+    the run's tokenizer with the chat template ours renders with; a vision preset with its processor:
+    `vision_model_directory`), or the directory given."""
+    from model_utils.config.presets import is_preset, is_vision_preset, preset_names
 
     if not is_preset(model):
         path = Path(model)
@@ -41,6 +42,8 @@ def model_directory(model: str, seed: int, workdir: Path) -> Path:
     out = workdir / f"model-{model.lower()}-seed{seed}"
     if (out / "config.json").is_file():
         return out
+    if is_vision_preset(model):
+        return vision_model_directory(model, seed, out)
     import torch
 
     from model_utils.data.sft.formats import attach_chat_template
@@ -57,6 +60,40 @@ def model_directory(model: str, seed: int, workdir: Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     built.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def vision_model_directory(preset: str, seed: int, out: Path) -> Path:
+    """A vision preset written to `out` as a random-init Hugging Face model (bf16, AutoModelForImageTextToText from
+    models.vision.build's config) with its processor (tokenizer, image processor, chat template). Its processor is
+    built image-only (data.vision.processor.image_only) and saved without a video processor, which transformers'
+    AutoProcessor asks for: the entry the Qwen-VL family's processors save for theirs is added (from the image
+    processor's patch settings), so AutoProcessor loads the directory where torchvision is installed, and elsewhere
+    fails with ImportError, from which data.vision.processor.load_processor builds it image-only."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from model_utils.data.vision.processor import preset_processor
+    from model_utils.models.vision.build import vision_model_config
+    from model_utils.runtime.process import seed_everything
+
+    processor = preset_processor()
+    seed_everything(seed)
+    # initialised on the GPU where there is one: a 7B model's random init takes minutes on a host's CPU
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        built = AutoModelForImageTextToText.from_config(vision_model_config(preset, processor), dtype=torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    built.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    saved = tmp / "processor_config.json"
+    settings = json.loads(saved.read_text())
+    if "video_processor" not in settings:  # a preset is a Qwen2.5-VL model, whose processor takes one
+        image = settings.get("image_processor", {})
+        settings["video_processor"] = {"video_processor_type": "Qwen2VLVideoProcessor",
+                                       **{key: image[key] for key in ("patch_size", "temporal_patch_size",
+                                                                      "merge_size") if key in image}}
+        saved.write_text(json.dumps(settings, indent=2))
     os.replace(tmp, out)
     return out
 
@@ -106,8 +143,10 @@ def work_of(lengths: list[int]) -> tuple[int, int]:
 
 
 def figures(config, num_params: int, seq_len: int, tokens: int, area: int, loss_tokens: int, times: list[float],
-            world_size: int) -> dict:
-    """Per-GPU throughput of the timed steps from the tokens and attention pairs all ranks processed in them."""
+            world_size: int, extra_flops: float = 0.0) -> dict:
+    """Per-GPU throughput of the timed steps from the tokens and attention pairs all ranks processed in them.
+    `extra_flops`: FLOPs all ranks spent in the timed steps beyond the language model's (a vision-language model's
+    tower and projector), added to both TFLOP/s conventions and MFU."""
     import torch
 
     from model_utils.models.build import gpu_peak_tflops
@@ -116,8 +155,15 @@ def figures(config, num_params: int, seq_len: int, tokens: int, area: int, loss_
     per_gpu_step = tokens / world_size / steps
     f12, f6 = flops_per_token(config, num_params, seq_len, area / tokens if tokens else None)
     peak = gpu_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-    return {"tokens_per_step_per_gpu": per_gpu_step, "loss_tokens_per_step_per_gpu": loss_tokens / world_size / steps,
-            **throughput(per_gpu_step, times, f12, f6, peak)}
+    out = {"tokens_per_step_per_gpu": per_gpu_step, "loss_tokens_per_step_per_gpu": loss_tokens / world_size / steps,
+           **throughput(per_gpu_step, times, f12, f6, peak)}
+    if extra_flops and sum(times) > 0:
+        extra = extra_flops / world_size / sum(times) / 1e12
+        out.update(extra_tflops_per_gpu=extra, tflops_per_gpu=out["tflops_per_gpu"] + extra,
+                   tflops_per_gpu_6=out["tflops_per_gpu_6"] + extra)
+        if peak:
+            out.update(mfu=out["tflops_per_gpu"] / peak, mfu_6=out["tflops_per_gpu_6"] / peak)
+    return out
 
 
 def liger_applied(model) -> bool:
@@ -183,9 +229,11 @@ def run_flags(job: dict, workdir: Path) -> list[str]:
     return argv
 
 
-def built_run(argv: list[str]):
+def built_run(argv: list[str], check_data: bool = True):
     """(cfg, dist, run, setup seconds): the trainer's run of `argv` as its main() builds it, on this process's rank
-    (parse_args -> make_plan -> check_plan -> build_run), without the disk checks: a benchmark never saves."""
+    (parse_args -> make_plan -> check_plan -> build_run), without the disk checks: a benchmark never saves.
+    `check_data` False leaves the data to the run, as main()'s checked_plan does (the preflight's data check reads
+    rows with images as text: vlm_bench.py)."""
     from model_utils.config.flags import parse_args
     from model_utils.planning.plan import make_plan
     from model_utils.planning.preflight import check_plan, raise_on_problems
@@ -198,7 +246,7 @@ def built_run(argv: list[str]):
     t0 = time.perf_counter()
     log = start_log(cfg, dist)
     plan = make_plan(cfg, dist.world_size, on_training_hardware=True)
-    raise_on_problems(check_plan(plan, check_disk=False))
+    raise_on_problems(check_plan(plan, check_data=check_data, check_disk=False))
     run = build_run(plan, dist, log)
     return cfg, dist, run, time.perf_counter() - t0
 

@@ -53,6 +53,13 @@ sft_args() {  # SFT_ARGS for SFT_MODES as it is now (a per-GPU subshell of the p
             --warmup 2 --workdir "/tmp/sft-work-${CUDA_VISIBLE_DEVICES:-all}")
 }
 sft_args
+# Vision-language fine-tuning on image chats (vlm_bench.py): qwen2.5-vl-7b, written once per machine under /tmp/vlm-work
+# with 3,000 rows; 4096-token blocks, 16,384 block tokens per optimizer step (TRL: as many examples at their mean
+# length), the vision tower frozen on both sides, activation checkpointing on both (TRL's default), 20 timed steps.
+# vlm NAME SECONDS_NEEDED vlm_bench.py-ARGS...
+vlm() { run_bench benchmarks/vlm_bench.py "$@"; }
+VLM_ARGS=(--model qwen2.5-vl-7b --seq_len 4096 --global_batch_tokens 16384 --steps 20 --warmup 2 --max_examples 3000
+          --gradient_checkpointing --workdir "/tmp/vlm-work-${CUDA_VISIBLE_DEVICES:-all}")
 run_plan() {
 case "$1" in
   h100)  # the issue's one-H100 table: each side at micro-batch 8, 12, 14, 16, both HF peers, one invocation (~6-7 min)
@@ -147,6 +154,21 @@ case "$1" in
       --peer-micro-batch-size "${peer_mb[@]}" --skip "${skip[@]}" --peer-attn "${SFT_PEER_ATTN:-sdpa}" \
       --peer-packing grouped --timeout "${SFT_TIMEOUT:-300}" --attention_kernel varlen \
       --title "Supervised fine-tuning, $SFT_MODEL ($SFT_MODES), 1 GPU, FlashAttention-4 off on both: ours (varlen) against TRL"
+    ;;
+  vlm)  # vision-language fine-tuning against TRL's SFTTrainer for vision-language models (TRL refuses packing and
+    # padding-free rows for images: its examples are padded per micro-batch), one invocation per mode of VLM_MODES:
+    # lora (ours at 2 and 4 blocks, TRL at 4 and 8 examples; ds_config.json) and full (1 and 2, 2 and 4; the 7.6B
+    # trained weights' AdamW states take an H200's memory: on an H100 our preflight refuses it, TRL runs out of
+    # memory). VLM_OURS_MB and VLM_PEER_MB replace the micro-batches, VLM_DS the DeepSpeed config. SECONDS_NEEDED are
+    # estimates until measured: ~1.5 min to write the 7B and the rows once, ~2.5 min a run (~1.5 min of setup, 22 steps)
+    read -r -a vlm_modes <<<"${VLM_MODES:-lora full}"
+    for mode in "${vlm_modes[@]}"; do
+      if [ "$mode" = lora ]; then ours_mb=(2 4) peer_mb=(4 8) need=690; else ours_mb=(1 2) peer_mb=(2 4) need=660; fi
+      read -r -a ours_mb <<<"${VLM_OURS_MB:-${ours_mb[*]}}"; read -r -a peer_mb <<<"${VLM_PEER_MB:-${peer_mb[*]}}"
+      vlm "vlm-$mode" "${VLM_NEED:-$need}" "${VLM_ARGS[@]}" --modes "$mode" --ds_config "${VLM_DS:-ds_config.json}" \
+        --micro_batch_size "${ours_mb[@]}" --peer-micro-batch-size "${peer_mb[@]}" --timeout "${VLM_TIMEOUT:-420}" \
+        --title "Vision-language fine-tuning, qwen2.5-vl-7b ($mode), 1 GPU: ours against TRL SFTTrainer"
+    done
     ;;
   dpo)  # preference tuning (DPO) against TRL's DPOTrainer + DeepSpeed + Liger: Qwen3-1.7B, full fine-tuning, 2,000
     # embedded pairs, 32,768 block tokens a step, FlashAttention-4 on both sides; ours at 4 and 8 blocks, TRL at 8

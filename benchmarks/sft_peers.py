@@ -43,14 +43,15 @@ LIGER_KERNELS = ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_
 # ----------------------------------------------------------------------------------------------------------------------
 # What each peer is handed
 # ----------------------------------------------------------------------------------------------------------------------
-def our_plan(job: dict, workdir: Path, on_gpus: bool):
-    """(our config, our plan) for the job's flags: the optimisation, LoRA settings and tokenizer the peer trains with
-    (our micro-batch 1 where the peer's micro-batches count padded examples, which as our blocks might not fit)."""
+def our_plan(job: dict, workdir: Path, on_gpus: bool, argv_of=trainer_argv):
+    """(our config, our plan) for the job's flags (`argv_of(job, workdir)`): the optimisation, LoRA settings and
+    tokenizer the peer trains with (our micro-batch 1 where the peer's micro-batches count padded examples, which as
+    our blocks might not fit)."""
     from model_utils.config.flags import parse_args
     from model_utils.planning.plan import make_plan
 
     packed = job.get("peer_packing", "bfd") == "bfd"
-    cfg = parse_args(trainer_argv(job if packed else dict(job, micro_batch_size=1), workdir))
+    cfg = parse_args(argv_of(job if packed else dict(job, micro_batch_size=1), workdir))
     return cfg, make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), on_training_hardware=on_gpus, decides=False)
 
 
@@ -223,14 +224,16 @@ def peer_versions(*names: str) -> dict:
 
 
 def peer_result(job: dict, trainer, timer, counter: MicroBatchCounter, config, accumulation: int, packing: str,
-                kernels: dict, versions: dict) -> dict:
-    """A peer's result in sft_bench's form (rank 0 reports it), from its trainer, timer and counted micro-batches."""
+                kernels: dict, versions: dict, num_params: int | None = None, extra_flops: float = 0.0) -> dict:
+    """A peer's result in sft_bench's form (rank 0 reports it), from its trainer, timer and counted micro-batches.
+    `num_params`: the parameters the FLOPs count (default: the model's less the adapters); `extra_flops`: FLOPs of
+    the timed steps beyond those, all ranks' (fine_tuning_work.figures)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = timer.finish()
     device = trainer.args.device
     tokens, area, loss_tokens = all_ranks_sum(list(counter.totals(packing)), device)
     times = timer.times[job["warmup"]:]
-    num_params = base_parameters(trainer.model)
+    num_params = base_parameters(trainer.model) if num_params is None else num_params
     data_loss_tokens = loss_tokens_of(trainer.train_dataset)
     out = {"side": "trl", "peer": job.get("peer", "trl"), "data_loss_tokens": data_loss_tokens,
            "mode": job["mode"], "world_size": world, "losses": timer.losses,
@@ -239,7 +242,8 @@ def peer_result(job: dict, trainer, timer, counter: MicroBatchCounter, config, a
            "num_params": num_params, "timed_steps": len(times),
            "packing": packing,  # bfd: blocks_per_step counts bins; none, grouped: examples
            **kernels, "peer_versions": versions,
-           **figures(config, num_params, job["seq_len"], int(tokens), int(area), int(loss_tokens), times, world),
+           **figures(config, num_params, job["seq_len"], int(tokens), int(area), int(loss_tokens), times, world,
+                     extra_flops),
            **peak_memory(), **gpu}
     if "peak_mem_gib" in out:
         out["peak_mem_gib"] = all_ranks_max(out["peak_mem_gib"], device)
