@@ -211,6 +211,11 @@ def row_lengths(processor, rows_file: Path) -> list[tuple[int, int, int]]:
     return out
 
 
+def not_vision(model) -> BenchProblem:
+    return BenchProblem(f"--model {model}: not a vision-language model; give a vision preset (tiny-vl, qwen2.5-vl-7b) "
+                        "or a model directory that AutoModelForImageTextToText loads")
+
+
 def vision_processor(model: Path, seq_len: int, max_pixels: int | None):
     """(DIR's processor as ours loads it, the pixel bound both sides resize images within: --max_image_pixels, else
     ours' default, a quarter of a block's tokens; None where the image processor has a fixed size)."""
@@ -221,8 +226,7 @@ def vision_processor(model: Path, seq_len: int, max_pixels: int | None):
     from model_utils.planning.vision import default_max_pixels
 
     if not is_vision_model(str(model)):
-        raise BenchProblem(f"--model {model}: not a vision-language model; give a vision preset (tiny-vl, "
-                           "qwen2.5-vl-7b) or a model directory that AutoModelForImageTextToText loads")
+        raise not_vision(model)
     processor = load_processor(str(model), AutoConfig.from_pretrained(model).model_type)
     pixels = max_pixels or default_max_pixels(processor, seq_len)[0]
     return processor, pixels if set_image_pixels(processor, pixels, None) else None
@@ -322,6 +326,8 @@ def main(argv=None) -> int:
         return worker_main(a.worker, a.result)
     from bench import gpu_count, run_job, run_jobs
 
+    from model_utils.config.presets import is_preset, is_vision_preset
+
     normalize_env()
     a.nproc = a.nproc or max(gpu_count(), 1)
     a.peer_packing = "none"  # for sft_bench.global_batch: TRL's micro-batches are padded examples
@@ -335,6 +341,8 @@ def main(argv=None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         global_tokens = global_batch(a)
+        if is_preset(a.model) and not is_vision_preset(a.model):  # refused before a text preset is written
+            raise not_vision(a.model)
         model = model_directory(a.model, a.seed, workdir)
         processor, max_pixels = vision_processor(model, a.seq_len, a.max_image_pixels)
     except BenchProblem as e:

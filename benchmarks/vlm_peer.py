@@ -200,7 +200,7 @@ def worker_trl(job: dict, workdir: Path) -> dict | None:
     from model_utils.models.vision.parts import freeze
 
     cuda = torch.cuda.is_available()
-    cfg, plan = our_plan(dict(job, peer_packing="none"), workdir, on_gpus=True, argv_of=vlm_argv)
+    _, plan = our_plan(dict(job, peer_packing="none"), workdir, on_gpus=True, argv_of=vlm_argv)
     vision, accumulation = plan.model.vision, job["peer_accumulation"]
     processor, processor_source = peer_processor(job["model"])
     if job.get("max_image_pixels"):
