@@ -42,10 +42,13 @@ def mixed_rows(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def zero3_mixed(mixed_rows, tmp_path_factory, session_cache):
-    checkpoint_dir = tmp_path_factory.mktemp("zero3-mixed") / "run"
-    return run_trainer(checkpoint_dir, [*MIXED_ARGS, "--dataset", str(mixed_rows)], timeout=300)
+@pytest.fixture(scope="module", params=["none", "vision_tower"])
+def zero3_mixed(request, mixed_rows, tmp_path_factory, session_cache):
+    """The tower trained (a preset's default) and frozen (a pretrained model's): a trained tower's backward runs
+    through the blank image's features too, and must trace what an image's step traces."""
+    checkpoint_dir = tmp_path_factory.mktemp(f"zero3-mixed-{request.param}") / "run"
+    return run_trainer(checkpoint_dir, [*MIXED_ARGS, "--dataset", str(mixed_rows), "--freeze", request.param],
+                       timeout=300)
 
 
 def test_zero3_finishes_with_a_rank_whose_micro_batches_hold_no_image(zero3_mixed):
@@ -102,7 +105,7 @@ def test_the_journey_resumes_exactly_and_learns(journey):
     losses, again = whole.losses_by_step(), resumed.losses_by_step()
     assert [again[s] for s in range(7, 13)] == [losses[s] for s in range(7, 13)]  # bit for bit after the checkpoint
     evals = [float(x) for x in re.findall(r"eval (?:\(final\) )?step \d+: loss ([\d.]+)", whole.output)]
-    assert len(evals) == 2 and evals[-1] < 0.75 * losses[1]  # the held-out answers' loss falls from the start's
+    assert len(evals) == 2 and evals[-1] < evals[0] < losses[1] - 1  # the held-out answers' loss falls
 
 
 def test_the_resumed_export_answers_about_a_picture(journey):

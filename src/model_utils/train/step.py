@@ -132,6 +132,8 @@ def train_step(run: Run, phase=no_phase) -> StepResult:
     for micro in range(run.batch.accumulation):
         with phase("forward"):
             indices, blocks = ahead[micro] if ahead else read_micro_batch(run, run.position)
+            if micro == run.batch.accumulation - 1:  # the next step's first micro-batch, read while this one runs
+                prefetch_next(run, run.order.advance(run.position))
             blocks_read += indices.tolist()
             if dist.sequence_rank == 0:  # the group's ranks compute one sequence together: its attention once
                 area += attention_area(run, blocks)
@@ -147,6 +149,14 @@ def train_step(run: Run, phase=no_phase) -> StepResult:
     run.step += 1
     run.tokens_seen += run.batch.tokens_per_step
     return StepResult(loss_sum, nonfinite, area, blocks_read, vision_flops=vision_flops)
+
+
+def prefetch_next(run: Run, position) -> None:
+    """Where the data read their micro-batches' inputs in the background (images: data.vision.packing), start the
+    micro-batch at `position`, so that it is ready when the step reaches it."""
+    prefetch = getattr(run.data.train, "prefetch", None)
+    if prefetch is not None:
+        prefetch(run.order.rank_indices(position, run.dist.data_rank))
 
 
 def backward_and_step(run: Run, loss, phase, loss_sum, nonfinite) -> tuple:

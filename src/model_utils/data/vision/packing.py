@@ -121,14 +121,26 @@ def pack_vision_examples(examples: Iterable[VisionExample], seq_len: int, pad_id
 
 class PixelReader:
     """A micro-batch's images as the model takes them: the processor's image processor over the files, every image
-    of the micro-batch in one call (pixel_values stacked along the first axis, and the Qwen-VL family's grids)."""
+    of the micro-batch in a single call (pixel_values stacked along the first axis, and the Qwen-VL family's grids).
+    `submit` reads them in a background thread (decoding and resizing release the GIL), so that the images of the
+    next micro-batch are ready when the step takes it."""
+
+    THREADS = 2
 
     def __init__(self, processor):
         self.image_processor = processor.image_processor
+        self.pool = None
 
     def __call__(self, files: list[str]) -> dict:
         out = self.image_processor(images=[open_rgb(path) for path in files], return_tensors="np")
         return {name: np.asarray(out[name]) for name in ("pixel_values", "image_grid_thw") if name in out}
+
+    def submit(self, files: list[str]):
+        if self.pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="pixels")
+        return self.pool.submit(self, files)
 
 
 class PackedVisionExamples(PackedExamples):
@@ -145,16 +157,30 @@ class PackedVisionExamples(PackedExamples):
         self.reader = reader
         return self
 
+    def files_of(self, indices) -> list[str]:
+        """The image files of blocks `indices`, in the order of their tokens."""
+        return [self.image_files[int(k)] for i in indices
+                for k in self.images[self.block_images[int(i)]:self.block_images[int(i) + 1]]]
+
+    def prefetch(self, indices) -> None:
+        """Start reading the images of blocks `indices` (a micro-batch the step will take next) in the background;
+        `batch` takes them from here, and starts the read itself where no prefetch did."""
+        files = self.files_of(indices)
+        if files and self.reader is not None:
+            self.pending = {**getattr(self, "pending", {}), tuple(int(i) for i in indices): self.reader.submit(files)}
+
     def batch(self, indices) -> VisionBatch:
         base = super().batch(indices)
         mrope = None
         if self.mrope.shape[1]:
             mrope = np.stack([self.mrope[:, int(i) * self.seq_len:(int(i) + 1) * self.seq_len] for i in indices],
                              axis=1).astype(np.int64)
-        files = [self.image_files[int(k)] for i in indices
-                 for k in self.images[self.block_images[int(i)]:self.block_images[int(i) + 1]]]
+        files = self.files_of(indices)
+        pending = getattr(self, "pending", {}).pop(tuple(int(i) for i in indices), None)
+        if pending is None and files and self.reader is not None:  # read in the background until the step needs them
+            pending = self.reader.submit(files)
         return VisionBatch(base.input_ids, base.targets, base.position_ids, mrope, files, self.reader,
-                           self.image_token_id)
+                           self.image_token_id, pixels=pending)
 
 
 @dataclass
@@ -168,6 +194,7 @@ class VisionBatch(ExampleBatch):
     image_token_id: int = -1
     patches: list[int] = field(default_factory=list)  # each image's patches, once model_arrays has read them
     image_tokens: int = 0
+    pixels: object = None  # the images being read in the background (PixelReader.submit), where prefetched
 
     def model_arrays(self, document_boundaries: bool = False) -> dict:
         """ExampleBatch's arrays, with the Qwen-VL family's positions as transformers takes packed ones (4 x B x T:
@@ -178,7 +205,7 @@ class VisionBatch(ExampleBatch):
         if self.mrope is not None:
             arrays["position_ids"] = np.concatenate([self.position_ids[None], self.mrope], axis=0)
         if self.image_files:
-            pixels = self.reader(self.image_files)
+            pixels = self.pixels.result() if self.pixels is not None else self.reader(self.image_files)
             grid = pixels.get("image_grid_thw")
             tokens = int((self.input_ids == self.image_token_id).sum())
             merge = getattr(self.reader.image_processor, "merge_size", None)
