@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from model_utils.config.presets import is_vision_preset, preset_names
+from model_utils.config.presets import VISION_PRESETS, is_vision_preset
 from model_utils.config.settings import TrainConfig
 from model_utils.core.problems import Problem
 from model_utils.data.vision.formats import VISION
@@ -125,7 +125,7 @@ def load_vision_model(cfg: TrainConfig, seq_len: int):
         processor = load_processor_for(cfg)
     except (ProcessorError, OSError, ValueError) as e:
         return None, None, [Problem("--model", name, f"has no processor that loads here: {e}".split("\n")[0],
-                                    f"use a vision preset ({preset_names()}) or a model directory holding its "
+                                    f"use a vision preset ({', '.join(VISION_PRESETS)}) or a model directory holding its "
                                     "processor (preprocessor_config.json and the tokenizer)")]
     tokenizer = processor.tokenizer
     vision = cfg.vision

@@ -60,7 +60,9 @@ def vision_model_config(name: str, processor, attention_dropout: float | None = 
         text.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                     pad_token_id=tokenizer.pad_token_id)
         config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(preset["vision_config"]), **ids,
-                                  tie_word_embeddings=text.get("tie_word_embeddings", False))
+                                  tie_word_embeddings=text.get("tie_word_embeddings", False),
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
     else:
         config = AutoConfig.from_pretrained(name)
     if attention_dropout is not None:
