@@ -42,13 +42,15 @@ def mixed_rows(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["none", "vision_tower"])
+@pytest.fixture(scope="module", params=["full", "lora"])
 def zero3_mixed(request, mixed_rows, tmp_path_factory, session_cache):
-    """The tower trained (a preset's default) and frozen (a pretrained model's): a trained tower's backward runs
-    through the blank image's features too, and must trace what an image's step traces."""
+    """Every part trained (a preset's default), and LoRA on the language model beside a frozen tower (a pretrained
+    model's default) with its merged export: a trained tower's backward runs through the blank image's features too,
+    and must trace what an image's step traces."""
     checkpoint_dir = tmp_path_factory.mktemp(f"zero3-mixed-{request.param}") / "run"
-    return run_trainer(checkpoint_dir, [*MIXED_ARGS, "--dataset", str(mixed_rows), "--freeze", request.param],
-                       timeout=300)
+    mode = ["--freeze", "none"] if request.param == "full" else ["--freeze", "vision_tower", "--lora_rank", "4",
+                                                                 "--export_merged"]
+    return run_trainer(checkpoint_dir, [*MIXED_ARGS, "--dataset", str(mixed_rows), *mode], timeout=300)
 
 
 def test_zero3_finishes_with_a_rank_whose_micro_batches_hold_no_image(zero3_mixed):
@@ -65,20 +67,24 @@ def test_zero3_finishes_with_a_rank_whose_micro_batches_hold_no_image(zero3_mixe
         assert sorted(zero["blocks"] + one["blocks"]) == [0, 1]
     assert len(traces[0]) == 6
     assert len(re.findall(r"^eval step \d+", run.output, re.M)) == 2 and "eval (final) step 6" in run.output
-    assert (run.checkpoint_dir / "hf" / "preprocessor_config.json").exists() or \
-        "image_processor" in (run.checkpoint_dir / "hf" / "processor_config.json").read_text()
+    if "--lora_rank" in run.output:
+        assert "LoRA: rank 4" in run.output and "on the language model's" in run.output
+        assert (run.checkpoint_dir / "hf" / "adapter" / "adapter_config.json").exists()
 
 
 def test_the_export_answers_about_an_image(zero3_mixed, mixed_rows):
     """The ZeRO-3 export (gathered) loads as a transformers vision-language model with its processor and generates
     from an image and a question through `python -m model_utils.generate --image`."""
-    done = preloaded.run([sys.executable, "-m", "model_utils.generate", "--model", str(zero3_mixed.checkpoint_dir / "hf"),
+    export = zero3_mixed.checkpoint_dir / "hf"
+    export = export / "merged" if (export / "merged").exists() else export  # LoRA's merged model, or the model
+    assert "image_processor" in (export / "processor_config.json").read_text()  # the processor beside the model
+    done = preloaded.run([sys.executable, "-m", "model_utils.generate", "--model", str(export),
                           "--image", str(mixed_rows / "red.png"), "--chat", "What colour are the shapes?",
                           "--max_new_tokens", "4"], cwd=REPO, env=TOOL_ENV, capture_output=True, text=True,
                          timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    not_vision = preloaded.run([sys.executable, "-m", "model_utils.generate", "--model",
-                                str(zero3_mixed.checkpoint_dir / "hf"), "--image", "x.png", "--prompt", "Hi"],
+    not_vision = preloaded.run([sys.executable, "-m", "model_utils.generate", "--model", str(export), "--image",
+                                "x.png", "--prompt", "Hi"],
                                cwd=REPO, env=TOOL_ENV, capture_output=True, text=True, timeout=120)
     assert not_vision.returncode == 2 and "--image goes with --chat" in not_vision.stderr
 
@@ -117,17 +123,3 @@ def test_the_resumed_export_answers_about_a_picture(journey):
                           "--image", str(picture), "--chat", "What colour are the shapes?", "--max_new_tokens", "4"],
                          cwd=REPO, env=TOOL_ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-
-
-def test_lora_on_the_language_model_exports_an_adapter_and_a_merged_model(tmp_path, session_cache, mixed_rows):
-    run = run_trainer(tmp_path / "lora", ["--model", "tiny-vl", "--dataset", str(mixed_rows), "--seq_len", "56",
-                                          "--micro_batch_size", "1", "--max_steps", "2", "--lora_rank", "4",
-                                          "--export_merged", "--eval_interval", "0", "--log_interval", "1"])
-    assert_ok(run)
-    assert "LoRA: rank 4" in run.output and "on the language model's" in run.output
-    merged = run.checkpoint_dir / "hf" / "merged"
-    done = preloaded.run([sys.executable, "-m", "model_utils.generate", "--model", str(merged), "--image",
-                          str(mixed_rows / "red.png"), "--chat", "What colour?", "--max_new_tokens", "2"],
-                         cwd=REPO, env=TOOL_ENV, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert (run.checkpoint_dir / "hf" / "adapter" / "adapter_config.json").exists()

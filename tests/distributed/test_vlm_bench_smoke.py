@@ -1,5 +1,5 @@
 """benchmarks/vlm_bench.py end to end on CPU: the trainer's vision-language path and TRL's SFTTrainer for
-vision-language models on the same image chats and model directory, full fine-tuning and LoRA."""
+vision-language models on the same image chats and model directory, with LoRA."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from conftest import REPO
 VLM_BENCH = REPO / "benchmarks" / "vlm_bench.py"
 
 
-def test_vlm_bench_runs_both_sides_full_and_lora_on_the_same_image_chats(tmp_path):
+def test_vlm_bench_runs_both_sides_with_lora_on_the_same_image_chats(tmp_path):
     """tiny-vl written as a model directory with its processor, 32 image chats (some without an image), blocks of 256
-    tokens (ours, micro-batch 1) against one padded example per micro-batch (TRL), 1 warm-up and 2 timed steps, both
-    modes: one invocation of the command in benchmarks/README.md. Every run reports its example tokens (image tokens
+    tokens (ours, micro-batch 1) against one padded example per micro-batch (TRL), 1 warm-up and 2 timed steps, LoRA
+    (the full mode takes the same path with every language-model weight trained: the unit tests build both). Every run reports its example tokens (image tokens
     among them), padding share, images and the tower's FLOPs beside the language model's; both sides resize the images
     alike (the same image tokens over the whole data), train the same language model and freeze the same tower."""
     pytest.importorskip("trl", reason="the TRL side needs trl (pip install .[bench])")
@@ -26,7 +26,7 @@ def test_vlm_bench_runs_both_sides_full_and_lora_on_the_same_image_chats(tmp_pat
 
     out = preloaded.run([sys.executable, str(VLM_BENCH), "--model", "tiny-vl", "--seq_len", "256",
                          "--micro_batch_size", "1", "--peer-micro-batch-size", "1", "--steps", "2", "--warmup", "1",
-                         "--max_examples", "32", "--modes", "full", "lora", "--timeout", "300",
+                         "--max_examples", "32", "--modes", "lora", "--timeout", "300",
                          "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "r.jsonl"),
                          "--write-doc", str(tmp_path / "vlm.md")],
                         cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -35,7 +35,7 @@ def test_vlm_bench_runs_both_sides_full_and_lora_on_the_same_image_chats(tmp_pat
     assert "32 rows (29 with an image, 3 without)" in out.stdout, out.stdout[:2000]  # seeded: the same rows each time
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     runs = {line["job"]["name"]: line["result"] for line in lines if "job" in line}
-    assert set(runs) == {"ours-full-mb1-ga1", "trl-full-mb1-ga1", "ours-lora-mb1-ga1", "trl-lora-mb1-ga1"}
+    assert set(runs) == {"ours-lora-mb1-ga1", "trl-lora-mb1-ga1"}
     for name, r in runs.items():
         assert r["timed_steps"] == 2 and len(r["losses"]) == 3, name
         assert all(8 < loss < 10 for loss in r["losses"]), (name, r["losses"])  # random init: about ln(vocabulary)
@@ -46,14 +46,14 @@ def test_vlm_bench_runs_both_sides_full_and_lora_on_the_same_image_chats(tmp_pat
         assert r["tokens_per_s_per_gpu"] > 0 and r["tflops_per_gpu"] > 0, name
         if r["images_per_step_per_gpu"]:  # the frozen tower's and the projector's FLOPs on top of the language model's
             assert r["extra_tflops_per_gpu"] > 0, name
-    ours, peer = runs["ours-full-mb1-ga1"], runs["trl-full-mb1-ga1"]
+    ours, peer = runs["ours-lora-mb1-ga1"], runs["trl-lora-mb1-ga1"]
     assert ours["positions_per_step_per_gpu"] == 256 and ours["padding_share"] > 0  # one example and padding a block
     assert peer["padding_share"] == 0  # one example per micro-batch: no padding
     # The same language model counted on both sides (its parameters for the FLOPs), the tower frozen on ours.
     assert len({r["num_params"] for r in runs.values()}) == 1 and ours["frozen"] == ["vision_tower"]
     summary = next(line["summary"] for line in lines if "summary" in line)
-    assert set(summary) == {"full", "lora"} and summary["full"]["losses"]["steps"] == 3
-    full = summary["full"]
+    assert set(summary) == {"lora"} and summary["lora"]["losses"]["steps"] == 3
+    full = summary["lora"]
     assert full["data_image_tokens"]["ours"] == full["data_image_tokens"]["peer"] > 0
     assert full["kernels"] == {"ours": {"attention": "sdpa", "liger": "off"},
                                "peer": {"attention": "sdpa", "liger": False}}

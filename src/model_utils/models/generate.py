@@ -42,7 +42,10 @@ def vision_processor(model_dir):
 
     from model_utils.models.vision.build import is_vision_config
 
-    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):  # an adapter's directory (peft's adapter_config.json, no config.json)
+        return None
     if not is_vision_config(config):
         return None
     from model_utils.data.vision.processor import load_processor
