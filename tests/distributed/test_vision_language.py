@@ -42,15 +42,50 @@ def mixed_rows(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["full", "lora"])
+def save_tiny_llava(path) -> None:
+    """A LLaVA of a CLIP tower (56-pixel images, 16 patches) and a Llama language model, random weights, with its
+    processor (the shipped tokenizer with `<image>` added, CLIP's image processor): a "pretrained" model of the
+    fixed-size tower family, without mRoPE."""
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    from model_utils.data.tokenizer import load_tokenizer
+    from model_utils.data.vision.processor import IMAGE_PAD, PRESET_CHAT_TEMPLATE, VISION_END, VISION_START, \
+        image_processor_of
+
+    tokenizer = load_tokenizer(None)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = PRESET_CHAT_TEMPLATE.replace(VISION_START + IMAGE_PAD + VISION_END, "<image>")
+    images = image_processor_of("CLIPImageProcessor")
+    images.size, images.crop_size = {"shortest_edge": 56}, {"height": 56, "width": 56}
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=tokenizer.chat_template)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=56, patch_size=14),
+        text_config=LlamaConfig(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+    processor.save_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=["full", "lora", "llava"])
 def zero3_mixed(request, mixed_rows, tmp_path_factory, session_cache):
-    """Every part trained (a preset's default), and LoRA on the language model beside a frozen tower (a pretrained
-    model's default) with its merged export: a trained tower's backward runs through the blank image's features too,
-    and must trace what an image's step traces."""
+    """Every part trained (a preset's default); LoRA on the language model beside a frozen tower (a pretrained
+    model's default) with its merged export; and a LLaVA (a CLIP tower, a Llama decoder, 1-D positions) with its
+    frozen tower: a trained tower's backward runs through the blank image's features too, and must trace what an
+    image's step traces."""
     checkpoint_dir = tmp_path_factory.mktemp(f"zero3-mixed-{request.param}") / "run"
-    mode = ["--freeze", "none"] if request.param == "full" else ["--freeze", "vision_tower", "--lora_rank", "4",
-                                                                 "--export_merged"]
-    return run_trainer(checkpoint_dir, [*MIXED_ARGS, "--dataset", str(mixed_rows), *mode], timeout=300)
+    mode = {"full": ["--freeze", "none"], "lora": ["--freeze", "vision_tower", "--lora_rank", "4", "--export_merged"]}
+    if request.param == "llava":
+        save_tiny_llava(checkpoint_dir.parent / "llava")  # 16 tokens an image: its example fills a block of 72
+        mode["llava"] = ["--model", str(checkpoint_dir.parent / "llava"), "--seq_len", "72"]
+    return run_trainer(checkpoint_dir, [*MIXED_ARGS, "--dataset", str(mixed_rows), *mode[request.param]],
+                       timeout=300)
 
 
 def test_zero3_finishes_with_a_rank_whose_micro_batches_hold_no_image(zero3_mixed):
@@ -59,7 +94,8 @@ def test_zero3_finishes_with_a_rank_whose_micro_batches_hold_no_image(zero3_mixe
     DeepSpeed and TRL); here every step and every evaluation completes."""
     run = zero3_mixed
     assert_ok(run)
-    assert "2 examples" in run.output and "1 images, 4 image tokens" in run.output
+    llava = "llava" in run.checkpoint_dir.parent.name
+    assert "2 examples" in run.output and f"1 images, {16 if llava else 4} image tokens" in run.output
     assert "the tower runs on every micro-batch" in run.output
     traces = [[json.loads(line) for line in (run.checkpoint_dir / "data_trace" / f"rank-{rank:05d}.jsonl")
                .read_text().splitlines()] for rank in (0, 1)]

@@ -69,7 +69,12 @@ def build_vision_files(splits: dict, processor, seq_len: int, requested_format: 
 
 
 def open_split(out_dir: Path, split: str, meta: dict, reader: PixelReader) -> PackedVisionExamples:
-    inputs, targets, positions, mrope, images, block_images = split_arrays(out_dir, split, meta, SPLIT_FILES)
+    import numpy as np
+
+    present = [name for name in SPLIT_FILES if (out_dir / f"{split}.{name}.bin").stat().st_size]
+    arrays = dict(zip(present, split_arrays(out_dir, split, meta, tuple(present))))  # an empty file maps to nothing
+    inputs, targets, positions, mrope, images, block_images = (
+        arrays.get(name, np.zeros(0, dtype=np.dtype(meta["splits"][split]["dtypes"][name]))) for name in SPLIT_FILES)
     return PackedVisionExamples(inputs, targets, positions, mrope.reshape(3, -1), images, block_images,
                                 meta["splits"][split]["image_files"], meta["seq_len"], meta["image_token_id"], reader)
 

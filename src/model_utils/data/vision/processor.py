@@ -191,9 +191,11 @@ def pixels_per_token(processor) -> int | None:
 
 def processor_identity(processor) -> str:
     """A digest of what the tokens and pixels depend on: the tokenizer's vocabulary and template, the image
-    processor's settings."""
+    processor's settings, the processor's own (how many tokens an image becomes: LLaVA's num_additional_image_tokens,
+    the feature selection)."""
     from model_utils.data.tokens import tokenizer_identity
 
-    settings = json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str)
+    own = {k: v for k, v in processor.to_dict().items() if k not in ("chat_template", "tokenizer")}  # expansion
+    settings = json.dumps([processor.image_processor.to_dict(), own], sort_keys=True, default=str)
     parts = [tokenizer_identity(processor.tokenizer), chat_template_of(processor) or "", settings]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
