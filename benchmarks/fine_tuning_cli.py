@@ -91,3 +91,10 @@ def results_table(jobs: list[dict], results: list[dict], side_label, rates: list
                      *(cell(r) for _, cell in columns)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def losses_line(mode: str, losses: dict, name: str, note: str = "") -> str:
+    """The summary's line comparing both sides' losses over the same steps (fine_tuning_work.compare_losses)."""
+    return (f"{mode}, losses over the same {losses['steps']} steps: ours first {losses['ours_first']}, {name} first "
+            f"{losses['peer_first']}; mean ours {losses['ours_mean']:.4f}, {name} {losses['peer_mean']:.4f} (ours - "
+            f"{name} {losses['mean_diff']:+.4f}{note})")

@@ -59,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import normalize_env  # noqa: E402
-from fine_tuning_cli import add_run_arguments, report, reporter, results_table  # noqa: E402
+from fine_tuning_cli import add_run_arguments, losses_line, report, reporter, results_table  # noqa: E402
 from fine_tuning_work import (IGNORE_INDEX, BenchProblem, all_ranks_sum, block_example_lengths,  # noqa: E402
                               built_run, compare_losses, figures, model_directory, timed_steps, trainer_argv,
                               work_of, worker_result)
@@ -254,9 +254,7 @@ def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[st
                      f"{peer[1]['data_loss_tokens'] or 0:,} (equal where both mask the same tokens and truncate "
                      "nothing)")
         if losses:
-            lines.append(f"{mode}, losses over the same {losses['steps']} steps: ours first {losses['ours_first']}, "
-                         f"{name} first {losses['peer_first']}; mean ours {losses['ours_mean']:.4f}, {name} "
-                         f"{losses['peer_mean']:.4f} (ours - {name} {losses['mean_diff']:+.4f})")
+            lines.append(losses_line(mode, losses, name))
     return "\n".join(lines), record
 
 

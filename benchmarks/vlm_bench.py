@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import normalize_env  # noqa: E402
-from fine_tuning_cli import add_run_arguments, report, reporter, results_table  # noqa: E402
+from fine_tuning_cli import add_run_arguments, losses_line, report, reporter, results_table  # noqa: E402
 from fine_tuning_work import (IGNORE_INDEX, BenchProblem, all_ranks_sum, block_example_lengths,  # noqa: E402
                               built_run, compare_losses, figures, model_directory, read_rows, timed_steps, work_of,
                               worker_result)
@@ -298,9 +298,7 @@ def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[st
                      f"{t['data_image_tokens']:,} (equal where both resize the images alike)")
         if losses:
             loss_of = "the answers" if t.get("assistant_only_loss") else "every token (assistant-only refused)"
-            lines.append(f"{mode}, losses over the same {losses['steps']} steps: ours first {losses['ours_first']}, "
-                         f"TRL first {losses['peer_first']}; mean ours {losses['ours_mean']:.4f}, TRL "
-                         f"{losses['peer_mean']:.4f} (ours - TRL {losses['mean_diff']:+.4f}; TRL's loss on {loss_of})")
+            lines.append(losses_line(mode, losses, "TRL", f"; TRL's loss on {loss_of}"))
     return "\n".join(lines), record
 
 
