@@ -223,38 +223,55 @@ def best_of(jobs: list[dict], results: list[dict], side: str, mode: str) -> tupl
     return max(ran, key=lambda jr: jr[1]["tokens_per_s_per_gpu"], default=None)
 
 
+def best_pair(jobs: list[dict], results: list[dict], mode: str):
+    """Each side at its fastest micro-batch of `mode`: ((job, result) of ours, of the peer, the record both
+    benchmarks' summaries start from: the two runs, the ratio by mean step time and by each side's median step, the
+    losses over the same steps and each side's kernels), or None where a side did not run."""
+    ours, peer = best_of(jobs, results, "ours", mode), best_of(jobs, results, "trl", mode)
+    if not ours or not peer:
+        return None
+    ratio = ours[1]["tokens_per_s_per_gpu"] / peer[1]["tokens_per_s_per_gpu"]  # by mean step time
+    # tokens/s at each side's median step, which a stall does not move: each side's mean tokens per step (the sides
+    # pack the same block tokens into different example tokens) over its median step time
+    median_ratio = median_tokens_per_s(ours[1]) / median_tokens_per_s(peer[1]) if (
+        ours[1].get("step_s_median") and peer[1].get("step_s_median")) else None
+    record = {"ours": ours[0]["name"], "peer": peer[0]["name"], "ratio": ratio, "ratio_by_median_step": median_ratio,
+              "losses": compare_losses(ours[1].get("losses", []), peer[1].get("losses", [])),
+              "kernels": {side: {"attention": r.get("attention"), "liger": r.get("liger")}
+                          for side, r in (("ours", ours[1]), ("peer", peer[1]))}}
+    return ours, peer, record
+
+
+def speed_line(mode: str, ours, peer, record: dict, name: str) -> str:
+    """The summary's line of a best pair: each side's tokens/s at its micro-batch and the ratios."""
+    median = record["ratio_by_median_step"]
+    return (f"{mode}, best micro-batch each: ours {ours[1]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU at "
+            f"{ours[0]['micro_batch_size']}, {name} {peer[1]['tokens_per_s_per_gpu']:,.0f} at "
+            f"{peer[0]['micro_batch_size']}: {record['ratio']:.2f}x by mean step time"
+            + (f", {median:.2f}x by median" if median else ""))
+
+
 def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[str, dict]:
     """Per mode: each side at its fastest micro-batch, the ratio, and the losses of those two runs."""
     lines, record = [], {}
     for mode in modes:
-        ours, peer = best_of(jobs, results, "ours", mode), best_of(jobs, results, "trl", mode)
-        if not ours or not peer:
+        pair = best_pair(jobs, results, mode)
+        if pair is None:
             lines.append(f"{mode}: no pair ran")
             continue
-        ratio = ours[1]["tokens_per_s_per_gpu"] / peer[1]["tokens_per_s_per_gpu"]  # by mean step time
-        # tokens/s at each side's median step, which a stall does not move: each side's mean tokens per step (the
-        # sides pack the same block tokens into different example tokens) over its median step time
-        median_ratio = median_tokens_per_s(ours[1]) / median_tokens_per_s(peer[1]) if (
-            ours[1].get("step_s_median") and peer[1].get("step_s_median")) else None
-        losses = compare_losses(ours[1].get("losses", []), peer[1].get("losses", []))
-        record[mode] = {"ours": ours[0]["name"], "peer": peer[0]["name"], "ratio": ratio,
-                        "ratio_by_median_step": median_ratio, "losses": losses,
-                        "kernels": {side: {"attention": r.get("attention"), "liger": r.get("liger")}
-                                    for side, r in (("ours", ours[1]), ("peer", peer[1]))},
-                        "data_loss_tokens": {"ours": ours[1]["data_loss_tokens"], "peer": peer[1]["data_loss_tokens"]}}
+        ours, peer, record[mode] = pair
         name = side_label(peer[0]).split()[0]  # TRL, Unsloth, axolotl
-        record[mode]["peer_side"] = peer[0].get("peer", "trl")
-        lines.append(f"{mode}, best micro-batch each: ours {ours[1]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU at "
-                     f"{ours[0]['micro_batch_size']}, {name} {peer[1]['tokens_per_s_per_gpu']:,.0f} at "
-                     f"{peer[0]['micro_batch_size']}: {ratio:.2f}x by mean step time"
-                     + (f", {median_ratio:.2f}x by median" if median_ratio else "")
+        record[mode].update(data_loss_tokens={"ours": ours[1]["data_loss_tokens"],
+                                              "peer": peer[1]["data_loss_tokens"]},
+                            peer_side=peer[0].get("peer", "trl"))
+        lines.append(speed_line(mode, ours, peer, record[mode], name)
                      + f" (attention: ours {ours[1].get('attention')}, {name} {peer[1].get('attention')}; Liger: "
                        f"ours {ours[1].get('liger')}, {name} {peer[1].get('liger')})")
         lines.append(f"{mode}, tokens carrying loss in the whole data: ours {ours[1]['data_loss_tokens']:,}, {name} "
                      f"{peer[1]['data_loss_tokens'] or 0:,} (equal where both mask the same tokens and truncate "
                      "nothing)")
-        if losses:
-            lines.append(losses_line(mode, losses, name))
+        if record[mode]["losses"]:
+            lines.append(losses_line(mode, record[mode]["losses"], name))
     return "\n".join(lines), record
 
 

@@ -55,10 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import normalize_env  # noqa: E402
 from fine_tuning_cli import add_run_arguments, losses_line, report, reporter, results_table  # noqa: E402
 from fine_tuning_work import (IGNORE_INDEX, BenchProblem, all_ranks_sum, block_example_lengths,  # noqa: E402
-                              built_run, compare_losses, figures, model_directory, read_rows, timed_steps, work_of,
+                              built_run, figures, model_directory, read_rows, timed_steps, work_of,
                               worker_result)
 from report import versions  # noqa: E402
-from sft_bench import best_of, global_batch, median_tokens_per_s, side_label  # noqa: E402
+from sft_bench import best_pair, global_batch, side_label, speed_line  # noqa: E402
 from sft_peers import examples_accumulation  # noqa: E402
 from vlm_peer import image_tokens_of, vision_fields, vlm_argv  # noqa: E402
 
@@ -272,25 +272,17 @@ def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[st
     """Per mode: each side at its fastest micro-batch, the ratio, their padding, kernels and losses."""
     lines, record = [], {}
     for mode in modes:
-        ours, peer = best_of(jobs, results, "ours", mode), best_of(jobs, results, "trl", mode)
-        if not ours or not peer:
+        pair = best_pair(jobs, results, mode)
+        if pair is None:
             lines.append(f"{mode}: no pair ran")
             continue
-        (oj, o), (pj, t) = ours, peer
-        ratio = o["tokens_per_s_per_gpu"] / t["tokens_per_s_per_gpu"]  # by mean step time
-        timed = o["step_s_median"] and t["step_s_median"]  # by each side's median step, which a stall does not move
-        median_ratio = median_tokens_per_s(o) / median_tokens_per_s(t) if timed else None
-        losses = compare_losses(o.get("losses", []), t.get("losses", []))
-        record[mode] = {"ours": oj["name"], "peer": pj["name"], "ratio": ratio, "ratio_by_median_step": median_ratio,
-                        "losses": losses, "padding_share": {"ours": o["padding_share"], "peer": t["padding_share"]},
-                        "kernels": {side: {"attention": r.get("attention"), "liger": r.get("liger")}
-                                    for side, r in (("ours", o), ("peer", t))},
-                        "peer_assistant_only_loss": t.get("assistant_only_loss"),
-                        "peer_refused": t.get("assistant_only_loss_refused"), "peer_processor": t.get("processor"),
-                        "data_image_tokens": {"ours": o["data_image_tokens"], "peer": t["data_image_tokens"]}}
-        lines.append(f"{mode}, best micro-batch each: ours {o['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU at "
-                     f"{oj['micro_batch_size']}, TRL {t['tokens_per_s_per_gpu']:,.0f} at {pj['micro_batch_size']}: "
-                     f"{ratio:.2f}x by mean step time" + (f", {median_ratio:.2f}x by median" if median_ratio else "")
+        (oj, o), (pj, t), record[mode] = pair
+        losses = record[mode]["losses"]
+        record[mode].update(padding_share={"ours": o["padding_share"], "peer": t["padding_share"]},
+                            peer_assistant_only_loss=t.get("assistant_only_loss"),
+                            peer_refused=t.get("assistant_only_loss_refused"), peer_processor=t.get("processor"),
+                            data_image_tokens={"ours": o["data_image_tokens"], "peer": t["data_image_tokens"]})
+        lines.append(speed_line(mode, (oj, o), (pj, t), record[mode], "TRL")
                      + f"; padding ours {100 * o['padding_share']:.1f}%, TRL {100 * t['padding_share']:.1f}% "
                        f"(attention: ours {o.get('attention')}, TRL {t.get('attention')} [{t.get('attention_why')}]; "
                        f"Liger: ours {o.get('liger')}, TRL {t.get('liger')} [{t.get('liger_why')}])")

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from model_utils.checkpoint.protocol import ResumeError
     from model_utils.checkpoint.save import SaveFailed
-    from model_utils.data.errors import DataError, PreparerLost
+    from model_utils.data.errors import DataError, OneRankDataError
     from model_utils.runtime.distributed import setup_distributed
     from model_utils.runtime.run_lock import acquire
 
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_main:
             exit_on_problems(e.problems)
         return exit_status.BAD_INPUT
-    except PreparerLost as e:  # the rank preparing the data died: the others cannot meet it in a collective
+    except OneRankDataError as e:  # found by this rank alone (its preparer died, an image of its micro-batch changed):
+        # the others cannot meet it in a collective
         print(f"error (rank {dist.rank}): {e.problem}", file=sys.stderr, flush=True)
         return exit_status.BAD_INPUT
     except DataError as e:  # every rank, on what rank 0 found and broadcast (data.pipeline.prepare_data)

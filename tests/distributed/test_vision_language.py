@@ -8,7 +8,6 @@ import json
 import os
 import re
 import sys
-from pathlib import Path
 
 import pytest
 from PIL import Image

@@ -16,9 +16,14 @@ class DataError(Exception):
         return (type(self), (self.problem,))
 
 
-class PreparerLost(DataError):
-    """A waiting rank's preparer died, hangs or never reported: unlike a DataError that every rank raises together,
-    the preparer is not there to meet the others in a collective."""
+class OneRankDataError(DataError):
+    """A data problem found by one rank alone (unlike a DataError every rank raises together): it stops that rank
+    without a collective, since the others are not there to meet it."""
+
+
+class PreparerLost(OneRankDataError):
+    """A waiting rank's preparer died, hangs or never reported: the preparer is not there to meet the others in a
+    collective."""
 
 
 # What datasets raises for a wrong name or config, a missing file or no network.

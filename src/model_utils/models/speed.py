@@ -106,8 +106,8 @@ def apply_speed_options(model, speed: SpeedConfig, cuda: bool, log, warn=None, d
     zero3 = _is_zero3(model)
     # a vision-language model: the kernels and compiled layers are its language model's (the tower keeps SDPA), and
     # Liger's fused loss alone (its RoPE and norms have broken Qwen2.5-VL: Liger-Kernel#515, #827)
-    decoder, vision = language_model(model), language_model(model) is not model
-    if vision and speed.liger_kernels == "auto":
+    decoder = language_model(model)
+    if decoder is not model and speed.liger_kernels == "auto":
         speed = dataclasses.replace(speed, liger_kernels="flce")
     if compiled is None:
         compiled = use_compile(cuda, False, speed)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from model_utils.core.problems import Problem
-from model_utils.data.errors import DataError
+from model_utils.data.errors import DataError, OneRankDataError
 from model_utils.data.sft.formats import IGNORE_INDEX
 from model_utils.data.sft.packing import ExampleBatch, PackedExamples, PackingStats, best_fit_blocks
 from model_utils.data.tokens import token_dtype
@@ -199,8 +199,9 @@ class VisionBatch(ExampleBatch):
     def model_arrays(self, document_boundaries: bool = False) -> dict:
         """ExampleBatch's arrays, with the Qwen-VL family's positions as transformers takes packed ones (4 x B x T:
         the 1-D positions that mark the examples, then the three multimodal rows) and the images' pixel inputs.
-        The images' token counts are checked against the tokens: an image file changed since it was packed is a
-        DataError, not a shape error inside the model."""
+        The images' token counts are checked against the tokens: an image file changed since it was packed stops
+        this rank with the file named (OneRankDataError: the other ranks' micro-batches hold other images), not a
+        shape error inside the model."""
         arrays = super().model_arrays(document_boundaries)
         if self.mrope is not None:
             arrays["position_ids"] = np.concatenate([self.position_ids[None], self.mrope], axis=0)
@@ -210,9 +211,10 @@ class VisionBatch(ExampleBatch):
             tokens = int((self.input_ids == self.image_token_id).sum())
             merge = getattr(self.reader.image_processor, "merge_size", None)
             if grid is not None and merge and int(grid.prod(axis=1).sum()) // merge ** 2 != tokens:
-                raise DataError(Problem("--dataset", ", ".join(self.image_files[:3]), "an image's size differs from "
-                                        "what was packed (its tokens no longer match)", "keep the images unchanged "
-                                        "while the packed data are in use, or remove the data cache to pack again"))
+                raise OneRankDataError(Problem(
+                    "--dataset", ", ".join(self.image_files[:3]), "an image's size differs from what was packed (its "
+                    "tokens no longer match)", "keep the images unchanged while the packed data are in use, or remove "
+                    "the data cache to pack again"))
             arrays.update(pixels)
             per_image = tokens // len(self.image_files)  # a fixed-size tower: its patches are about its tokens
             self.patches = ([int(p) for p in grid.prod(axis=1)] if grid is not None
