@@ -242,6 +242,16 @@ def best_pair(jobs: list[dict], results: list[dict], mode: str):
     return ours, peer, record
 
 
+def best_pairs(jobs: list[dict], results: list[dict], modes: list[str], lines: list[str]):
+    """(mode, ours, peer, record) of best_pair for each mode where both sides ran; a line in `lines` where not."""
+    for mode in modes:
+        pair = best_pair(jobs, results, mode)
+        if pair is None:
+            lines.append(f"{mode}: no pair ran")
+        else:
+            yield (mode, *pair)
+
+
 def speed_line(mode: str, ours, peer, record: dict, name: str) -> str:
     """The summary's line of a best pair: each side's tokens/s at its micro-batch and the ratios."""
     median = record["ratio_by_median_step"]
@@ -254,12 +264,7 @@ def speed_line(mode: str, ours, peer, record: dict, name: str) -> str:
 def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[str, dict]:
     """Per mode: each side at its fastest micro-batch, the ratio, and the losses of those two runs."""
     lines, record = [], {}
-    for mode in modes:
-        pair = best_pair(jobs, results, mode)
-        if pair is None:
-            lines.append(f"{mode}: no pair ran")
-            continue
-        ours, peer, record[mode] = pair
+    for mode, ours, peer, record[mode] in best_pairs(jobs, results, modes, lines):
         name = side_label(peer[0]).split()[0]  # TRL, Unsloth, axolotl
         record[mode].update(data_loss_tokens={"ours": ours[1]["data_loss_tokens"],
                                               "peer": peer[1]["data_loss_tokens"]},

@@ -58,7 +58,7 @@ from fine_tuning_work import (IGNORE_INDEX, BenchProblem, all_ranks_sum, block_e
                               built_run, figures, model_directory, read_rows, timed_steps, work_of,
                               worker_result)
 from report import versions  # noqa: E402
-from sft_bench import best_pair, global_batch, side_label, speed_line  # noqa: E402
+from sft_bench import best_pairs, global_batch, side_label, speed_line  # noqa: E402
 from sft_peers import examples_accumulation  # noqa: E402
 from vlm_peer import image_tokens_of, vision_fields, vlm_argv  # noqa: E402
 
@@ -271,12 +271,7 @@ def table(jobs: list[dict], results: list[dict]) -> str:
 def summary(jobs: list[dict], results: list[dict], modes: list[str]) -> tuple[str, dict]:
     """Per mode: each side at its fastest micro-batch, the ratio, their padding, kernels and losses."""
     lines, record = [], {}
-    for mode in modes:
-        pair = best_pair(jobs, results, mode)
-        if pair is None:
-            lines.append(f"{mode}: no pair ran")
-            continue
-        (oj, o), (pj, t), record[mode] = pair
+    for mode, (oj, o), (pj, t), record[mode] in best_pairs(jobs, results, modes, lines):
         losses = record[mode]["losses"]
         record[mode].update(padding_share={"ours": o["padding_share"], "peer": t["padding_share"]},
                             peer_assistant_only_loss=t.get("assistant_only_loss"),
