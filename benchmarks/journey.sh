@@ -61,6 +61,14 @@
 #               model_utils.generate --chat` on the export (the resume prints no sample: loading the export beside the
 #               engine needs ~21 GiB)
 #   qlora-l40   the same on an L40's 48 GB: the GPU held to 44 GiB, in bf16 (ds_config.json)
+#   vlm         the seeds' multimodal user on one node: JOURNEY_VLM_MODEL (qwen2.5-vl-7b: Qwen2.5-VL 7B's dimensions,
+#               random weights written once as a Hugging Face model with its processor) fine-tuned on the embedded
+#               picture questions (embedded-vision: some rows without an image) with configs/zero3.json, LoRA of rank
+#               16 on the language model beside the frozen vision tower, checkpointing, JOURNEY_VLM_SEQ_LEN tokens, the
+#               automatic micro-batch: the preflight's plan, then 6 steps with an evaluation and a checkpoint at 3,
+#               killed (SIGKILL) once step 5 is logged; resumed to 6: the step 4-5 losses against the killed run's,
+#               evaluate, save, the merged model exported with its processor; then `python -m model_utils.generate
+#               --image FILE --chat` on the export
 #   fp16        benchmarks/fp16_check.py on the first GPU: the tiny preset in fp16, its loss scale logged, overflows
 #               skipped and counted, a kill -9 and resume continuing the scale and the losses exactly
 #
@@ -88,6 +96,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${JOURNEY_QLORA_GPU_GIB:=15}" # qlora: the GPU memory it may use (GPU_MEMORY_GIB; qlora-l40: 44)
 : "${JOURNEY_QLORA_DS_CONFIG:=configs/fp16.json}" # qlora: its precision (qlora-l40: ds_config.json, bf16)
 : "${JOURNEY_QLORA_FLAGS:=}" # qlora, qlora-l40: more trainer flags, e.g. "--micro_batch_size 4" (split on spaces)
+: "${JOURNEY_VLM_MODEL:=qwen2.5-vl-7b}" # vlm: a vision preset written as a Hugging Face model, or a model directory
+: "${JOURNEY_VLM_SEQ_LEN:=2048}" # vlm: the block length (images resized to at most a quarter of it in tokens)
 : "${JOURNEY_LONG_MODEL:=llama-8b}" # long-sft: a preset written as a Hugging Face model, or a model directory
 : "${JOURNEY_LONG_TOKENS:=131072}" # long-sft: the sequence length; its chats are about this long
 : "${JOURNEY_LONG_SP:=0}" # long-sft: GPUs per sequence (0: every GPU of the node)
@@ -531,6 +541,32 @@ if wanted qlora; then
 fi
 if wanted qlora-l40; then
     qlora_journey qlora-l40 44 ds_config.json
+fi
+if wanted vlm; then
+    vlm_model=$(hf_model "$JOURNEY_VLM_MODEL")
+    vlm_dir=$JOURNEY_DIR/vlm vlm_export=$JOURNEY_DIR/vlm-hf
+    rm -rf "$vlm_dir" "$vlm_export"  # a checkpoint left by an interrupted journey would be resumed
+    vlm=(MODEL="$vlm_model" DATASET=embedded-vision DS_CONFIG=configs/zero3.json OUTPUT_DIR="$vlm_export")
+    vlm_flags=(--lora_rank 16 --gradient_checkpointing --seq_len "$JOURNEY_VLM_SEQ_LEN" --log_interval 1 --eval_iters 2
+               --checkpoint_freq 3 --eval_interval 3 --keep_last_checkpoints 1 --export_merged)
+    (cd src && "$python" train_deepspeed.py --preflight --model "$vlm_model" --dataset embedded-vision \
+        --ds_config ../configs/zero3.json "${vlm_flags[@]}") 2>&1 \
+        | grep -E "^(batch|micro-batch|memory|vision-language|preflight)" | cut -c1-300 | sed "s/^/journey vlm preflight: /" \
+        | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+    crash vlm-killed "$vlm_dir" "^step 5 " "${vlm[@]}" MAX_STEPS=6 -- "${vlm_flags[@]}" --no-export
+    cp "$vlm_dir/metrics.jsonl" "$JOURNEY_DIR/vlm-killed-metrics.jsonl"
+    run vlm-resume "$vlm_dir" "${vlm[@]}" MAX_STEPS=6 -- "${vlm_flags[@]}"
+    compare_resumed vlm "$JOURNEY_DIR/vlm-killed-metrics.jsonl" "$vlm_dir/metrics.jsonl" 3
+    # a held-out picture of the embedded questions (its first row with an image)
+    picture=$(cd src && "$python" -c 'import json; from pathlib import Path
+from model_utils.data.vision.shapes import build_vision_corpus
+d = build_vision_corpus(); rows = (json.loads(line) for line in open(d / "validation.jsonl"))
+print(d / next(r for r in rows if r["images"])["images"][0])')
+    command=("$python" -m model_utils.generate --model "$vlm_export/merged" --image "$picture" --chat
+             "What colour are the shapes?")
+    echo "${command[*]}"
+    (cd src && "${command[@]}") 2>&1 | tail -3 | cut -c1-300 | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
+    rm -rf "$vlm_dir" "$vlm_export"
 fi
 if wanted fp16; then
     "$python" benchmarks/fp16_check.py --out "$JOURNEY_DIR/fp16" | tee -a "$JOURNEY_DIR/journey.txt" || failed=1
