@@ -10,8 +10,10 @@ import os
 from model_utils.config.preference import preference_problems
 from model_utils.config.presets import is_preset
 from model_utils.config.settings import SpeedConfig, TrainConfig
+from model_utils.config.stages import read_stages
 from model_utils.core.problems import Problem
 from model_utils.core.repo import REPO_ROOT
+from model_utils.core.user_code import is_user_function
 
 
 def validate_args(cfg: TrainConfig) -> list[Problem]:
@@ -124,7 +126,17 @@ def fine_tuning_problems(cfg: TrainConfig) -> list[Problem]:
         if data.dummy_data:
             problems.append(Problem("--num_epochs", epochs, "counts passes over a dataset, and --dummy_data has "
                                     "none", "use --max_steps with --dummy_data"))
-    if not data.dataset and not data.dummy_data and not is_preset(model.model):
+    own_model, own_data = is_user_function(model.model), is_user_function(data.dataset)
+    if own_model and not own_data:
+        problems.append(Problem("--dataset", data.dataset or (f"--dummy_data {data.dummy_data}" if data.dummy_data
+                                                             else None),
+                                f"a model of your own ({model.model}) reads a dataset of your own",
+                                "pass --dataset FILE.py:FUNCTION, whose items your forward takes (docs/YOUR-MODEL.md)"))
+    elif own_data and not own_model:
+        problems.append(Problem("--dataset", data.dataset, f"a dataset of your own is read by a model of your own, "
+                                f"and --model {model.model} is built in", "pass --model FILE.py:FUNCTION, or a "
+                                "dataset the trainer reads (docs/DATA.md)"))
+    elif not data.dataset and not data.dummy_data and not is_preset(model.model):
         problems.append(Problem("--dataset", None, f"a pretrained model ({model.model}) is fine-tuned on data you "
                                 "choose; the embedded pretraining corpus is not taken by default",
                                 "pass --dataset PATH_OR_HUB_NAME, or --dataset embedded-chat (chats built offline "
@@ -133,6 +145,28 @@ def fine_tuning_problems(cfg: TrainConfig) -> list[Problem]:
             and not os.path.exists(data.dataset):
         problems.append(Problem("--dataset", data.dataset, "is not one of the embedded datasets",
                                 f"use one of {', '.join(EMBEDDED_DATASETS)}, or a path or hub name"))
+    return problems + curriculum_problems(cfg)
+
+
+def curriculum_problems(cfg: TrainConfig) -> list[Problem]:
+    """The stages as written (config.stages), and the settings they replace: the length, --data_args per stage for
+    data not of your own."""
+    stages, problems = read_stages(cfg.curriculum.stages)
+    if not stages:
+        return problems
+    for flag in ("max_steps", "num_epochs"):
+        if flag in cfg.explicit:
+            problems.append(Problem(f"--{flag}", cfg.flag(flag), "sets the run's length, and the stages set it (the "
+                                    "sum of theirs)", f"leave --{flag} out, or give each stage its steps or epochs"))
+    own_data = is_user_function(cfg.data.dataset)
+    for number, stage in enumerate(stages, start=1):
+        if stage.data_args and not own_data:
+            problems.append(Problem(f"stages[{number}] ({stage.name}).data_args", stage.data_args, "are for a "
+                                    "dataset of your own (--dataset FILE.py:FUNCTION)", "leave the stage's data_args "
+                                    "out: the stages share --dataset"))
+        if stage.epochs is not None and cfg.data.dummy_data:
+            problems.append(Problem(f"stages[{number}] ({stage.name}).epochs", stage.epochs, "counts passes over a "
+                                    "dataset, and --dummy_data has none", "give the stage steps: N"))
     return problems
 
 

@@ -23,6 +23,7 @@ from fractions import Fraction
 from model_utils.config.presets import is_preset
 from model_utils.core.problems import ConfigError, Problem
 from model_utils.core.repo import REPO_ROOT
+from model_utils.core.user_code import is_user_function
 
 
 def _global_micro_batches_per_epoch(training_blocks: int, world: int, micro: int) -> int:
@@ -137,10 +138,10 @@ def fine_tuning_defaults(total_steps: int, lora: bool, preference: bool = False)
 def takes_fine_tuning_defaults(cfg) -> bool:
     """A pretrained model (not a preset trained from scratch) with one of the repository's DeepSpeed configs (their
     learning rates are for pretraining from scratch; a config of the user's own keeps its values), whose learning
-    rate or warmup the flags leave unset."""
+    rate or warmup the flags leave unset. A model of your own keeps the config's (it may well train from scratch)."""
     optim = cfg.optim
     repository_config = optim.ds_config_path.resolve().parent in (REPO_ROOT.resolve(), (REPO_ROOT / "configs").resolve())
-    return (not is_preset(cfg.model.model) and repository_config
+    return (not is_preset(cfg.model.model) and not is_user_function(cfg.model.model) and repository_config
             and (optim.learning_rate is None or optim.warmup_steps is None))
 
 

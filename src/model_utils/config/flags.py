@@ -135,7 +135,8 @@ SECTION_TITLES = {"model": "model", "data": "data", "batch": "batch", "optim": "
                   "DeepSpeed config)", "checkpoint": "checkpoints, resume and export", "logging": "evaluation and "
                   "logging", "speed": "speed options (GPU; docs/PERFORMANCE.md)",
                   "preference": "preference tuning (docs/PREFERENCE.md)",
-                  "vision": "vision-language models (docs/VISION.md)"}
+                  "vision": "vision-language models (docs/VISION.md)",
+                  "curriculum": "curriculum stages (docs/YOUR-MODEL.md)"}
 
 
 def build_parser() -> TrainerArgumentParser:
@@ -252,6 +253,10 @@ def _file_tokens(path: str, key: str, value, action: argparse.Action) -> tuple[l
             return [], None
         return [], Problem(setting, None, "has no value", f"give it one, or leave {key} out for its default "
                                                           f"({action.default})")
+    if isinstance(value, (list, dict)) and getattr(action.type, "__name__", "") in ("mapping", "stage_list"):
+        import json  # a structured setting (model_args, stages): passed on as the JSON its flag takes
+
+        return [f"--{key}={json.dumps(value)}"], None
     if isinstance(value, (list, dict)):
         return [], Problem(setting, value, "takes one value", "write one value (a list as one text with commas: "
                                                               "q_proj,v_proj)")

@@ -144,6 +144,10 @@ class ModelConfig:
                                    "double quantization (bitsandbytes; pip install '.[qlora]'), computed in the run's "
                                    "precision, beside 16-bit adapters: about 0.52 byte a base parameter instead of "
                                    "2 (docs/QLORA.md).")
+    model_args: dict | None = _f(None, "A model of your own (--model FILE.py:FUNCTION): its keyword arguments, a "
+                                       "mapping in the run file (model_args: {width: 64}) or JSON on the command "
+                                       "line, handed to FUNCTION as settings.args (docs/YOUR-MODEL.md).",
+                                 parse="mapping")
 
     def lora_settings(self):
         """config.settings.LoraSettings of these flags, or None where --lora_rank is 0 (full fine-tuning)."""
@@ -202,6 +206,10 @@ class DataConfig:
                                     "each EOS and attention stops at it (block-causal, as Megatron's --reset-position-ids "
                                     "--reset-attention-mask). Off: causal attention across the documents of a block.")
     dummy_data: int = _f(0, "Train on N random-token blocks instead of a dataset (smoke test; needs no data).")
+    data_args: dict | None = _f(None, "A dataset of your own (--dataset FILE.py:FUNCTION): its keyword arguments, a "
+                                      "mapping in the run file or JSON on the command line, handed to FUNCTION as "
+                                      "settings.args; a stage's own data_args are merged over them "
+                                      "(docs/YOUR-MODEL.md).", parse="mapping")
     data_stale_minutes: float = _f(10.0, "Ranks waiting for another rank to tokenize the data stop with a message "
                                          "when its progress file has not advanced for this long (it died or hangs). "
                                          "The wait itself has no limit.")
@@ -333,10 +341,20 @@ class VisionConfig:
                                             "processor's own.")
 
 
+@dataclass(frozen=True)
+class CurriculumConfig:
+    """A curriculum: stages run in order in one run (docs/YOUR-MODEL.md, Stages); config/stages.py reads them."""
+    stages: list | None = _f(None, "The run's stages in order, a list in the run file (stages: [{name: align, steps: "
+                                   "100, learning_rate: 1e-3, train: [projector]}, ...]) or JSON on the command line; "
+                                   "each with its length (steps or epochs), its learning rate (and warmup_steps), "
+                                   "what trains (train: or freeze: module prefixes or your model's groups) and its "
+                                   "own data_args. Default: one stage, the whole run.", parse="stage_list")
+
+
 # The section each flag belongs to: the command line stays flat, the configuration is a tree.
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "batch": BatchConfig, "optim": OptimConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "speed": SpeedConfig,
-            "preference": PreferenceConfig, "vision": VisionConfig}
+            "preference": PreferenceConfig, "vision": VisionConfig, "curriculum": CurriculumConfig}
 
 
 @dataclass(frozen=True)
@@ -352,6 +370,7 @@ class TrainConfig:
     speed: SpeedConfig = field(default_factory=SpeedConfig, metadata={"section": True})
     preference: PreferenceConfig = field(default_factory=PreferenceConfig, metadata={"section": True})
     vision: VisionConfig = field(default_factory=VisionConfig, metadata={"section": True})
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig, metadata={"section": True})
     seed: int = _f(1234, "Seed for initialisation and data order.")
     # ----- modes -----
     preflight: bool = _f(False, "Check configuration, data, tokenizer, model and checkpoints, print the plan, exit 0 or 2.")
@@ -507,4 +526,32 @@ def rope_scaling(text: str) -> str:
     return text
 
 
-PARSERS = {"micro_batch": micro_batch, "layer_count": layer_count, "rope_scaling": rope_scaling}
+def structure(kind: type, text):
+    """A mapping or list given as JSON on the command line (a run file gives it as YAML: flags.py passes it as JSON)."""
+    import json
+
+    if isinstance(text, kind):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, kind):
+        example = '{"width": 64}' if kind is dict else '[{"name": "align", "steps": 100}]'
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON {'mapping' if kind is dict else 'list'} (e.g. "
+                                          f"{example}; a run file writes it as YAML)")
+    return value
+
+
+def mapping(text) -> dict:
+    """--model_args, --data_args: a JSON mapping."""
+    return structure(dict, text)
+
+
+def stage_list(text) -> list:
+    """--stages: a JSON list of stages (config/stages.py checks each)."""
+    return structure(list, text)
+
+
+PARSERS = {"micro_batch": micro_batch, "layer_count": layer_count, "rope_scaling": rope_scaling, "mapping": mapping,
+           "stage_list": stage_list}

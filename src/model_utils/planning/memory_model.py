@@ -80,8 +80,9 @@ class MemoryModel:
                               quantized=self.model.quantized)
         if self.model.vision is None:
             return phases
-        tower = self.model.vision.activation_bytes(micro, self.seq_len, dsc.precision(ds) != "fp32")
-        return replace(phases, train=phases.train + tower, evaluation=phases.evaluation + tower / 2)
+        vision, bf16 = self.model.vision, dsc.precision(ds) != "fp32"
+        return replace(phases, train=phases.train + vision.activation_bytes(micro, self.seq_len, bf16),
+                       evaluation=phases.evaluation + vision.block_bytes(micro, self.seq_len, bf16))
 
     def tiles_mlp(self, ds: dict, micro: int, checkpointed_layers: int | None = None,
                   prefetch: bool | None = None) -> bool:
@@ -245,6 +246,7 @@ class ModelPlan:
     largest_param: int = 0  # the largest parameter's elements (the embedding or the LM head, frozen ones included)
     quantized: object = None  # models.memory.QuantizedBase: QLoRA's 4-bit base (--load_in_4bit); None: 16-bit weights
     vision: object = None  # planning.vision.VisionPlan of a vision-language model (config is its language model's)
+    custom: object = None  # planning.custom.CustomPlan of a model of your own (config is None)
 
     @property
     def trainable_params(self) -> int:

@@ -50,6 +50,8 @@ from model_utils.models.speed import liger_kernels_in_force, use_fused_kernels
 from model_utils.models.vision.build import is_vision_model
 from model_utils.planning.memory_model import (Hardware, MemoryModel, ModelPlan, choose_checkpointed_layers,
                                                choose_prefetch, choose_whole_parameters)
+from model_utils.core.user_code import is_user_function
+from model_utils.planning.custom import custom_memory, custom_peak_bytes, custom_problems, load_custom_model
 from model_utils.planning.vision import load_vision_model, vision_data_format, vision_defaults
 
 
@@ -187,6 +189,8 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
     hardware = probe_hardware(on_training_hardware, world)
     fused = fused_loss(cfg.speed, hardware)
     seq_len = cfg.model.seq_len or default_seq_len(cfg.model.model)
+    if is_user_function(cfg.data.dataset):  # an item counts as --seq_len positions (tokens/s), 1 where it is unset
+        seq_len = cfg.model.seq_len or 1
     if cfg.preference.preference != OFF:  # --seq_len bounds each sequence of a pair; a block holds a pair whole
         seq_len = pair_block_len(seq_len)
     plan = Plan(cfg, max(world // cfg.model.sequence_parallel, 1), hardware, fused, seq_len, fine_tuning=fine_tuning)
@@ -196,7 +200,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
     problems += found
     tokenizer, model, found = load_model(cfg, seq_len)
     problems += found
-    if model is not None:
+    if model is not None and model.custom is None:
         problems += sequence_parallel_problems(model.config, cfg.model.sequence_parallel, seq_len, world,
                                                cfg.model.attn_implementation)
     plan = dataclasses.replace(plan, raw_ds_config=raw, tokenizer=tokenizer, model=model)
@@ -209,7 +213,13 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         notes += said
         if plan.ds_config is not None:
             plan = dataclasses.replace(plan, ds_config=apply_weight_decay(copy.deepcopy(plan.ds_config), fine_tuning))
-    if plan.ds_config is not None and model is not None:
+    if plan.ds_config is not None and model is not None and model.custom is not None:
+        train, checkpoint_bytes = custom_memory(plan)
+        writes = plan_checkpoint_writes(cfg.checkpoint.background_checkpoint, checkpoint_bytes,
+                                        any(dsc.offloads(plan.ds_config)), plan.hardware, plan.ranks)
+        memory = MemoryEstimate(PhaseMemory(train, train, 0.0, 0.0), None, None, False, None, 0.0, 0.0)
+        plan = dataclasses.replace(plan, memory=memory, checkpoints=writes)
+    elif plan.ds_config is not None and model is not None:
         plan, found = plan_memory(plan)
         problems += found
     if decides:
@@ -249,7 +259,11 @@ def fused_loss(speed: SpeedConfig, hardware: Hardware) -> bool:
 
 
 def load_model(cfg: TrainConfig, seq_len: int) -> tuple[object, ModelPlan | None, list[Problem]]:
-    """(tokenizer, the model sized on the meta device, problems); a vision-language model's by planning.vision."""
+    """(tokenizer, the model sized on the meta device, problems); a vision-language model's by planning.vision, a
+    model of your own's by planning.custom."""
+    if is_user_function(cfg.model.model):
+        tokenizer, model, problems = load_custom_model(cfg)
+        return tokenizer, model, problems + custom_problems(cfg)
     if is_vision_model(cfg.model.model):
         return load_vision_model(cfg, seq_len)
     try:
@@ -295,7 +309,7 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     model fits, the accumulation derived from the global batch (config.batch.BatchRequest holds the rule)."""
     cfg, model = plan.cfg, plan.model
     ds, notes, problems = dsc.resolve_settings(raw, cfg, plan.hardware.precision,
-                                               model.config.hidden_size if model else None)
+                                               hidden_size(model))
     if plan.fine_tuning is not None:  # its own line states the values it gave the unset flags: they override nothing
         notes = [note for note in notes if not note.startswith(tuple(f"--{flag} " for flag in plan.fine_tuning.filled))]
     request, said, found = BatchRequest.of(raw, cfg.batch, plan.world, plan.seq_len)
@@ -305,7 +319,7 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
         return plan, problems, notes
     # preference tuning's log-probabilities hold a chunk of logits at a time, as the fused loss does
     no_logits = plan.fused_loss or cfg.preference.preference != OFF
-    memory_model = None if model is None else MemoryModel(
+    memory_model = None if model is None or model.custom is not None else MemoryModel(
         model, plan.hardware, plan.ranks, plan.rank_seq_len, cfg.speed, no_logits,
         cfg.model.gradient_checkpointing, bool(cfg.logging.generate_prompt and cfg.checkpoint.export),
         cfg.optim.delayed_update_from_step, request, cfg.model.offload_activations, cfg.model.tiled_mlp)
@@ -316,6 +330,10 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     if micro is None:
         if memory_model is not None:
             micro, choice = memory_model.largest_fitting_micro(ds, request.divides)
+        elif model is not None and model.custom is not None and model.custom.activation_bytes is not None:
+            micro, choice = choose_micro_batch(
+                plan.seq_len, plan.hardware.gpu_memory_gib,
+                lambda m: custom_peak_bytes(model, ds, plan.ranks, m)[0], request.divides)
         else:
             micro, choice = choose_micro_batch(plan.seq_len, None, None, request.divides)
     batch, said, found = settle_batch(request, micro, plan.seq_len)
@@ -332,6 +350,13 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
     return (dataclasses.replace(plan, ds_config=ds, batch=batch, micro_batch_choice=choice, memory_model=memory_model,
                                 compiled_layers=compiled, parameters_choice=parameters),
             problems, notes)
+
+
+def hidden_size(model: ModelPlan | None) -> int | None:
+    """What DeepSpeed's "auto" bucket sizes scale with: the model's hidden size (a model of your own: its width)."""
+    if model is None:
+        return None
+    return model.custom.width if model.custom is not None else model.config.hidden_size
 
 
 def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
@@ -420,6 +445,8 @@ def find_data_source(cfg: TrainConfig, tokenizer, vision: bool = False) -> tuple
     tokenization."""
     if cfg.data.dummy_data or tokenizer is None:
         return None, None, []
+    if is_user_function(cfg.data.dataset):  # read by its function (data.custom), checked by the preflight
+        return None, "custom", []
     try:
         source = resolve_source(cfg.data)
         if vision:

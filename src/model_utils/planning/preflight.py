@@ -29,6 +29,7 @@ from model_utils.config.deepspeed import resolve_settings
 from model_utils.config.known_keys import check_known_keys
 from model_utils.config.preference import preference_resume_problems, preference_settings
 from model_utils.config.settings import LoraSettings, TrainConfig
+from model_utils.config.stages import read_stages
 from model_utils.core.problems import ConfigError, Problem
 from model_utils.core.run_dir import CHECKPOINT_NAME
 from model_utils.models.build import check_vocab_covers_tokenizer, masks_documents_by_position
@@ -41,6 +42,7 @@ from model_utils.planning.memory_checks import (check_host_memory, check_memory,
                                                 note_faster_zero3_setup, note_long_sequences, note_offload_accumulation,
                                                 note_parameter_fetches, note_parameters_fit_on_the_gpu,
                                                 note_quantized_base)
+from model_utils.planning.custom import check_custom_plan
 from model_utils.planning.plan import Plan, make_plan
 from model_utils.planning.report import Report
 from model_utils.runtime.build_locks import stale_build_lock_problems
@@ -133,12 +135,19 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True, mea
                                 f"{plan.model.config.num_hidden_layers} recompute ({plan.memory.checkpointed_layers_choice})")
         if plan.memory and plan.memory.delayed_prefetch_choice:
             report.lines.append(f"delayed update prefetch: {plan.memory.delayed_prefetch_choice}")
-        report.lines.append(f"plan: {batch.plan(cfg.batch.max_steps, streamed=cfg.data.streaming)}"
-                            if cfg.batch.num_epochs is None else
-                            f"plan: {cfg.batch.num_epochs:g} epochs (steps from the packed data)")
+        if not cfg.curriculum.stages:  # else the stages' lines below state the length
+            report.lines.append(f"plan: {batch.plan(cfg.batch.max_steps, streamed=cfg.data.streaming)}"
+                                if cfg.batch.num_epochs is None else
+                                f"plan: {cfg.batch.num_epochs:g} epochs (steps from the packed data)")
         if plan.fine_tuning is not None:
             report.lines.append(plan.fine_tuning.describe())
-    if plan.memory is not None:
+        report.lines += stage_lines(cfg)
+    if plan.memory is not None and plan.model.custom is not None:  # a model of your own: its plan, checks, data
+        check_custom_plan(plan, report, check_data and ds is not None)
+        if check_disk:
+            _check_checkpoint_dir(cfg, plan.checkpoints.bytes, report, measure_disk)
+        report.estimate(f"checkpoint writes: {plan.checkpoints.description}")
+    elif plan.memory is not None:
         check_memory(plan, report)
         note_quantized_base(plan, report)
         note_offload_accumulation(plan, report)
@@ -151,10 +160,23 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True, mea
         if check_disk:
             _check_checkpoint_dir(cfg, plan.checkpoints.bytes, report, measure_disk)
         report.estimate(f"checkpoint writes: {plan.checkpoints.description}")
-    if ds is not None and check_data:
+    if ds is not None and check_data and plan.data_format != "custom":
         check_plan_data(plan, report)
     _check_resume(plan, report)
     return report
+
+
+def stage_lines(cfg: TrainConfig) -> list[str]:
+    """The curriculum's stages as the run will take them (a stage in epochs: its steps follow from its data)."""
+    stages, _ = read_stages(cfg.curriculum.stages)
+    if not stages:
+        return []
+    known = all(stage.steps is not None for stage in stages)
+    total = sum(stage.steps for stage in stages) if known else None
+    lines = [f"stages: {len(stages)}, " + (f"{total} steps in all (the run's length)" if known else
+                                           "the run's length the sum of theirs (epochs counted on their data)")]
+    return lines + ["  " + stage.describe(stage.steps) if stage.steps is not None else
+                    "  " + stage.describe(0).replace("0 steps", "steps from its data") for stage in stages]
 
 
 def config_only_preflight(cfg: TrainConfig, world: int, missing: list[str]) -> Report:

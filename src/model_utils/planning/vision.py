@@ -15,6 +15,7 @@ from model_utils.data.vision.formats import VISION
 
 IMAGE_SHARE_OF_BLOCK = 4  # by default an image is resized to at most a quarter of a block's tokens
 EMBEDDED_VISION = "embedded-vision"
+TRAINED_PROJECTOR_BYTES = 8  # a projector that trains keeps 8 bytes per patch and tower width (VisionPlan.activation_bytes)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class VisionPlan:
     flops: object  # models.vision.flops.VisionFlops
     pixels: tuple[int, int] | None  # (min, max) pixels an image is resized within; None: a fixed size
     pixels_choice: str  # how the bounds were set, for the plan's line
+    checkpointing: bool = False  # --gradient_checkpointing: a tower that trains recomputes its blocks
 
     def describe(self) -> str:
         parts = ", ".join(f"{part.replace('_', ' ')} {count / 1e6:,.1f}M"
@@ -35,15 +37,39 @@ class VisionPlan:
         return f"vision-language model: {parts}; images {self.pixels_choice}"
 
     def activation_bytes(self, micro: int, seq_len: int, bf16: bool) -> float:
-        """The tower's activations for a micro-batch whose blocks were all image tokens (the most it can hold): kept
-        for the backward pass where the tower trains, one layer's at a time where it is frozen."""
+        """What the tower and the projector keep for the backward pass in a micro-batch whose blocks were all image
+        tokens (the most it can hold), counted per patch (merge² of them make an image token) in 16-bit (twice in
+        fp32), h the tower's width and I its MLP's, as measured on Qwen2.5-VL-7B's tower (CPU, saved tensors; tests/unit/
+        models/test_vision_models.py holds the count against tiny-vl's): a trained block keeps 32·h + 8·I bytes (its
+        norms' fp32 inputs, the q, k, v and their per-head copies, the gated MLP's four tensors of width I: 53.4·h
+        for that tower), a checkpointed one its input, 2·h (its working set is recomputed at the end of the backward
+        pass, after the language model's activations are freed), and the rotary cos and sin in fp32 that every block
+        reads; a frozen tower keeps nothing (models.vision.parts.keep_frozen_tower_out_of_autograd: it builds no
+        graph); a projector that trains keeps 8·h (its norm's fp32 input and its MLP's two inputs), 12·h beside a tower
+        that trains (its norm's 16-bit input and output too)."""
+        hidden, inter, layers, merge = self._tower_widths()
+        tower_trains = "vision_tower" not in self.frozen
+        per_patch = 0 if "projector" in self.frozen else (TRAINED_PROJECTOR_BYTES + 4 * tower_trains) * hidden
+        if tower_trains:
+            heads = getattr(self.config.vision_config, "num_heads", None) or 16
+            per_patch += layers * (2 * hidden if self.checkpointing else 32 * hidden + 8 * inter)
+            per_patch += 2 * 4 * hidden // heads  # the rotary cos and sin, fp32, that every block reads
+        return per_patch * micro * seq_len * merge ** 2 * (1 if bf16 else 2)
+
+    def _tower_widths(self) -> tuple[int, int, int, int]:
+        """The tower's width h, its MLP's I, its blocks and its spatial merge (patches per image token: merge²)."""
         vision = self.config.vision_config
-        merge = getattr(vision, "spatial_merge_size", 1) or 1
         hidden = getattr(vision, "hidden_size", 0) or getattr(vision, "embed_dim", 0)
+        inter = getattr(vision, "intermediate_size", None) or int(getattr(vision, "mlp_ratio", 4) * hidden)
         layers = getattr(vision, "depth", None) or getattr(vision, "num_hidden_layers", 1)
-        patches = micro * seq_len * merge ** 2
-        per_layer = 34 * hidden * patches * (1 if bf16 else 2) / 2  # Korthikanti et al.'s 34 s h bytes in 16-bit
-        return per_layer * (layers if "vision_tower" not in self.frozen else 1)
+        return hidden, inter, layers, getattr(vision, "spatial_merge_size", 1) or 1
+
+    def block_bytes(self, micro: int, seq_len: int, bf16: bool) -> float:
+        """One tower block's working set over such a micro-batch (32·h + 8·I bytes per patch in 16-bit, as
+        activation_bytes counts a trained block): what a forward without gradients (evaluation) holds of the tower at
+        once."""
+        hidden, inter, _, merge = self._tower_widths()
+        return (32 * hidden + 8 * inter) * micro * seq_len * merge ** 2 * (1 if bf16 else 2)
 
 
 def vision_defaults(cfg: TrainConfig) -> TrainConfig:
@@ -172,7 +198,7 @@ def load_vision_model(cfg: TrainConfig, seq_len: int):
         adapters=adapter_activations(sized, lora, layers) if lora is not None else None,
         largest_param=max(p.numel() for p in sized.parameters()),
         vision=VisionPlan(processor, config, frozen, part_params, VisionFlops.of(config, part_params, frozen),
-                          image_pixels(processor), choice))
+                          image_pixels(processor), choice, cfg.model.gradient_checkpointing))
     return tokenizer, model, []
 
 

@@ -18,13 +18,17 @@ from model_utils.config import deepspeed as dsc
 from model_utils.config.fine_tuning import apply_weight_decay, settle_epochs, with_fine_tuning_defaults
 from model_utils.config.preference import preference_settings
 from model_utils.config.settings import TrainConfig
+from model_utils.config.stages import read_stages
 from model_utils.core.problems import ConfigError
+from model_utils.core.user_code import is_user_function
 from model_utils.data.blocks import BlockOrder, DataPosition, PackedData
+from model_utils.data.custom.dataset import UserData, load_user_data
 from model_utils.data.pipeline import prepare_data
 from model_utils.data.sft.packing import PackedExamples
 from model_utils.data.streaming import identity_entry, is_streamed
 from model_utils.data.tokens import token_fingerprint, tokenizer_identity
 from model_utils.models.build import build_model, decay_groups, gpu_peak_tflops
+from model_utils.models.custom.contract import build_for_training
 from model_utils.models.document_attention import KERNEL_LABELS, takes_document_boundaries
 from model_utils.models.lora import LoraError, apply_lora, summary
 from model_utils.models.offload import HostActivations
@@ -36,7 +40,8 @@ from model_utils.models.vision.parts import keep_lr_scales, lr_scales, part_grou
 from model_utils.models.vision.tower import run_tower_on_every_batch
 from model_utils.patches.deepspeed_offload import delay_offload_updates
 from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
-from model_utils.planning.plan import Plan
+from model_utils.planning.custom import data_settings
+from model_utils.planning.plan import Plan, hidden_size
 from model_utils.runtime.distributed import Dist
 from model_utils.runtime.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
 from model_utils.runtime.process import pinned_memory_line, seed_everything, share_host_cores
@@ -44,6 +49,7 @@ from model_utils.runtime.run_log import Logger, bars_only_on_a_terminal
 from model_utils.train.reference import check_resumed_reference, prepare_reference
 from model_utils.train.resume import load_checkpoint
 from model_utils.train.run import Run
+from model_utils.train.stages import StageSchedule, enter_stage, plan_curriculum, stage_groups
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -74,7 +80,7 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
               peak_tflops=gpu_peak(dist), position=DataPosition(), saves=saves, incomplete_moved=plan.incomplete_moved,
               document_eos=plan.tokenizer.eos_token_id if cfg.data.document_mask and not loaded.examples else None,
               document_boundaries=documents and (takes_document_boundaries(model) or dist.sequence_parallel > 1),
-              lora=plan.model.lora, vision=plan.model.vision,
+              lora=plan.model.lora, vision=plan.model.vision, custom=plan.model.custom, stages=loaded.stages,
               examples=loaded.examples, preference=preference_settings(cfg),
               offload=HostActivations(pinned=dist.device.type == "cuda") if cfg.model.offload_activations else None)
     describe_run(run, plan, loaded.length)
@@ -82,6 +88,10 @@ def build_run(plan: Plan, dist: Dist, log: Logger) -> Run:
     if plan.resume:
         load_checkpoint(run, plan.resume, resume_tag)
         check_resumed_reference(run, plan.resume.manifest)
+    if run.stages is not None:  # the stage the run is in: its data, at the position the checkpoint holds
+        enter_stage(run, run.stages.index_at(run.step), fresh=False)
+        for line in run.stages.describe():
+            log.info(line)
     log.sinks = Sinks(cfg, run.run_dir, dist, ds, engine, run.step, log)  # TensorBoard / W&B (rank 0)
     return run
 
@@ -110,14 +120,32 @@ class LoadedData:
     cfg: TrainConfig
     ds_config: dict
     length: object  # config.fine_tuning.EpochLength with --num_epochs, else None
+    stages: object = None  # train.stages.Curriculum of a run with stages, else None
 
 
 def load_data(plan: Plan, ds: dict, dist: Dist, log: Logger) -> LoadedData:
     """Every rank's data (rank 0 prepares, the others wait on its files), checked against the resume point."""
     cfg, batch = plan.cfg, plan.batch
-    data = prepare_data(cfg.data, plan.tokenizer, batch.seq_len, dist, log.info, source=plan.data_source,
-                        seed=cfg.seed, data_format=plan.data_format,
-                        processor=plan.model.vision.processor if plan.model.vision else None)
+    stages, _ = read_stages(cfg.curriculum.stages)  # checked by the plan
+    if is_user_function(cfg.data.dataset):  # a dataset of your own, one per stage where a stage names its data_args
+        built: dict = {}
+        per_stage = []
+        for stage in stages or (None,):
+            settings = data_settings(cfg, plan.tokenizer, stage)
+            key = repr(sorted(settings.args.items()))
+            if key not in built:
+                built[key] = load_user_data(cfg.data.dataset, settings, cfg.data.validation_fraction)
+            per_stage.append(built[key])
+        data = per_stage[0]
+    else:
+        data = prepare_data(cfg.data, plan.tokenizer, batch.seq_len, dist, log.info, source=plan.data_source,
+                            seed=cfg.seed, data_format=plan.data_format,
+                            processor=plan.model.vision.processor if plan.model.vision else None)
+        per_stage = [data] * len(stages)
+    curriculum = None
+    if stages:  # the run's length: the stages' (epochs counted on each stage's data)
+        curriculum = plan_curriculum(stages, per_stage, cfg.seed, dist.data_world, batch.micro, batch.accumulation)
+        cfg = cfg.with_flags(max_steps=curriculum.total_steps)
     length = None
     if cfg.batch.num_epochs is not None:  # the length in steps follows from the packed data
         cfg, ds, length = settle_length(plan, ds, len(data.train_ids), dist.data_world, log)
@@ -130,9 +158,10 @@ def load_data(plan: Plan, ds: dict, dist: Dist, log: Logger) -> LoadedData:
         if problems:
             raise ConfigError(problems)
     order = (data.order(dist.data_world, batch.micro) if is_streamed(data)  # a sequence-parallel group reads alike
-             else BlockOrder(data.train_ids, cfg.seed, dist.data_world, batch.micro))
-    log.info(f"data: {data.description}")
-    return LoadedData(data, order, identity, is_example_data(data), cfg, ds, length)
+             else curriculum.orders[0] if curriculum else BlockOrder(data.train_ids, cfg.seed, dist.data_world, batch.micro))
+    for stage_data in {id(d): d for d in (curriculum.data if curriculum else [data])}.values():
+        log.info(f"data: {stage_data.description}")
+    return LoadedData(data, order, identity, is_example_data(data), cfg, ds, length, curriculum)
 
 
 def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
@@ -145,7 +174,9 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     zero3_context = None
     if dsc.zero_stage(ds) == 3 and quantization is None:  # a 4-bit model is built whole, partitioned by initialize
         zero3_context = HfDeepSpeedConfig(ds)  # noqa: F841  (must stay alive while the model is built: zero.Init)
-    if vision is not None:
+    if plan.model.custom is not None:  # a model of your own: its kernels are its own (no speed options applied)
+        model = build_for_training(plan.model.custom.spec, plan.model.custom.settings, ds)
+    elif vision is not None:
         model = build_vision_model(cfg.model.model, vision.config, torch.float32, cfg.model.attn_implementation,
                                    cfg.model.gradient_checkpointing, vision.frozen, plan.memory.checkpointed_layers)
     else:
@@ -155,11 +186,12 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     if quantization is not None:
         prepare_for_training(model, log.info)
         log.info(f"QLoRA: {quantization.describe()}")
-    in_force = apply_speed_options(model, cfg.speed, dist.device.type == "cuda", log.info,
-                                   warn=lambda message: log.warn(message, all_ranks=True),
-                                   documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss,
-                                   compiled=plan.compiled_layers, seq_len=plan.seq_len,
-                                   loss_tokens=plan.batch.micro * plan.rank_seq_len)
+    in_force = {"fused_kernels": "off", "speed_options": "yours"} if plan.model.custom is not None else \
+        apply_speed_options(model, cfg.speed, dist.device.type == "cuda", log.info,
+                            warn=lambda message: log.warn(message, all_ranks=True),
+                            documents=cfg.data.document_mask or loaded.examples, fused=plan.fused_loss,
+                            compiled=plan.compiled_layers, seq_len=plan.seq_len,
+                            loss_tokens=plan.batch.micro * plan.rank_seq_len)
     mpu = None
     if dist.sequence_parallel > 1:
         mpu = enable_ulysses(model, dist.sequence_parallel, plan.batch.micro, plan.seq_len, log.info)
@@ -178,14 +210,22 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     else:
         matrices, others = decay_groups(model.parameters())
         groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds, mpu=mpu)
+    schedule = None
+    if loaded.stages is not None:  # grouped by the stages that train them; the stages' schedule replaces the config's
+        groups = stage_groups(model, groups, loaded.stages.stages, stage_matchers(plan))
+        rate = ds.get("optimizer", {}).get("params", {}).get("lr")
+
+        def schedule(optimizer):
+            return StageSchedule(optimizer, loaded.stages, float(rate) if isinstance(rate, (int, float)) else 0.0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds, mpu=mpu,
+                                           lr_scheduler=schedule)
     if vision is not None:  # after ZeRO-3's hooks: the blank image runs once the embedding's are done, as images do
         inner.tower_on_every_batch = run_tower_on_every_batch(model, inner, vision.processor, dist.device)
         in_force["vision_tower_every_batch"] = "on"
     if quantization is not None and dsc.zero_stage(ds) == 3 and in_force["fused_kernels"] != "off":
         register_lm_head_for_zero3(model.get_base_model(), log.info)  # partitioned by initialize, not by zero.Init
     start_schedule(engine)
-    if vision is not None and keep_lr_scales(engine):
+    if vision is not None and loaded.stages is None and keep_lr_scales(engine):
         log.info("learning rates: " + ", ".join(f"{g['part'].replace('_', ' ')} x{g['lr_scale']:g}"
                                                 for g in engine.optimizer.param_groups[::2]) + " the schedule's")
     in_force.update(streamline_zero_step(engine, cfg.speed, log.info))
@@ -200,6 +240,19 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     if plan.checkpoints.background:
         saves = BackgroundSaves(install(engine, log.info), dist, log.info, metrics=log.metrics)
     return model, engine, in_force, saves
+
+
+def stage_matchers(plan: Plan) -> dict:
+    """The names a stage may use beyond module prefixes: a vision-language model's parts, a model of your own's
+    groups (parameter_groups)."""
+    from model_utils.models.vision.parts import PARTS, part_of
+
+    if plan.model.vision is not None:
+        return {part: (lambda name, part=part: part_of(name) == part) for part in PARTS}
+    if plan.model.custom is not None:
+        return {group: (lambda name, prefixes=prefixes: any(name == p or name.startswith(p + ".") for p in prefixes))
+                for group, prefixes in plan.model.custom.groups.items()}
+    return {}
 
 
 def vision_lr_scales(vision, ds: dict, cfg: TrainConfig) -> dict:
@@ -249,6 +302,8 @@ def describe_run(run: Run, plan: Plan, length) -> None:
     precision = dsc.precision(ds)
     if run.vision is not None:
         log.info(run.vision.describe() + "; the tower runs on every micro-batch (a blank image where it has none)")
+    if run.custom is not None:
+        log.info(run.custom.describe())
     log.info(f"model: {cfg.model.model}, {plan.model.num_params / 1e6:.1f}M parameters, "
              f"{plan.model.flops.per_token() / 1e9:.3f} GFLOP/token; "
              f"precision {precision}{' (dynamic loss scaling)' if precision == 'fp16' else ''}, "
@@ -273,7 +328,7 @@ def settle_length(plan: Plan, ds: dict, training_blocks: int, world: int, log: L
                            plan.resume.manifest if plan.resume else None)
     scheduled, defaults = with_fine_tuning_defaults(cfg.with_flags(max_steps=length.total_steps), length.total_steps)
     resolved, _, problems = dsc.resolve_settings(plan.raw_ds_config, scheduled, plan.hardware.precision,
-                                                 plan.model.config.hidden_size)
+                                                 hidden_size(plan.model))
     if problems:
         raise ConfigError(problems)
     apply_weight_decay(resolved, defaults)
@@ -306,6 +361,8 @@ def wrap_with_adapters(model, settings, log: Logger):
 def data_identity(cfg: TrainConfig, tokenizer, seq_len: int, data, world_size: int = 1) -> dict:
     """What a checkpoint's data position counts in: blocks of seq_len, tokens of this tokenizer, these training tokens
     (checkpoint.protocol.data_position_problems compares them on resume)."""
+    if isinstance(data, UserData):  # a dataset of your own: its function, arguments, length and first items
+        return {"tokenizer": cfg.model.tokenizer, "seq_len": seq_len, "data": data.identity}
     if is_streamed(data):  # a place in each rank's stream: no token array to digest
         return {"tokenizer": cfg.model.tokenizer, "tokenizer_identity": tokenizer_identity(tokenizer),
                 "seq_len": seq_len, "data": identity_entry(data, world_size, cfg.data.stream_shuffle_blocks)}

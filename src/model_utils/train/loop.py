@@ -20,6 +20,8 @@ from model_utils.config.deepspeed import precision, zero_stage
 from model_utils.core.exit_status import NONFINITE, OK, STOPPED_BY_SIGNAL
 from model_utils.data.sft.formats import attach_chat_template
 from model_utils.data.streaming import with_stream_state
+from model_utils.models.custom import contract as custom_model
+from model_utils.models.custom.export import write_export
 from model_utils.models.evaluation import evaluation_loss
 from model_utils.models.export import export_hf, gathered_state_dict
 from model_utils.models.generate import generate_text
@@ -32,6 +34,7 @@ from model_utils.train.preference import describe_evaluation, preference_evaluat
 from model_utils.train.reference import reference_manifest
 from model_utils.train.resume import checkpoint_options
 from model_utils.train.run import Run
+from model_utils.train.stages import enter_stage
 from model_utils.train.step import agree_after_step, model_inputs, train_step
 from model_utils.train.tracking import DataTrace, Interval, NonfiniteSteps, SaveSchedule
 
@@ -55,7 +58,7 @@ def train(run: Run) -> int:
         # --- one optimizer step at this learning rate (the saves' host memory allocated beside the first steps) ---
         if run.saves:
             run.saves.reserve_buffers(run.engine, checkpoint_options(run)[0])
-        lr = run.engine.get_lr()[0]
+        lr = max(run.engine.get_lr()) if run.stages else run.engine.get_lr()[0]  # a stage's frozen groups: 0
         t0 = time.perf_counter()
         result = preference_step(run) if run.preference else train_step(run)
         interval.add(result, time.perf_counter() - t0)
@@ -83,8 +86,13 @@ def train(run: Run) -> int:
                      "rate, raise warmup, or check the data")
             return end_early(run, NONFINITE, f"stopped: {nonfinite.count} consecutive non-finite step(s)")
 
+        # --- the end of a curriculum stage: evaluated, the next stage's data and rates in force, then saved ---
+        boundary = run.stages is not None and run.stages.ends_at(run.step)
+        if boundary:
+            next_stage(run)
+
         # --- checkpoint, and stop when a signal asked for it (all ranks agree) ---
-        if saves.due(agreed, bad):
+        if saves.due(agreed, bad) or boundary:
             save(run, wait=agreed.stop or run.step == cfg.batch.max_steps)
             saves.saved()
         if agreed.stop and run.step < cfg.batch.max_steps:
@@ -101,6 +109,20 @@ def train(run: Run) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 # What the loop calls: evaluation, saves, the end of a run
 # ----------------------------------------------------------------------------------------------------------------------
+def next_stage(run: Run) -> None:
+    """The stage that ends at this step evaluated; the next one's data in force (its learning rates and what it
+    trains follow from the schedule at the next step)."""
+    k = run.stages.index_at(run.step - 1)
+    ended, following = run.stages.stages[k], run.stages.stages[k + 1]
+    interval = run.cfg.logging.eval_interval
+    if not (interval and run.step % interval == 0):  # else the periodic evaluation of this step was it
+        log_evaluation(run, f"eval (end of stage {ended.name})")
+    enter_stage(run, k + 1, fresh=run.stages.fresh_data(k + 1))
+    run.log.info(f"stage {following.name}: from step {run.step + 1}"
+                 + (", its data from their start" if run.stages.fresh_data(k + 1) else ", the same data continued"))
+    run.log.metrics({"step": run.step, "stage": following.name})
+
+
 def evaluate(run: Run) -> dict:
     settle(run.engine)  # the model with every step's update (--delayed_update_from_step)
     ids = run.data.val_ids
@@ -113,7 +135,9 @@ def evaluate(run: Run) -> dict:
         for i in range(run.cfg.logging.eval_iters):
             start = (i * dist.data_world + dist.data_rank) * m  # a sequence-parallel group reads alike
             picks = [ids[(start + j) % len(ids)] for j in range(m)]
-            summed, targets = evaluation_loss(engine, run.model, model_inputs(run, run.data.val.batch(picks)))
+            inputs = model_inputs(run, run.data.val.batch(picks))
+            summed, targets = (custom_model.evaluation_loss(engine, run.custom.spec, inputs) if run.custom is not None
+                               else evaluation_loss(engine, run.model, inputs))
             sums += torch.stack([summed, targets])
     engine.train()
     loss_sum, targets = dist.all_reduce(sums).tolist()
@@ -145,6 +169,7 @@ def save(run: Run, wait: bool = False):
                        "reference": reference_manifest(run)},
                       save_options=checkpoint_options(run)[0])
     client = {"step": run.step, "tokens_seen": run.tokens_seen, "data_position": run.position.state_dict(),
+              "stage": run.stages.stages[run.stages.index_at(run.step)].name if run.stages else None,
               # lets `ds_to_universal` convert the checkpoint for another world size (data parallelism only)
               UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
     rank_state = with_stream_state(rng_state(), run.data)  # each rank's file: its RNG, its place in a stream
@@ -190,6 +215,8 @@ def finish(run: Run):
             attach_chat_template(run.tokenizer)
         if run.lora:
             out = export_adapters(run)
+        elif run.custom is not None:
+            out = export_own_model(run)
         else:
             out = export_hf(run.engine, run.model, run.tokenizer, run.run_dir.export, zero_stage(run.ds_config),
                             run.dist, run.log.info)
@@ -198,6 +225,24 @@ def finish(run: Run):
         if run.cfg.logging.generate_prompt and run.dist.is_main and out is not None:
             run.log.info(f"sample: {generate_text(out, run.cfg.logging.generate_prompt)}")
     write_summary(run, "completed", export=str(run.run_dir.export) if run.cfg.checkpoint.export else None)
+
+
+def export_own_model(run: Run):
+    """A model of your own's export (models.custom.export): save_pretrained where it is a transformers model, else its
+    weights and how to build it. Every rank takes part in gathering ZeRO-3's partitions; rank 0 writes."""
+    from transformers import PreTrainedModel
+
+    if isinstance(run.model, PreTrainedModel):
+        return export_hf(run.engine, run.model, run.tokenizer, run.run_dir.export, zero_stage(run.ds_config),
+                         run.dist, run.log.info)
+    state = gathered_state_dict(run.model, run.dist) if zero_stage(run.ds_config) == 3 else (
+        run.model.state_dict() if run.dist.is_main else None)
+    if run.dist.is_main:
+        out = write_export(run.run_dir.export, state, run.custom.spec, run.custom.settings)
+        run.log.info(f"export: your model's weights and how to build it written to {out} "
+                     "(models.custom.export.load_exported loads it)")
+    run.dist.barrier()
+    return None
 
 
 def export_adapters(run: Run):

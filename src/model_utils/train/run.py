@@ -44,6 +44,8 @@ class Run:
     examples: bool = False  # fine-tuning data (sft_data): blocks of examples with their labels and positions
     preference: object = None  # config.preference.PreferenceSettings of a preference run (its data are pairs)
     vision: object = None  # planning.vision.VisionPlan of a vision-language model (its processor, parts, FLOPs)
+    custom: object = None  # planning.custom.CustomPlan of a model of your own (its hooks, its export)
+    stages: object = None  # train.stages.Curriculum of a run with stages (their steps, data, orders)
     reference: object = None  # data.preference.reference.StoredReference: the step-0 model's log-probs of the pairs
     offload: HostActivations | None = None  # --offload_activations: the host buffers of what each forward keeps
     step: int = 0

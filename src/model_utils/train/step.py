@@ -13,7 +13,9 @@ import torch
 
 from model_utils.data.blocks import attention_area as document_area
 from model_utils.data.blocks import document_boundaries, document_positions
+from model_utils.data.custom.dataset import UserBatch
 from model_utils.data.sft.packing import ExampleBatch
+from model_utils.models.custom.contract import hook, loss_of
 from model_utils.models.offload import HostActivations
 from model_utils.models.sequence_parallel import shard_inputs
 from model_utils.patches.deepspeed_zero import device_skip_flag, settle_device_skip
@@ -30,6 +32,9 @@ def model_inputs(run: Run, blocks) -> dict:
     instead. Both come from the host's copy of the tokens: nothing waits on the GPU for them. With
     --sequence_parallel, this rank's slice of each sequence (positions always given: Ulysses gathers them)."""
     device = run.dist.device
+    if isinstance(blocks, UserBatch):  # a dataset of your own: its collated keys, tensors on the device
+        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in blocks.inputs.items()}
     if isinstance(blocks, ExampleBatch):
         batch = example_inputs(run, blocks)
     else:
@@ -74,16 +79,22 @@ def attention_area(run: Run, blocks) -> int:
     skips, does not change them)."""
     if isinstance(blocks, ExampleBatch):
         return document_area(blocks.position_ids)
+    if isinstance(blocks, UserBatch):  # a model of your own counts its FLOPs by its flops hook
+        return 0
     if run.document_eos is None:
         return len(blocks) * run.batch.seq_len ** 2
     return document_area(document_positions(blocks[:, :-1], run.document_eos))
 
 
-def compute_loss(engine, batch: dict, offload: HostActivations | None = None):
+def compute_loss(engine, batch: dict, offload: HostActivations | None = None, custom=None):
     """Mean next-token loss over the batch (`model_inputs`); with `offload` (--offload_activations), what the forward
-    keeps for the backward pass in its host buffers."""
+    keeps for the backward pass in its host buffers. A model of your own (`custom`: planning.custom.CustomPlan) gets
+    the batch as it is and returns its loss by its contract (models.custom.contract.loss_of)."""
+    if custom is not None:
+        return loss_of(engine(**batch), custom.spec)[0]
     with offload.saving() if offload else contextlib.nullcontext():
-        return engine(**batch, use_cache=False).loss
+        output = engine(**batch, use_cache=False)
+    return output.loss if hasattr(output, "loss") else loss_of(output, "--model")[0]
 
 
 @dataclass
@@ -125,9 +136,10 @@ def train_step(run: Run, phase=no_phase) -> StepResult:
     split = dist.sequence_parallel > 1
     # Packed examples, or sequences split across ranks: the step's micro-batches read up front, to weigh each loss
     # token of the step alike (a micro-batch's or a slice's own mean would weigh its few tokens as much as many)
-    ahead = step_micro_batches(run) if run.examples or split else None
+    counted = own_loss_tokens(run)  # a model of your own with a loss_tokens hook
+    ahead = step_micro_batches(run) if run.examples or split or counted else None
     step_blocks = [blocks for _, blocks in ahead] if ahead else None
-    weights = loss_token_weights(run, step_blocks) if run.examples and not split else None
+    weights = loss_token_weights(run, step_blocks, counted) if (run.examples or counted) and not split else None
     loss_items = split_loss_items(run, step_blocks) if split else None
     for micro in range(run.batch.accumulation):
         with phase("forward"):
@@ -140,9 +152,11 @@ def train_step(run: Run, phase=no_phase) -> StepResult:
             inputs = model_inputs(run, blocks)
             if run.vision is not None:
                 vision_flops += run.vision.flops.flops(blocks.patches, blocks.image_tokens)
+            elif run.custom is not None and "flops" in run.custom.hooks:  # your model's own count (MFU)
+                vision_flops += float(hook(run.model, "flops")(inputs))
             if loss_items is not None:
                 inputs["num_items_in_batch"] = loss_items
-            loss = compute_loss(engine, inputs, run.offload)
+            loss = compute_loss(engine, inputs, run.offload, run.custom)
             if weights is not None:
                 loss = loss * weights[micro]
         loss_sum, nonfinite = backward_and_step(run, loss, phase, loss_sum, nonfinite)
@@ -187,12 +201,21 @@ def step_micro_batches(run: Run) -> list[tuple]:
     return micro_batches
 
 
-def loss_token_weights(run: Run, micro_batches: list):
+def own_loss_tokens(run: Run):
+    """A model of your own's loss_tokens(batch) hook, where it defines one and reads a dataset of your own."""
+    if run.custom is None or "loss_tokens" not in run.custom.hooks:
+        return None
+    count = hook(run.model, "loss_tokens")
+    return lambda blocks: float(count(blocks.inputs)) if isinstance(blocks, UserBatch) else float(blocks.loss_tokens)
+
+
+def loss_token_weights(run: Run, micro_batches: list, count=None):
     """Per micro-batch, the factor on its mean loss that makes the step's gradient the mean over the loss tokens of
     the whole step, every rank's (Hugging Face's num_items_in_batch): its loss tokens over the step's, times the
     micro-batches per step and the ranks, whose averages DeepSpeed and the loss log take. Without it a micro-batch
     with few answer tokens would weigh as much as one with many. One all-reduce of the step's count."""
-    counts = torch.tensor([float(blocks.loss_tokens) for blocks in micro_batches], dtype=torch.float64)
+    count = count or (lambda blocks: float(blocks.loss_tokens))
+    counts = torch.tensor([count(blocks) for blocks in micro_batches], dtype=torch.float64)
     counts = counts.to(run.dist.device)
     total = run.dist.all_reduce(counts.sum())
     return (counts * (len(micro_batches) * run.batch.world) / total).float()

@@ -4,6 +4,7 @@ image (its loss the text-only loss exactly, its gradient through the projector z
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 
@@ -128,3 +129,115 @@ def test_the_towers_flops_follow_what_trains():
     assert frozen.flops([4, 16], 5) == 2 * 1000 * 20 + 4 * 2 * 8 * (16 + 256) + 6 * 100 * 5
     trained = dataclasses.replace(frozen, tower_trains=True)
     assert trained.flops([4], 1) == 6 * 1000 * 4 + 12 * 2 * 8 * 16 + 6 * 100
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a forward keeps for the backward pass: storages made by the forward's ops and still alive after it, by part
+# ----------------------------------------------------------------------------------------------------------------------
+def kept_bytes_by_part(model, inputs: dict) -> tuple[dict, object]:
+    """Bytes of every storage an op of `model`'s forward made that is still alive once the forward has returned (what
+    its autograd graph keeps for the backward pass, inputs and parameters apart), by the part (models.vision.parts)
+    whose module made it, and those of the tower's blocks (tower_blocks, within vision_tower's) and of the language
+    model's decoder layers (decoder_layers); and the loss."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    names = {module: name for name, module in model.named_modules()}
+    running, made = [], {}
+    hooks = [h for m in model.modules() for h in (
+        m.register_forward_pre_hook(lambda module, args: running.append(names[module])),
+        m.register_forward_hook(lambda module, args, out: (running.pop(), None)[1]))]
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    seen = made.get(storage.data_ptr())
+                    if seen is None or seen[0]() is None:
+                        made[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes(), running[-1])
+            return out
+
+    with Made():
+        loss = model(**inputs, use_cache=False).loss
+    for h in hooks:
+        h.remove()
+    outside = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *inputs.values()]
+               if isinstance(t, torch.Tensor)}
+    kept = dict.fromkeys(("vision_tower", "projector", "language_model", "tower_blocks", "decoder_layers"), 0)
+    for ptr, (storage, nbytes, name) in made.items():
+        if storage() is not None and ptr not in outside:
+            name = name.replace("base_model.model.", "").replace(".modules_to_save.default", "")
+            part = part_of(name)
+            kept[part] += nbytes
+            kept["tower_blocks"] += nbytes if part == "vision_tower" and ".blocks." in name else 0
+            kept["decoder_layers"] += nbytes if name.startswith("model.language_model.layers.") else 0
+    return kept, loss
+
+
+def image_inputs(processor, side: int = 224) -> dict:
+    from PIL import Image
+
+    inputs = dict(processor(text=[processor.image_token + "Red, and a long answer about it."],
+                            images=[Image.new("RGB", (side, side), (200, 30, 30))], return_tensors="pt"))
+    inputs.pop("attention_mask")
+    inputs["labels"] = inputs["input_ids"].clone()
+    return inputs
+
+
+def test_a_frozen_tower_keeps_nothing_for_the_backward_under_checkpointing_and_lora(processor, config):
+    """transformers' enable_input_require_grads (checkpointing's, then LoRA's) hooks every input embedding, the
+    tower's patch embedding too: a frozen tower then kept each block's working set for a backward pass whose only
+    result, the pixels' gradient, nothing reads (~10.6 GiB a 4,096-token block of Qwen2.5-VL-7B). It builds no graph
+    now, and what trains gets the same gradients."""
+    from model_utils.models.lora import apply_lora
+
+    settings = LoraSettings(rank=4, alpha=8, dropout=0.0, vision_frozen=("vision_tower",))
+    inputs = image_inputs(processor)
+    grads, kept = [], []
+    for old_hook in (False, True):
+        model = apply_lora(tiny(config, checkpointing=True), settings).train()
+        tower = model.get_base_model().model.visual
+        assert tower.get_input_embeddings() is None
+        if old_hook:  # what transformers' hook did before
+            tower.patch_embed.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+        by_part, loss = kept_bytes_by_part(model, inputs)
+        loss.backward()
+        kept.append(by_part)
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.requires_grad})
+    assert kept[0]["tower_blocks"] == 0 < kept[1]["tower_blocks"]
+    assert kept[0]["vision_tower"] <= 1024  # the tower's own positions and window order, no activation
+    assert kept[0]["language_model"] == kept[1]["language_model"]
+    assert grads[0].keys() == grads[1].keys()
+    assert any(part_of(name) == "projector" for name in grads[0])
+    for name, grad in grads[0].items():
+        assert grad is not None and torch.equal(grad, grads[1][name]), name
+
+
+@pytest.mark.parametrize("frozen, checkpointing", [(("vision_tower",), True), ((), True), ((), False)])
+def test_the_estimate_holds_what_the_tower_and_projector_keep(processor, config, frozen, checkpointing):
+    """planning.vision.VisionPlan.activation_bytes against the bytes tiny-vl's tower (widened) and projector keep after a
+    forward in 16-bit (a frozen tower: the projector's alone), within 25%; and the checkpointed decoder layers keep
+    their inputs only, 2·h bytes a token each (what models.memory.activation_bytes counts of a recomputed layer): each
+    layer's output is the next one's kept input, the last one's is not kept (the final norm keeps its fp32 copy)."""
+    from model_utils.planning.vision import VisionPlan
+
+    config = copy.deepcopy(config)  # a tower of Qwen2.5-VL-7B's head width (128) and MLP ratio, 4 blocks
+    config.vision_config.update(dict(hidden_size=256, intermediate_size=684, num_heads=2, depth=4,
+                                     fullatt_block_indexes=[3]))
+    model = build_vision_model("tiny-vl", config, torch.bfloat16, "sdpa", checkpointing, frozen).train()
+    inputs = image_inputs(processor)
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+    kept, _ = kept_bytes_by_part(model, inputs)
+    image_tokens = int((inputs["input_ids"] == config.image_token_id).sum())
+    plan = VisionPlan(processor, config, frozen, {}, None, None, "", checkpointing)
+    estimate = plan.activation_bytes(1, image_tokens, bf16=True)
+    measured = kept["vision_tower"] + kept["projector"]
+    assert estimate == pytest.approx(measured, rel=0.25)
+    text = config.get_text_config()
+    tokens, h = inputs["input_ids"].numel(), text.hidden_size
+    if checkpointing:
+        assert kept["decoder_layers"] == (text.num_hidden_layers - 1) * 2 * h * tokens

@@ -79,6 +79,7 @@ def build_vision_model(name: str, config, dtype, attn_implementation: str, gradi
     from transformers import AutoModelForImageTextToText
 
     from model_utils.models.build import checkpointable_layers, enable_activation_checkpointing
+    from model_utils.models.vision.parts import keep_frozen_tower_out_of_autograd
 
     if is_vision_preset(name):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
@@ -86,6 +87,7 @@ def build_vision_model(name: str, config, dtype, attn_implementation: str, gradi
         model = AutoModelForImageTextToText.from_pretrained(name, config=config, dtype=dtype,
                                                             attn_implementation=attn_implementation)
     freeze(model, frozen)
+    keep_frozen_tower_out_of_autograd(model, frozen)  # before checkpointing's (and LoRA's) input-gradient hooks
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
         layers = language_model_layers(model)
