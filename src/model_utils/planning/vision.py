@@ -15,7 +15,8 @@ from model_utils.data.vision.formats import VISION
 
 IMAGE_SHARE_OF_BLOCK = 4  # by default an image is resized to at most a quarter of a block's tokens
 EMBEDDED_VISION = "embedded-vision"
-TRAINED_PROJECTOR_BYTES = 8  # a projector that trains keeps 8 bytes per patch and tower width (VisionPlan.activation_bytes)
+# A projector that trains keeps 8 bytes per patch and tower width beside a frozen tower (VisionPlan.activation_bytes)
+TRAINED_PROJECTOR_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,10 @@ class VisionPlan:
     def activation_bytes(self, micro: int, seq_len: int, bf16: bool) -> float:
         """What the tower and the projector keep for the backward pass in a micro-batch whose blocks were all image
         tokens (the most it can hold), counted per patch (merge² of them make an image token) in 16-bit (twice in
-        fp32), h the tower's width and I its MLP's, as measured on Qwen2.5-VL-7B's tower (CPU, saved tensors; tests/unit/
-        models/test_vision_models.py holds the count against tiny-vl's): a trained block keeps 32·h + 8·I bytes (its
-        norms' fp32 inputs, the q, k, v and their per-head copies, the gated MLP's four tensors of width I: 53.4·h
-        for that tower), a checkpointed one its input, 2·h (its working set is recomputed at the end of the backward
+        fp32), h the tower's width and I its MLP's, as measured on Qwen2.5-VL-7B's tower (CPU, the storages a forward
+        leaves alive; tests/unit/models/test_vision_models.py holds the count against a widened tiny-vl tower's): a
+        trained block keeps 32·h + 8·I bytes (its norms' fp32 inputs, the q, k, v and their per-head copies, the
+        gated MLP's four tensors of width I: 53.4·h for that tower), a checkpointed one its input, 2·h (its working set is recomputed at the end of the backward
         pass, after the language model's activations are freed), and the rotary cos and sin in fp32 that every block
         reads; a frozen tower keeps nothing (models.vision.parts.keep_frozen_tower_out_of_autograd: it builds no
         graph); a projector that trains keeps 8·h (its norm's fp32 input and its MLP's two inputs), 12·h beside a tower

@@ -219,8 +219,8 @@ def test_a_frozen_tower_keeps_nothing_for_the_backward_under_checkpointing_and_l
 
 @pytest.mark.parametrize("frozen, checkpointing", [(("vision_tower",), True), ((), True), ((), False)])
 def test_the_estimate_holds_what_the_tower_and_projector_keep(processor, config, frozen, checkpointing):
-    """planning.vision.VisionPlan.activation_bytes against the bytes tiny-vl's tower (widened) and projector keep after a
-    forward in 16-bit (a frozen tower: the projector's alone), within 25%; and the checkpointed decoder layers keep
+    """planning.vision.VisionPlan.activation_bytes against the bytes tiny-vl's tower (widened) and projector keep after
+    a forward in 16-bit (a frozen tower: the projector's alone), within 25%; and the checkpointed decoder layers keep
     their inputs only, 2·h bytes a token each (what models.memory.activation_bytes counts of a recomputed layer): each
     layer's output is the next one's kept input, the last one's is not kept (the final norm keeps its fp32 copy)."""
     from model_utils.planning.vision import VisionPlan
