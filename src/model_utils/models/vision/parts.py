@@ -85,11 +85,7 @@ def keep_frozen_tower_out_of_autograd(model, frozen: tuple[str, ...]) -> int:
     changed = 0
     for name, module in model.named_modules():
         if name and isinstance(module, PreTrainedModel) and part_of(name) == "vision_tower":
-            embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
-            for key, hook in list(getattr(embeddings, "_forward_hooks", {}).items()):  # hooks set before this
-                if getattr(hook, "__name__", "") == "make_inputs_require_grads":
-                    del embeddings._forward_hooks[key]
-            module.get_input_embeddings = _no_input_embeddings
+            module.get_input_embeddings = _no_input_embeddings  # before any hook: build_vision_model calls this first
             changed += 1
     return changed
 
