@@ -95,7 +95,8 @@ class SpeedConfig:
 class ModelConfig:
     """Which model trains and how its layers run."""
     model: str = _f("tiny", "Preset name (tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama-1b, llama-7b, llama-8b; "
-                            "random init), or a Hugging Face model directory / hub id (pretrained weights, continued training).")
+                            "random init), a Hugging Face model directory / hub id (pretrained weights, continued "
+                            "training), or FILE.py:FUNCTION, a model of your own (docs/YOUR-MODEL.md).")
     tokenizer: str | None = _f(None, "Tokenizer name or path for AutoTokenizer. Default: the project's shipped "
                                      "tokenizer for presets, the model's own tokenizer for a pretrained model.")
     seq_len: int | None = _f(None, "Tokens per packed training block. Default: the preset's context length "
@@ -168,7 +169,8 @@ class DataConfig:
                                    "(`tokens.npy` or a directory of .npy); a mixture (`a:0.7,b:0.3`, or a JSON file "
                                    "listing parts and weights); a hub dataset name; `embedded` (the text corpus built "
                                    "offline from the Python standard library) or `embedded-chat` (chats about its "
-                                   "functions, for fine-tuning). Rows of chat, ShareGPT, prompt/completion, Alpaca or "
+                                   "functions, for fine-tuning); FILE.py:FUNCTION, a dataset of your own "
+                                   "(docs/YOUR-MODEL.md). Rows of chat, ShareGPT, prompt/completion, Alpaca or "
                                    "token formats fine-tune (--data_format). Default: `embedded` for a preset; a "
                                    "pretrained model needs one.")
     data_format: str = _f("auto", "What the rows hold (docs/FINE-TUNING.md): chat (messages), sharegpt "
