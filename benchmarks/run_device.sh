@@ -157,17 +157,19 @@ case "$1" in
     ;;
   vlm)  # vision-language fine-tuning against TRL's SFTTrainer for vision-language models (TRL refuses packing and
     # padding-free rows for images: its examples are padded per micro-batch), one invocation per mode of VLM_MODES:
-    # lora (ours at 2 and 4 blocks, TRL at 4 and 8 examples; ds_config.json) and full (1 and 2, 2 and 4; the 7.6B
+    # lora (ours at 1, 2 and 4 blocks, TRL at 4 examples; ds_config.json) and full (1 and 2, 2 and 4; the 7.6B
     # trained weights' AdamW states take an H200's memory: on an H100 our preflight refuses it, TRL runs out of
-    # memory). VLM_OURS_MB and VLM_PEER_MB replace the micro-batches, VLM_DS the DeepSpeed config. SECONDS_NEEDED are
-    # estimates until measured: ~1.5 min to write the 7B and the rows once, ~2.5 min a run (~1.5 min of setup, 22 steps)
-    read -r -a vlm_modes <<<"${VLM_MODES:-lora full}"
+    # memory). VLM_OURS_MB and VLM_PEER_MB replace the micro-batches, VLM_DS the DeepSpeed config, VLM_SKIP="ours" or
+    # "trl" runs one side. Measured on one H100 (LoRA, 2026-12-07): writing the 7B and the rows ~70 s once; ours ~100 s
+    # a run (24 s of setup, 22 steps of ~5 s); TRL at micro-batch 4 ~20 s a step (11 micro-batches), ~9 min for its
+    # 22 steps with setup: run it alone (VLM_SKIP=ours VLM_TIMEOUT=560 VLM_NEED=560 BUDGET=590)
+    read -r -a vlm_modes <<<"${VLM_MODES:-lora full}"; read -r -a skip <<<"${VLM_SKIP:-}"
     for mode in "${vlm_modes[@]}"; do
-      if [ "$mode" = lora ]; then ours_mb=(2 4) peer_mb=(4 8) need=690; else ours_mb=(1 2) peer_mb=(2 4) need=660; fi
+      if [ "$mode" = lora ]; then ours_mb=(1 2 4) peer_mb=(4) need=560; else ours_mb=(1 2) peer_mb=(2 4) need=560; fi
       read -r -a ours_mb <<<"${VLM_OURS_MB:-${ours_mb[*]}}"; read -r -a peer_mb <<<"${VLM_PEER_MB:-${peer_mb[*]}}"
       vlm "vlm-$mode" "${VLM_NEED:-$need}" "${VLM_ARGS[@]}" --modes "$mode" --ds_config "${VLM_DS:-ds_config.json}" \
-        --micro_batch_size "${ours_mb[@]}" --peer-micro-batch-size "${peer_mb[@]}" --timeout "${VLM_TIMEOUT:-420}" \
-        --title "Vision-language fine-tuning, qwen2.5-vl-7b ($mode), 1 GPU: ours against TRL SFTTrainer"
+        --micro_batch_size "${ours_mb[@]}" --peer-micro-batch-size "${peer_mb[@]}" --skip "${skip[@]}" \
+        --timeout "${VLM_TIMEOUT:-200}" --title "Vision-language fine-tuning, qwen2.5-vl-7b ($mode), 1 GPU: ours against TRL SFTTrainer"
     done
     ;;
   dpo)  # preference tuning (DPO) against TRL's DPOTrainer + DeepSpeed + Liger: Qwen3-1.7B, full fine-tuning, 2,000

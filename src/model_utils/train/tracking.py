@@ -54,6 +54,9 @@ class Interval:
                   "skipped_steps": engine.skipped_steps, **loss_scale(engine), "tokens_seen": run.tokens_seen,
                   **self.throughput.read(tokens, run.flops.flops(tokens, area_total) + vision_total),
                   "step_time_s": slowest, "step_time_min_s": -fastest, **memory_stats(dist.device)}
+        if run.custom is not None and "flops" not in run.custom.hooks:  # no FLOPs counted: no TFLOP/s, no MFU
+            record.pop("tflops_per_device", None)
+            record.pop("mfu", None)
         run.log.metrics(record)
         run.log.bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         run.log.info(format_record(record))

@@ -56,9 +56,9 @@ class UserItems:
         try:
             rows = [self.dataset[i] for i in items]
         except Exception as e:  # the user's dataset: found on this rank alone, mid-run
-            raise OneRankDataError(Problem("--dataset", self.spec, f"{self.split} item {e.__dict__.get('index', '?')}"
-                                           f" of {items} could not be read: {type(e).__name__}: {e}",
-                                           "fix the dataset's __getitem__ for these items")) from e
+            raise OneRankDataError(Problem("--dataset", self.spec, f"{self.split} items {items} could not be read: "
+                                           f"{type(e).__name__}: {e}", "fix the dataset's __getitem__ for these "
+                                                                        "items")) from e
         try:
             inputs = self.collate(rows)
         except Exception as e:
