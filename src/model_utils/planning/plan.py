@@ -336,6 +336,9 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
                 lambda m: custom_peak_bytes(model, ds, plan.ranks, m)[0], request.divides)
         else:
             micro, choice = choose_micro_batch(plan.seq_len, None, None, request.divides)
+            if model is not None and model.custom is not None:  # no activation figure: the default, said so
+                choice = (f"auto: {micro} (the default: your model defines no activation_bytes(micro_batch), so the "
+                          "plan cannot size it; give --micro_batch_size or define the hook)")
     batch, said, found = settle_batch(request, micro, plan.seq_len)
     notes += said
     problems += found
