@@ -5,7 +5,7 @@
     custom_peak_bytes   one GPU's memory at a micro-batch: weights, gradients and optimizer states by the ZeRO stage
                         and offload, plus the activations the model's activation_bytes hook states (else not counted)
     custom_memory       its train step's and a checkpoint's bytes
-    check_custom_plan   the preflight's lines and checks: memory, the stages' names, the data's first micro-batch
+    check_custom_plan   the preflight's lines and checks: memory, the data's first micro-batch
                         and, on the meta device, that the forward returns a loss
 """
 
@@ -139,24 +139,6 @@ def custom_problems(cfg: TrainConfig) -> list[Problem]:
     return problems
 
 
-def stage_names_problems(stages, custom: CustomPlan) -> list[Problem]:
-    """A stage naming what the model has not, or freezing everything it has."""
-    problems = []
-    for number, stage in enumerate(stages, start=1):
-        names = stage.train if stage.train is not None else stage.freeze
-        for name in names:
-            if name not in custom.groups and name not in custom.modules:
-                problems.append(Problem(f"stages[{number}] ({stage.name})", name, "names no group or module of the "
-                                        "model", f"name one of its groups ({', '.join(custom.groups)}) or a module "
-                                        "prefix such as "
-                                        f"{', '.join(m for m in custom.modules if '.' not in m)[:200]}"))
-        if stage.train is None and stage.freeze and set(stage.freeze) >= set(custom.groups):
-            problems.append(Problem(f"stages[{number}] ({stage.name}).freeze", list(stage.freeze),
-                                    "freezes every group of the model: nothing would train",
-                                    "leave one group out of freeze, or name what trains with train:"))
-    return problems
-
-
 def check_custom_plan(plan, report, check_data: bool) -> None:
     """The preflight's lines of a model of your own and its checks (report: planning.report.Report)."""
     cfg, model = plan.cfg, plan.model
@@ -175,7 +157,6 @@ def check_custom_plan(plan, report, check_data: bool) -> None:
                                        f"estimated, more than the GPU's {memory:.0f} GiB",
                                        "use a smaller micro-batch, ZeRO-3 or an offload preset (configs/)"))
     stages, _ = read_stages(cfg.curriculum.stages)
-    report.problems += stage_names_problems(stages, custom)
     if check_data and is_user_function(cfg.data.dataset):
         check_forward(plan, report, stages)
 

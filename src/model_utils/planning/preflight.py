@@ -45,6 +45,7 @@ from model_utils.planning.memory_checks import (check_host_memory, check_memory,
 from model_utils.planning.custom import check_custom_plan
 from model_utils.planning.plan import Plan, make_plan
 from model_utils.planning.report import Report
+from model_utils.planning.stages import stage_problems
 from model_utils.runtime.build_locks import stale_build_lock_problems
 
 
@@ -142,6 +143,7 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True, mea
         if plan.fine_tuning is not None:
             report.lines.append(plan.fine_tuning.describe())
         report.lines += stage_lines(cfg)
+        report.problems += stage_problems(plan)
     if plan.memory is not None and plan.model.custom is not None:  # a model of your own: its plan, checks, data
         check_custom_plan(plan, report, check_data and ds is not None)
         if check_disk:

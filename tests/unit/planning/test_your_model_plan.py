@@ -95,3 +95,19 @@ def test_the_example_plans_its_three_stages():
     assert not report.problems, report.problems
     lines = "\n".join(report.lines)
     assert "(stage align)" in lines and "(stage language)" in lines
+
+
+@pytest.mark.parametrize("model, stages, expected", [
+    ("tiny", [{"name": "a", "steps": 2, "train": ["lm_head"]}, {"name": "b", "steps": 2, "freeze": ["model.layers.0"]}],
+     None),
+    ("tiny", [{"name": "a", "steps": 2, "train": ["decoder"]}], "names no group or module of the model"),
+    ("tiny", [{"name": "a", "steps": 2, "freeze": ["model", "lm_head"]}], "nothing would train"),
+    ("tiny-vl", [{"name": "a", "steps": 2, "train": ["projector"]}], None),
+    ("tiny-vl", [{"name": "a", "steps": 2, "freeze": ["vision_tower", "projector", "language_model"]}],
+     "nothing would train"),
+])
+def test_a_built_in_models_stages_are_checked_against_its_modules(tmp_path, model, stages, expected):
+    cfg = parse_args(["--model", model, "--stages", json.dumps(stages), "--checkpoint_dir", str(tmp_path / "ckpt"),
+                      "--micro_batch_size", "1"])
+    problems = "\n".join(str(p) for p in run_preflight(cfg, world_size=1, check_data=False).problems)
+    assert (expected in problems) if expected else not problems, problems
