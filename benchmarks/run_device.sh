@@ -172,6 +172,12 @@ case "$1" in
         --timeout "${VLM_TIMEOUT:-200}" --title "Vision-language fine-tuning, qwen2.5-vl-7b ($mode), 1 GPU: ours against TRL SFTTrainer"
     done
     ;;
+  your-model)  # a model of your own with Qwen3-0.6B's architecture against the preset itself, speed options off on
+    # both (the kernels a model of your own gets), 2048-token blocks, micro-batch 8, 25 steps (means over the last 20)
+    echo "=== your-model ($(($(date +%s) - START))s)"
+    python3 benchmarks/your_model_timing.py --model qwen3-0.6b --seq_len 2048 --micro_batch_size 8 --steps 25 \
+      --warmup 5 --json "$OUT/results.jsonl" --workdir /tmp/your-model-timing 2>&1 | tee "$OUT/your-model.txt" | tail -6
+    ;;
   dpo)  # preference tuning (DPO) against TRL's DPOTrainer + DeepSpeed + Liger: Qwen3-1.7B, full fine-tuning, 2,000
     # embedded pairs, 32,768 block tokens a step, FlashAttention-4 on both sides; ours at 4 and 8 blocks, TRL at 8
     # pairs (its setup precomputes the reference over the pairs: minutes) (~8 min)
