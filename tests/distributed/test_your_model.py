@@ -58,11 +58,22 @@ def test_each_stage_trains_at_its_own_rate(zero3):
     assert rates[7] == pytest.approx(2e-4) and rates[9] == pytest.approx(2e-4 / 3)  # all: linear to 0 by its end
 
 
-def test_the_export_of_a_model_of_your_own_reloads(zero3):
+def test_the_export_of_a_model_of_your_own_reloads(zero3, tmp_path):
+    """The run's own export reloads; `python -m model_utils.export` of its last checkpoint (ZeRO-3's shards merged)
+    writes the same weights."""
+    import subprocess
+    import sys
+
     from model_utils.models.custom.export import load_exported
 
     whole, _ = zero3
     model = load_exported(whole.checkpoint_dir / "hf")
+    command = [sys.executable, "-m", "model_utils.export", str(whole.checkpoint_dir / "step-00000009"), "--output",
+               str(tmp_path / "again"), "--dtype", "float32"]
+    done = subprocess.run(command, cwd=REPO / "src", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = dict(load_exported(tmp_path / "again").named_parameters())
+    assert all(torch.equal(p, again[name]) for name, p in model.named_parameters())
     assert sum(p.numel() for p in model.parameters()) > 0
     item = {"pixels": torch.rand(2, 3, 32, 32), "input_ids": torch.randint(0, 100, (2, 24)),
             "labels": torch.randint(0, 100, (2, 24))}

@@ -19,6 +19,7 @@ from model_utils.checkpoint.protocol import ResumeError, resolve_explicit
 from model_utils.config.presets import is_preset
 from model_utils.config.settings import LoraSettings
 from model_utils.core.run_dir import RunDir
+from model_utils.core.user_code import is_user_function
 from model_utils.data.sft.formats import attach_chat_template
 from model_utils.data.tokenizer import load_tokenizer
 from model_utils.models.build import model_config, tokenizer_source
@@ -39,6 +40,8 @@ def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str =
     model_name = manifest.get("model")
     if not model_name:
         raise ResumeError(f"{info.path / 'manifest.json'} does not name the model; it was not written by this project")
+    if is_user_function(model_name):  # a model of your own: its weights and how to build it (models.custom.export)
+        return export_own_checkpoint(info, manifest, output, dtype, log)
     tokenizer = load_tokenizer(tokenizer_source(manifest.get("tokenizer"), model_name))
     config = model_config(model_name, tokenizer, rope_scaling=manifest.get("rope_scaling"))
     out = Path(output) if output else RunDir.of(info.path.parent).export
@@ -62,6 +65,26 @@ def export_checkpoint(checkpoint: Path, output: Path | None = None, dtype: str =
                            f"{unexpected[:5]}")
     write_hf_model(model, tokenizer, out)
     log(f"export: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({dtype}) written to {out}")
+    return out
+
+
+def export_own_checkpoint(info, manifest: dict, output: Path | None, dtype: str, log) -> Path:
+    """A model of your own's checkpoint: the fp32 weights merged from the ranks' shards, in `dtype`, written as the
+    run's own export writes them (model.safetensors and trainer_model.json, from the manifest's model function, its
+    path as the run resolved it, and model_args)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from model_utils.models.custom.contract import ModelSettings
+    from model_utils.models.custom.export import write_export
+
+    out = Path(output) if output else RunDir.of(info.path.parent).export
+    state = get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.path.name)
+    state = {name: tensor.to(DTYPES[dtype]) for name, tensor in state.items()}
+    settings = ModelSettings(args=manifest.get("model_args") or {}, seq_len=manifest.get("model_seq_len"),
+                             seed=manifest.get("seed", 0))
+    write_export(out, state, manifest.get("model_file") or manifest["model"], settings)
+    log(f"export: your model's {sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters ({dtype}) written to "
+        f"{out} (models.custom.export.load_exported loads it)")
     return out
 
 

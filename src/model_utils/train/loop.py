@@ -21,7 +21,7 @@ from model_utils.core.exit_status import NONFINITE, OK, STOPPED_BY_SIGNAL
 from model_utils.data.sft.formats import attach_chat_template
 from model_utils.data.streaming import with_stream_state
 from model_utils.models.custom import contract as custom_model
-from model_utils.models.custom.export import write_export
+from model_utils.models.custom.export import portable_spec, write_export
 from model_utils.models.evaluation import evaluation_loss
 from model_utils.models.export import export_hf, gathered_state_dict
 from model_utils.models.generate import generate_text
@@ -163,6 +163,7 @@ def save(run: Run, wait: bool = False):
                       {"model": run.cfg.model.model, **run.data_identity, "zero_stage": zero_stage(run.ds_config),
                        "ds_config": run.ds_config, "perf": run.cfg.speed.as_dict(),
                        "rope_scaling": run.cfg.model.rope_scaling,
+                       **(own_model_manifest(run) if run.custom is not None else {}),
                        "levers_in_force": run.speed_in_force,
                        "lora": run.lora.as_manifest() if run.lora else None,
                        "preference": run.preference.as_manifest() if run.preference else None,
@@ -194,6 +195,13 @@ def save(run: Run, wait: bool = False):
         if wait:
             run.saves.finish()
     run.log.metrics({"step": run.step, "checkpoint_s": time.perf_counter() - t0})  # how long training stood still
+
+
+def own_model_manifest(run: Run) -> dict:
+    """What `python -m model_utils.export` needs to build a model of your own again: its function (the path made
+    absolute), model_args, seq_len and seed."""
+    return {"model_file": portable_spec(run.custom.spec), "model_args": run.custom.settings.args,
+            "model_seq_len": run.custom.settings.seq_len, "seed": run.custom.settings.seed}
 
 
 def end_early(run: Run, status: int, why: str) -> int:

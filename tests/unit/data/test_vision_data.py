@@ -89,21 +89,67 @@ def test_each_image_token_becomes_its_images_tokens_and_carries_no_loss(processo
     assert text_only.images == [] and token not in text_only.ids and text_only.mrope.shape == (3, len(text_only.ids))
 
 
-def test_multimodal_positions_are_the_models_own(processor, folder):
-    """Each example's positions as Qwen2.5-VL's get_rope_index gives them for that example alone."""
+def qwen3_vl(processor=None):
+    """(processor, config) of a tiny Qwen3-VL: the shipped tokenizer with the vision tokens, Qwen3-VL's image
+    processor settings (16-pixel patches: 32 pixels a token side), interleaved mRoPE sections."""
+    from transformers import Qwen3VLConfig
+
+    processor = preset_processor("Qwen2VLImageProcessor", "Qwen3VLProcessor")
+    images = processor.image_processor
+    images.patch_size, images.image_mean, images.image_std = 16, [0.5] * 3, [0.5] * 3
+    images.size = {"shortest_edge": 32 * 32, "longest_edge": 256 * 256}
+    tokens = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", IMAGE_PAD])
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=-(-len(processor.tokenizer) // 64) * 64, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, out_hidden_size=64, num_position_embeddings=64),
+        **dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id"), tokens)))
+    return processor, config
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_multimodal_positions_are_the_models_own(processor, folder, family):
+    """Each example's positions in a packed block as the model's own get_rope_index gives them for that example
+    alone, with the grids the block's pixels come with: Qwen2.5-VL's, and Qwen3-VL's (its interleaved sections
+    only change how the rotary embedding reads the three rows, and its timestamps are a video's)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     from model_utils.models.vision.build import vision_model_config
 
-    config = vision_model_config("tiny-vl", processor)
+    if family == "qwen3-vl":
+        processor, config = qwen3_vl()
+    else:
+        config = vision_model_config("tiny-vl", processor)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    example = encoder(processor, folder).encode(chat_row(["red.png", "blue.png"]), 1)
-    ids = torch.tensor([example.ids])
-    expected, _ = model.model.get_rope_index(ids, (ids == config.image_token_id).int(),
-                                             image_grid_thw=torch.tensor([[1, 4, 4], [1, 6, 8]]))
-    assert np.array_equal(expected[:, 0].numpy(), example.mrope)
+    rows = [chat_row(["red.png", "blue.png"]), {"messages": chat_row([])["messages"]},
+            chat_row(["blue.png"], text="And this one, is it red too?", answer="Blue.")]
+    examples = [encoder(processor, folder).encode(row, n) for n, row in enumerate(rows, start=1)]
+    token = config.image_token_id
+    packed = pack_vision_examples(examples, 128, 0, len(processor.tokenizer), token, "rows.jsonl")
+    assert packed.stats.blocks == 1 and packed.stats.images == 3
+    data = PackedVisionExamples(packed.inputs, packed.targets, packed.positions, packed.mrope, packed.images,
+                                packed.block_images, packed.image_files, 128, token, PixelReader(processor))
+    arrays = data.batch([0]).model_arrays()
+    positions, grids = torch.from_numpy(arrays["position_ids"][:, 0]), torch.from_numpy(arrays["image_grid_thw"])
+    starts = [*torch.nonzero(positions[0] == 0).flatten().tolist(), 128]
+    compared = 0
+    for start, end in zip(starts, starts[1:]):
+        ids = torch.from_numpy(arrays["input_ids"][:, start:end]).long()
+        images = int((ids == token).sum())
+        if start >= sum(len(e.ids) - 1 for e in examples):
+            break  # the padding
+        counts = (grids.prod(dim=1) // 4).tolist()
+        taken = next(k for k in range(len(counts) + 1) if sum(counts[:k]) == images)
+        expected, _ = model.model.get_rope_index(ids, (ids == token).int(), image_grid_thw=grids[:taken] if taken
+                                                 else None)
+        grids = grids[taken:]
+        assert torch.equal(expected[:, 0], positions[1:, start:end]), (family, start)
+        compared += 1
+    assert compared == 3
     assert np.array_equal(mrope_positions([5, 6], 99, [], 2), [[0, 1]] * 3)
 
 

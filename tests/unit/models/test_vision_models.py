@@ -102,8 +102,46 @@ def test_each_part_keeps_its_factor_of_the_scheduled_rate(config):
         assert rates["language_model"] == engine.lr_scheduler.get_last_lr()[0] > 0
 
 
-def test_a_batch_without_images_runs_the_tower_and_keeps_its_loss(processor, config):
-    model = tiny(config).train()
+def tiny_qwen3_vl():
+    """(processor, model) of a tiny Qwen3-VL, random weights: the shipped tokenizer with the vision tokens, Qwen3-VL's
+    image processor settings (16-pixel patches, mean and std 0.5), a tower of 2 blocks whose both blocks feed a
+    deepstack merger, a decoder of 2 layers with interleaved mRoPE; the tower frozen (a pretrained model's default)."""
+    from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+
+    from model_utils.data.vision.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+    from model_utils.models.vision.parts import freeze
+
+    processor = preset_processor("Qwen2VLImageProcessor", "Qwen3VLProcessor")
+    images = processor.image_processor
+    images.patch_size, images.image_mean, images.image_std = 16, [0.5] * 3, [0.5] * 3
+    images.size = {"shortest_edge": 32 * 32, "longest_edge": 256 * 256}
+    tokenizer = processor.tokenizer
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD])))
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0, 1]), **ids)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+    freeze(model, ("vision_tower",))
+    return processor, model
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_a_batch_without_images_runs_the_tower_and_keeps_its_loss(processor, config, family):
+    """Qwen3-VL's deepstack features (its deepstack mergers' outputs, added in its first decoder layers) are taken
+    too: each projector module gets its gradient, zero."""
+    from PIL import Image
+
+    if family == "qwen3-vl":
+        processor, model = tiny_qwen3_vl()
+        model.train()
+    else:
+        model = tiny(config).train()
     ids = torch.arange(10, 40)[None]
     plain = model(input_ids=ids, labels=ids, use_cache=False).loss
     hooks = run_tower_on_every_batch(model, model, processor, torch.device("cpu"))
@@ -112,10 +150,11 @@ def test_a_batch_without_images_runs_the_tower_and_keeps_its_loss(processor, con
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     assert loss.item() == plain.item() and hooks.runs == 1 and seen == [1]  # the tower ran, the loss is unchanged
     loss.backward()
-    projector = [p.grad for name, p in model.named_parameters() if part_of(name) == "projector"]
-    assert all(g is not None and not g.any() for g in projector)  # traced, and its gradient is zero
-    with_image = dict(processor(text=[processor.image_token + "Red."], images=[__import__("PIL.Image").Image.new(
-        "RGB", (56, 56))], return_tensors="pt"))
+    projector = {name: p.grad for name, p in model.named_parameters() if part_of(name) == "projector"}
+    assert all(g is not None and not g.any() for g in projector.values())  # traced, and its gradient is zero
+    assert any(".deepstack_merger_list." in name for name in projector) == (family == "qwen3-vl")
+    with_image = dict(processor(text=[processor.image_token + "Red."], images=[Image.new("RGB", (56, 56))],
+                                return_tensors="pt"))
     with_image.pop("attention_mask")
     model(**with_image, use_cache=False)
     assert hooks.runs == 1 and seen == [1, 1]  # a batch with images runs the tower itself, once

@@ -5,7 +5,8 @@ would skip the tower while the others gather its parameters, and the run hangs o
 Qwen-VL, DeepSpeed and TRL report it; Qwen's scripts fall back to ZeRO-2). The same holds for evaluation. Here a
 micro-batch without images runs the tower (and the projector) on one small blank image, at the point of the model's
 forward where real images enter (after the token embedding, before the decoder: a forward hook on the input
-embedding), and adds its output times zero to the embeddings: the modules run in the same order on every rank, the
+embedding), and adds its outputs times zero to the embeddings (the projector's features, and Qwen3-VL's deepstack
+features, which the model adds in its first decoder layers): the modules run in the same order on every rank, the
 loss is the text-only loss exactly, and the projector's gradient from it is zero.
 """
 
@@ -33,19 +34,28 @@ class TowerOnEveryBatch:
             return None
         self.runs += 1
         features = self.model.get_image_features(**self.blank)
-        used = getattr(features, "pooler_output", None)  # what the model itself takes of the output (transformers 5)
-        return embeddings + 0.0 * sum(t.float().sum() for t in output_tensors(features if used is None else used)) \
-            .to(embeddings.dtype)
+        return embeddings + 0.0 * sum(t.float().sum() for t in used_features(features)).to(embeddings.dtype)
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
 
 
+def used_features(features) -> list:
+    """The tensors of get_image_features' output that the model itself takes (transformers 5): its pooler_output (the
+    projector's features, which replace the image tokens' embeddings) and, where the model has them, the deepstack
+    features (Qwen3-VL's deepstack mergers' outputs, which it adds to the image tokens' hidden states in its first
+    decoder layers: left out, a micro-batch without images would run those mergers' forward but not their backward,
+    and ZeRO-3's ranks would trace different modules). An older release's tensor or tuple is taken whole."""
+    pooled = getattr(features, "pooler_output", None)
+    if pooled is None:
+        return output_tensors(features)
+    return output_tensors(pooled) + output_tensors(getattr(features, "deepstack_features", None))
+
+
 def output_tensors(output) -> list:
-    """Every tensor of what the model takes of get_image_features' output (its pooler_output: the projector's
-    features, as a tensor or a tuple of them per image; an older release's tensor or tuple itself). Only those: a
-    tensor the model leaves unused (the tower's last hidden state) would add a backward pass that an image's step has
+    """Every tensor of `output` (a tensor, a tuple or list of them per image or per layer, a ModelOutput), taken of
+    what the model uses of get_image_features' output (used_features). Only those: a tensor the model leaves unused (the tower's last hidden state) would add a backward pass that an image's step has
     not, and ZeRO-3's ranks would trace different modules."""
     if isinstance(output, torch.Tensor):
         return [output]
@@ -61,10 +71,11 @@ def blank_image_inputs(processor, device) -> dict:
     for a micro-batch without images)."""
     from PIL import Image
 
-    from model_utils.data.vision.processor import image_pixels
+    from model_utils.data.vision.processor import image_pixels, pixels_per_token
 
-    bounds = image_pixels(processor)
-    side = max(28, int(bounds[0] ** 0.5) + 1) if bounds else 28
+    bounds, per_token = image_pixels(processor), pixels_per_token(processor)
+    least = int(per_token ** 0.5) if per_token else 28  # one merged patch: 28 pixels (Qwen2.5-VL), 32 (Qwen3-VL)
+    side = max(least, int(bounds[0] ** 0.5) + 1) if bounds else least
     out = processor.image_processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")
     return {name: out[name].to(device) for name in ("pixel_values", "image_grid_thw") if name in out}
 
