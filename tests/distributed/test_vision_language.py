@@ -72,17 +72,52 @@ def save_tiny_llava(path) -> None:
     processor.save_pretrained(path)
 
 
-@pytest.fixture(scope="module", params=["full", "lora", "llava"])
+def save_tiny_qwen3_vl(path) -> None:
+    """A Qwen3-VL, random weights: a tower of 16-pixel patches (56-pixel images: 4 tokens) whose 2 blocks each feed a
+    deepstack merger, a decoder of 3 layers with interleaved mRoPE (the mergers' features enter the first 2: the
+    last layer's would reach no loss); its processor the shipped tokenizer with the vision tokens (Qwen3-VL's
+    template writes images as Qwen2.5-VL's does) and Qwen3-VL's image processor settings (Qwen2-VL's class, 16-pixel
+    patches, mean and std 0.5), without a video processor (it needs torchvision)."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from model_utils.data.vision.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, preset_processor
+
+    processor = preset_processor("Qwen2VLImageProcessor", "Qwen3VLProcessor")
+    images = processor.image_processor
+    images.patch_size, images.image_mean, images.image_std = 16, [0.5] * 3, [0.5] * 3
+    images.size = {"shortest_edge": 32 * 32, "longest_edge": 256 * 256}
+    tokenizer = processor.tokenizer
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True},
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        **dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]))))
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(config).save_pretrained(path)
+    processor.save_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=["full", "lora", "llava", "qwen3-vl"])
 def zero3_mixed(request, mixed_rows, tmp_path_factory, session_cache):
     """Every part trained (a preset's default); LoRA on the language model beside a frozen tower (a pretrained
-    model's default) with its merged export; and a LLaVA (a CLIP tower, a Llama decoder, 1-D positions) with its
+    model's default) with its merged export; a LLaVA (a CLIP tower, a Llama decoder, 1-D positions) with its
     frozen tower: a trained tower's backward runs through the blank image's features too, and must trace what an
-    image's step traces."""
+    image's step traces; and a Qwen3-VL with its frozen tower, whose deepstack mergers train (their features are
+    added in the first decoder layers)."""
     checkpoint_dir = tmp_path_factory.mktemp(f"zero3-mixed-{request.param}") / "run"
     mode = {"full": ["--freeze", "none"], "lora": ["--freeze", "vision_tower", "--lora_rank", "4", "--export_merged"]}
     if request.param == "llava":
         save_tiny_llava(checkpoint_dir.parent / "llava")  # 16 tokens an image: its example fills a block of 72
         mode["llava"] = ["--model", str(checkpoint_dir.parent / "llava"), "--seq_len", "72"]
+    if request.param == "qwen3-vl":
+        save_tiny_qwen3_vl(checkpoint_dir.parent / "qwen3-vl")  # 4 tokens an image, as tiny-vl's
+        mode["qwen3-vl"] = ["--model", str(checkpoint_dir.parent / "qwen3-vl")]
     return run_trainer(checkpoint_dir, [*MIXED_ARGS, "--dataset", str(mixed_rows), *mode[request.param]],
                        timeout=300)
 
@@ -102,6 +137,17 @@ def test_zero3_finishes_with_a_rank_whose_micro_batches_hold_no_image(zero3_mixe
         assert sorted(zero["blocks"] + one["blocks"]) == [0, 1]
     assert len(traces[0]) == 6
     assert len(re.findall(r"^eval step \d+", run.output, re.M)) == 2 and "eval (final) step 6" in run.output
+    if "qwen3-vl" in run.checkpoint_dir.parent.name:  # its frozen tower kept, its projector (deepstack too) trained
+        import torch
+        from transformers import AutoModelForImageTextToText
+
+        from model_utils.models.vision.parts import part_of
+
+        before, after = (dict(AutoModelForImageTextToText.from_pretrained(path).named_parameters())
+                         for path in (run.checkpoint_dir.parent / "qwen3-vl", run.checkpoint_dir / "hf"))
+        moved = {name for name in before if not torch.equal(before[name], after[name])}
+        assert {part_of(name) for name in moved} == {"projector", "language_model"}
+        assert {name.split(".")[3] for name in moved if ".deepstack_merger_list." in name} == {"0", "1"}
     if "--lora_rank" in run.output:
         assert "LoRA: rank 4" in run.output and "on the language model's" in run.output
         assert (run.checkpoint_dir / "hf" / "adapter" / "adapter_config.json").exists()

@@ -16,8 +16,8 @@ from model_utils.data.vision.encode import VisionEncoder, mrope_positions
 from model_utils.data.vision.formats import row_messages, vision_format
 from model_utils.data.vision.images import ImageFiles
 from model_utils.data.vision.packing import PackedVisionExamples, PixelReader, pack_vision_examples
-from model_utils.data.vision.processor import (IMAGE_PAD, image_pixels, image_token, preset_processor,
-                                               set_image_pixels)
+from model_utils.data.vision.processor import (IMAGE_PAD, VISION_END, VISION_START, image_pixels, image_token,
+                                               preset_processor, set_image_pixels)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_each_image_token_becomes_its_images_tokens_and_carries_no_loss(processo
     assert text_only.images == [] and token not in text_only.ids and text_only.mrope.shape == (3, len(text_only.ids))
 
 
-def qwen3_vl(processor=None):
+def qwen3_vl():
     """(processor, config) of a tiny Qwen3-VL: the shipped tokenizer with the vision tokens, Qwen3-VL's image
     processor settings (16-pixel patches: 32 pixels a token side), interleaved mRoPE sections."""
     from transformers import Qwen3VLConfig
@@ -98,7 +98,7 @@ def qwen3_vl(processor=None):
     images = processor.image_processor
     images.patch_size, images.image_mean, images.image_std = 16, [0.5] * 3, [0.5] * 3
     images.size = {"shortest_edge": 32 * 32, "longest_edge": 256 * 256}
-    tokens = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", IMAGE_PAD])
+    tokens = processor.tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, IMAGE_PAD])
     config = Qwen3VLConfig(
         text_config=dict(vocab_size=-(-len(processor.tokenizer) // 64) * 64, hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -129,27 +129,22 @@ def test_multimodal_positions_are_the_models_own(processor, folder, family):
             chat_row(["blue.png"], text="And this one, is it red too?", answer="Blue.")]
     examples = [encoder(processor, folder).encode(row, n) for n, row in enumerate(rows, start=1)]
     token = config.image_token_id
-    packed = pack_vision_examples(examples, 128, 0, len(processor.tokenizer), token, "rows.jsonl")
-    assert packed.stats.blocks == 1 and packed.stats.images == 3
+    packed = pack_vision_examples(examples, 160, 0, len(processor.tokenizer), token, "rows.jsonl")
+    assert packed.stats.blocks == 1 and packed.stats.images == 3  # the three examples in one block, then padding
     data = PackedVisionExamples(packed.inputs, packed.targets, packed.positions, packed.mrope, packed.images,
-                                packed.block_images, packed.image_files, 128, token, PixelReader(processor))
+                                packed.block_images, packed.image_files, 160, token, PixelReader(processor))
     arrays = data.batch([0]).model_arrays()
     positions, grids = torch.from_numpy(arrays["position_ids"][:, 0]), torch.from_numpy(arrays["image_grid_thw"])
-    starts = [*torch.nonzero(positions[0] == 0).flatten().tolist(), 128]
-    compared = 0
-    for start, end in zip(starts, starts[1:]):
+    starts = [*torch.nonzero(positions[0] == 0).flatten().tolist(), 160]  # where each example (and the padding) starts
+    for start, end in list(zip(starts, starts[1:]))[:len(examples)]:
         ids = torch.from_numpy(arrays["input_ids"][:, start:end]).long()
-        images = int((ids == token).sum())
-        if start >= sum(len(e.ids) - 1 for e in examples):
-            break  # the padding
-        counts = (grids.prod(dim=1) // 4).tolist()
-        taken = next(k for k in range(len(counts) + 1) if sum(counts[:k]) == images)
-        expected, _ = model.model.get_rope_index(ids, (ids == token).int(), image_grid_thw=grids[:taken] if taken
-                                                 else None)
-        grids = grids[taken:]
+        is_image = ids[0] == token
+        images = int(is_image[0]) + int((is_image[1:] & ~is_image[:-1]).sum())  # each image's tokens are one run
+        expected, _ = model.model.get_rope_index(ids, is_image[None].int(),
+                                                 image_grid_thw=grids[:images] if images else None)
+        grids = grids[images:]
         assert torch.equal(expected[:, 0], positions[1:, start:end]), (family, start)
-        compared += 1
-    assert compared == 3
+    assert len(grids) == 0
     assert np.array_equal(mrope_positions([5, 6], 99, [], 2), [[0, 1]] * 3)
 
 

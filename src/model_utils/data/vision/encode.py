@@ -6,6 +6,9 @@ Multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a text token advances all thre
 t x h x w patches, merged m x m, is a grid of (h/m) x (w/m) tokens at (start, start + row, start + column), after which
 the text continues at start + max(h/m, w/m). Computed here per example, they restart with it in a packed block as the
 1-D positions do (what the models' own get_rope_index gives one unpacked example: tests/unit/data/test_vision_data.py).
+Qwen3-VL places an image's tokens as Qwen2.5-VL does: its interleaved sections change only how its rotary embedding
+reads the three rows, and its timestamps split a video into frames (rows hold images only), so one computation serves
+the family.
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ def image_pixels(processor) -> tuple[int, int] | None:
 
 
 def pixels_per_token(processor) -> int | None:
-    """Pixels one image token covers (patch x patch x merge²: 784 for the Qwen-VL family), None where unknown."""
+    """Pixels one image token covers (patch x patch x merge²: 784 for Qwen2.5-VL, 1,024 for Qwen3-VL), None where
+    unknown."""
     image_processor = processor.image_processor
     patch, merge = getattr(image_processor, "patch_size", None), getattr(image_processor, "merge_size", None)
     return int(patch) ** 2 * int(merge) ** 2 if patch and merge else None
