@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from model_utils.checkpoint.protocol import ResumeError
     from model_utils.checkpoint.save import SaveFailed
     from model_utils.data.errors import DataError, OneRankDataError
+    from model_utils.models.custom.contract import UserModelError
     from model_utils.runtime.distributed import setup_distributed
     from model_utils.runtime.run_lock import acquire
 
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         together = True
         if dist.is_main:
             exit_on_problems(e.problems)
+        return exit_status.BAD_INPUT
+    except UserModelError as e:  # your model broke its contract mid-run (its forward's output): said by each rank
+        print(f"error (rank {dist.rank}): {e.problem}", file=sys.stderr, flush=True)
         return exit_status.BAD_INPUT
     except OneRankDataError as e:  # found by this rank alone (its preparer died, an image of its micro-batch changed):
         # the others cannot meet it in a collective

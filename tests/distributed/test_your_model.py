@@ -31,11 +31,14 @@ def args(stages, *more):
 def zero3(tmp_path_factory):
     """(the uninterrupted run, the run killed once step 4's checkpoint was complete and resumed): 9 steps in three
     stages under configs/zero3.json, checkpoints at the stage boundaries (3, 6) and every 4 steps."""
-    root = tmp_path_factory.mktemp("your-model")
-    flags = args(STAGES, "--ds_config", "configs/zero3.json", "--checkpoint_freq", "4")
-    whole = run_trainer(root / "whole", flags, timeout=300)
-    resumed = kill_after_checkpoint_then_resume(root / "killed", flags, step=4)
-    return whole, resumed
+    return whole_and_resumed(tmp_path_factory.mktemp("your-model"),
+                             args(STAGES, "--ds_config", "configs/zero3.json", "--checkpoint_freq", "4"))
+
+
+def whole_and_resumed(root, flags):
+    """(the run uninterrupted, the same run killed once step 4's checkpoint was complete and resumed)."""
+    return (run_trainer(root / "whole", flags, timeout=300),
+            kill_after_checkpoint_then_resume(root / "killed", flags, step=4))
 
 
 def test_a_model_of_your_own_resumes_inside_its_stage_exactly(zero3):

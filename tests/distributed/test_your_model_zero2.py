@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_ok, kill_after_checkpoint_then_resume, run_trainer
-from test_your_model import MODEL, STAGES, args
+from conftest import assert_ok
+from test_your_model import MODEL, STAGES, args, whole_and_resumed
 
 
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
-    root = tmp_path_factory.mktemp("your-model-zero2")
-    flags = args(STAGES[:2], "--ds_config", "ds_config.json", "--checkpoint_freq", "4", "--keep_last_checkpoints", "0",
-                 "--no-export")
-    whole = run_trainer(root / "whole", flags, timeout=300)
-    resumed = kill_after_checkpoint_then_resume(root / "killed", flags, step=4)
-    return whole, resumed
+    return whole_and_resumed(tmp_path_factory.mktemp("your-model-zero2"),
+                             args(STAGES[:2], "--ds_config", "ds_config.json", "--checkpoint_freq", "4",
+                                  "--keep_last_checkpoints", "0", "--no-export"))
 
 
 def test_zero2_resumes_inside_stage_2_exactly(zero2):

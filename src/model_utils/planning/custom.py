@@ -4,7 +4,7 @@
     load_custom_model   the run's tokenizer; the model built on the meta device: its parameters, groups and hooks
     custom_peak_bytes   one GPU's memory at a micro-batch: weights, gradients and optimizer states by the ZeRO stage
                         and offload, plus the activations the model's activation_bytes hook states (else not counted)
-    custom_memory       its train step's and a checkpoint's bytes
+    custom_memory       its train step's bytes at the plan's micro-batch
     check_custom_plan   the preflight's lines and checks: memory, the data's first micro-batch
                         and, on the meta device, that the forward returns a loss
 """
@@ -101,8 +101,8 @@ def model_width(model) -> int:
     return max(widths.most_common(1)[0][0], 1) if widths else 1
 
 
-def custom_peak_bytes(model: ModelPlan, ds: dict, ranks: int, micro: int) -> tuple[float, bool]:
-    """(one GPU's peak bytes in the train step, whether activations are counted): 16-bit weights (ZeRO-3: a share,
+def custom_peak_bytes(model: ModelPlan, ds: dict, ranks: int, micro: int) -> float:
+    """One GPU's peak bytes in the train step: 16-bit weights (ZeRO-3: a share,
     plus the largest parameter gathered), gradients (ZeRO-2/3: a share), fp32 master weights and Adam's two moments
     (a share under ZeRO; none where the optimizer is offloaded), and the activation_bytes hook's figure."""
     stage, (off_opt, off_par) = dsc.zero_stage(ds), dsc.offloads(ds)
@@ -112,16 +112,13 @@ def custom_peak_bytes(model: ModelPlan, ds: dict, ranks: int, micro: int) -> tup
     weights = 0 if off_par else (weight * n / ranks + 2 * weight * model.largest_param if stage == 3 else weight * n)
     grads = weight * t / (ranks if stage >= 2 else 1)
     states = 0 if off_opt else (12 if half else 8) * t / (ranks if stage >= 1 else 1)
-    counted = model.custom.activation_bytes is not None
-    activations = float(model.custom.activation_bytes(micro)) if counted else 0.0
-    return weights + grads + states + activations, counted
+    hook = model.custom.activation_bytes
+    return weights + grads + states + (float(hook(micro)) if hook is not None else 0.0)
 
 
-def custom_memory(plan) -> tuple[float, float]:
-    """(one GPU's train-step bytes at the plan's micro-batch, one checkpoint's bytes) of a model of your own."""
-    train, _ = custom_peak_bytes(plan.model, plan.ds_config, plan.ranks, plan.batch.micro)
-    bf16 = dsc.precision(plan.ds_config) != "fp32"
-    return train, plan.model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05
+def custom_memory(plan) -> float:
+    """One GPU's train-step bytes of a model of your own at the plan's micro-batch."""
+    return custom_peak_bytes(plan.model, plan.ds_config, plan.ranks, plan.batch.micro)
 
 
 def custom_problems(cfg: TrainConfig) -> list[Problem]:
@@ -146,12 +143,14 @@ def check_custom_plan(plan, report, check_data: bool) -> None:
     report.lines.append(custom.describe())
     report.lines.append(f"model: {model.num_params / 1e6:,.2f}M parameters, {model.trainable_params / 1e6:,.2f}M "
                         f"trained, ZeRO stage {dsc.zero_stage(plan.ds_config)}")
-    train, counted = custom_peak_bytes(model, plan.ds_config, plan.ranks, plan.batch.micro)
+    train = plan.memory.phases.train  # the plan's (custom_memory)
+    counted = custom.activation_bytes is not None
     memory, where = plan.hardware.gpu_memory_gib, plan.hardware.gpu_memory_source
+    activations = (", activations by your activation_bytes hook" if counted else
+                   "; activations not counted: define activation_bytes(micro_batch) on your model to plan them")
+    gpu = f"{memory:.0f} GiB ({where})" if memory else where
     report.estimate(f"memory: ~{train / GIB:.2f} GiB per GPU estimated in the train step (weights, gradients, "
-                    "optimizer states" + (", activations by your activation_bytes hook" if counted else
-                                          "; activations not counted: define activation_bytes(micro_batch) on your "
-                                          "model to plan them") + f"); GPU: {f'{memory:.0f} GiB ({where})' if memory else where}")
+                    f"optimizer states{activations}); GPU: {gpu}")
     if memory and train > memory * GIB:
         report.problems.append(Problem("--micro_batch_size", plan.batch.micro, f"~{train / GIB:.1f} GiB per GPU "
                                        f"estimated, more than the GPU's {memory:.0f} GiB",

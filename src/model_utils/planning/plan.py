@@ -189,7 +189,7 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
     hardware = probe_hardware(on_training_hardware, world)
     fused = fused_loss(cfg.speed, hardware)
     seq_len = cfg.model.seq_len or default_seq_len(cfg.model.model)
-    if is_user_function(cfg.data.dataset):  # an item counts as --seq_len positions (tokens/s), 1 where it is unset
+    if is_user_function(cfg.data.dataset):  # an item counts as --seq_len positions in the throughput, 1 if unset
         seq_len = cfg.model.seq_len or 1
     if cfg.preference.preference != OFF:  # --seq_len bounds each sequence of a pair; a block holds a pair whole
         seq_len = pair_block_len(seq_len)
@@ -214,8 +214,8 @@ def make_plan(cfg: TrainConfig, world: int, on_training_hardware: bool = False, 
         if plan.ds_config is not None:
             plan = dataclasses.replace(plan, ds_config=apply_weight_decay(copy.deepcopy(plan.ds_config), fine_tuning))
     if plan.ds_config is not None and model is not None and model.custom is not None:
-        train, checkpoint_bytes = custom_memory(plan)
-        writes = plan_checkpoint_writes(cfg.checkpoint.background_checkpoint, checkpoint_bytes,
+        train = custom_memory(plan)
+        writes = plan_checkpoint_writes(cfg.checkpoint.background_checkpoint, checkpoint_bytes(plan),
                                         any(dsc.offloads(plan.ds_config)), plan.hardware, plan.ranks)
         memory = MemoryEstimate(PhaseMemory(train, train, 0.0, 0.0), None, None, False, None, 0.0, 0.0)
         plan = dataclasses.replace(plan, memory=memory, checkpoints=writes)
@@ -333,7 +333,7 @@ def plan_batch(plan: Plan, raw: dict) -> tuple[Plan, list[Problem], list[str]]:
         elif model is not None and model.custom is not None and model.custom.activation_bytes is not None:
             micro, choice = choose_micro_batch(
                 plan.seq_len, plan.hardware.gpu_memory_gib,
-                lambda m: custom_peak_bytes(model, ds, plan.ranks, m)[0], request.divides)
+                lambda m: custom_peak_bytes(model, ds, plan.ranks, m), request.divides)
         else:
             micro, choice = choose_micro_batch(plan.seq_len, None, None, request.divides)
             if model is not None and model.custom is not None:  # no activation figure: the default, said so
@@ -367,7 +367,6 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
     memory_model, ds, batch, model = plan.memory_model, plan.ds_config, plan.batch, plan.model
     layers, layers_choice, problems = choose_checkpointed_layers(plan.cfg, memory_model, ds, batch.micro)
     prefetch, prefetch_choice = choose_prefetch(plan.cfg.speed, memory_model, ds, batch.micro, layers)
-    bf16 = dsc.precision(ds) != "fp32"  # 16-bit weights and gradients: bf16 or fp16, the same sizes
     offloaded = layers and plan.cfg.model.offload_activations  # layers None: no layer recomputes
     memory = MemoryEstimate(
         phases=memory_model.phases(ds, batch.micro, layers, prefetch),
@@ -379,10 +378,16 @@ def plan_memory(plan: Plan) -> tuple[Plan, list[Problem]]:
         activation_host_bytes=(plan.hardware.ranks_per_node
                                * plan.offloaded_bytes(plan.rank_seq_len, batch.micro, layers) if offloaded else 0.0),
         tiled_mlp=memory_model.tiles_mlp(ds, batch.micro, layers, prefetch))
-    checkpoint_bytes = model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05  # LoRA: no frozen weight
-    writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes,
+    writes = plan_checkpoint_writes(plan.cfg.checkpoint.background_checkpoint, checkpoint_bytes(plan),
                                     any(dsc.offloads(ds)), plan.hardware, plan.ranks)
     return dataclasses.replace(plan, memory=memory, checkpoints=writes), problems
+
+
+def checkpoint_bytes(plan: Plan) -> float:
+    """One checkpoint on disk: the trained parameters' 16-bit weights, fp32 master weights and Adam moments (fp32
+    training: weights and moments), 5% beside (LoRA: no frozen weight)."""
+    bf16 = dsc.precision(plan.ds_config) != "fp32"
+    return plan.model.trainable_params * (2 + 12 if bf16 else 4 + 8) * 1.05
 
 
 def plan_checkpoint_writes(background: bool, checkpoint_bytes: float, offloaded: bool, hardware: Hardware,

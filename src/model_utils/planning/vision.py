@@ -40,14 +40,13 @@ class VisionPlan:
     def activation_bytes(self, micro: int, seq_len: int, bf16: bool) -> float:
         """What the tower and the projector keep for the backward pass in a micro-batch whose blocks were all image
         tokens (the most it can hold), counted per patch (merge² of them make an image token) in 16-bit (twice in
-        fp32), h the tower's width and I its MLP's, as measured on Qwen2.5-VL-7B's tower (CPU, the storages a forward
-        leaves alive; tests/unit/models/test_vision_models.py holds the count against a widened tiny-vl tower's): a
-        trained block keeps 32·h + 8·I bytes (its norms' fp32 inputs, the q, k, v and their per-head copies, the
-        gated MLP's four tensors of width I: 53.4·h for that tower), a checkpointed one its input, 2·h (its working set is recomputed at the end of the backward
-        pass, after the language model's activations are freed), and the rotary cos and sin in fp32 that every block
-        reads; a frozen tower keeps nothing (models.vision.parts.keep_frozen_tower_out_of_autograd: it builds no
-        graph); a projector that trains keeps 8·h (its norm's fp32 input and its MLP's two inputs), 12·h beside a tower
-        that trains (its norm's 16-bit input and output too)."""
+        fp32), h the tower's width and I its MLP's: a trained block keeps 32·h + 8·I bytes (its norms' fp32 inputs,
+        the q, k, v and their per-head copies, the gated MLP's four tensors of width I), a checkpointed one its input,
+        2·h (its working set is recomputed at the end of the backward pass, after the language model's activations
+        are freed), and the rotary cos and sin in fp32 that every block reads; a frozen tower keeps nothing
+        (models.vision.parts.keep_frozen_tower_out_of_autograd); a projector that trains keeps 8·h (its norm's fp32
+        input and its MLP's two inputs), 12·h beside a tower that trains (its norm's 16-bit input and output too).
+        tests/unit/models/test_vision_models.py holds these counts against what a forward leaves alive."""
         hidden, inter, layers, merge = self._tower_widths()
         tower_trains = "vision_tower" not in self.frozen
         per_patch = 0 if "projector" in self.frozen else (TRAINED_PROJECTOR_BYTES + 4 * tower_trains) * hidden

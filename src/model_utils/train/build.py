@@ -210,13 +210,12 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     else:
         matrices, others = decay_groups(model.parameters())
         groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
-    schedule = None
+    schedule = None  # DeepSpeed's, from the config
     if loaded.stages is not None:  # grouped by the stages that train them; the stages' schedule replaces the config's
         groups = stage_groups(model, groups, loaded.stages.stages, stage_matchers(plan))
         rate = ds.get("optimizer", {}).get("params", {}).get("lr")
-
-        def schedule(optimizer):
-            return StageSchedule(optimizer, loaded.stages, float(rate) if isinstance(rate, (int, float)) else 0.0)
+        base = float(rate) if isinstance(rate, (int, float)) else 0.0
+        schedule = lambda optimizer: StageSchedule(optimizer, loaded.stages, base)  # noqa: E731 (DeepSpeed calls it)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds, mpu=mpu,
                                            lr_scheduler=schedule)
     if vision is not None:  # after ZeRO-3's hooks: the blank image runs once the embedding's are done, as images do

@@ -85,7 +85,7 @@ class UserData:
     val: UserItems
     val_ids: np.ndarray
     description: str
-    seq_len: int = 1  # positions an item counts for tokens/s (--seq_len)
+    seq_len: int = 1  # positions an item counts for in the logged throughput (--seq_len)
     identity: dict = field(default_factory=dict)
 
     @property

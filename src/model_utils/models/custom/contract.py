@@ -129,8 +129,8 @@ class BatchFlops:
 
 def build_for_training(spec: str, settings: ModelSettings, ds: dict):
     """The module for the engine, in fp32 (DeepSpeed makes its 16-bit copy): under ZeRO-3 built inside
-    deepspeed.zero.Init (in the config's precision), each parameter partitioned over the ranks as it is created (a model larger than one GPU
-    never exists whole). UserModelError stops every rank alike."""
+    deepspeed.zero.Init (in the config's precision), each parameter partitioned over the ranks as it is created (a
+    model larger than one GPU never exists whole). UserModelError stops every rank alike."""
     import deepspeed
 
     from model_utils.config import deepspeed as dsc

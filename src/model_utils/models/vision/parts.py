@@ -68,16 +68,14 @@ def freeze(model, frozen: tuple[str, ...]) -> dict[str, int]:
 
 
 def keep_frozen_tower_out_of_autograd(model, frozen: tuple[str, ...]) -> int:
-    """A frozen vision tower builds no autograd graph: transformers' `enable_input_require_grads` (called by
-    activation checkpointing's enable, and by models.lora.apply_lora under checkpointing) hooks the input embedding of
-    every PreTrainedModel inside the model, the tower's patch embedding too, and the output it marks as requiring
-    gradients made each frozen tower block keep its whole working set for a backward pass that only computes the
-    gradient of the pixels, which nothing uses (the blocks do not recompute: build_vision_model leaves a frozen
-    tower's blocks out of checkpointing). Measured on Qwen2.5-VL-7B's tower, ~185 kB per image token per block: ~10.6
-    GiB for a 4,096-token block with 46% image tokens, beside ~0.8 GiB of checkpointed language-model layer inputs
-    (docs/VISION.md). Here each frozen tower's input embedding is hidden from those hooks (its `get_input_embeddings`
-    answers None, which transformers skips); the projector, where it trains, still gets its gradients from its own
-    weights. Returns the towers changed."""
+    """A frozen vision tower builds no autograd graph. transformers' `enable_input_require_grads` (called by activation
+    checkpointing's enable, and by models.lora.apply_lora under checkpointing) hooks the input embedding of every
+    PreTrainedModel inside the model, the tower's patch embedding too; its output then requires gradients, and each
+    frozen tower block (left out of checkpointing by build_vision_model) would keep its whole working set for a
+    pixel gradient nothing uses. Here each frozen tower's input embedding is hidden from those hooks (its
+    `get_input_embeddings` answers None, which transformers skips); the projector, where it trains, still gets its
+    gradients from its own weights. tests/unit/models/test_vision_models.py checks that the frozen blocks keep nothing
+    and that the trained parts' gradients are unchanged. Returns the towers changed."""
     if "vision_tower" not in frozen:
         return 0
     from transformers import PreTrainedModel

@@ -55,8 +55,9 @@ def used_features(features) -> list:
 
 def output_tensors(output) -> list:
     """Every tensor of `output` (a tensor, a tuple or list of them per image or per layer, a ModelOutput), taken of
-    what the model uses of get_image_features' output (used_features). Only those: a tensor the model leaves unused (the tower's last hidden state) would add a backward pass that an image's step has
-    not, and ZeRO-3's ranks would trace different modules."""
+    what the model uses of get_image_features' output (used_features). Only those: a tensor the model leaves unused
+    (the tower's last hidden state) would add a backward pass that an image's step has not, and ZeRO-3's ranks would
+    trace different modules."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, dict):  # transformers' ModelOutput
