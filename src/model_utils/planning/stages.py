@@ -19,21 +19,34 @@ def stage_problems(plan) -> list[Problem]:
     return stage_names_problems(stages, groups, modules)
 
 
+def group_matchers(model) -> dict:
+    """The names a stage may use beyond module prefixes, each a test of a parameter's name: a vision-language model's
+    parts, a model of your own's groups (its parameter_groups). The preflight checks names against them, the run
+    groups the optimizer's parameters by them (train.stages.stage_groups)."""
+    from model_utils.models.vision.parts import PARTS, part_of
+
+    if model.vision is not None:
+        return {part: (lambda name, part=part: part_of(name) == part) for part in PARTS}
+    if model.custom is not None:
+        return {group: (lambda name, prefixes=prefixes: any(name == p or name.startswith(p + ".") for p in prefixes))
+                for group, prefixes in model.custom.groups.items()}
+    return {}
+
+
 def names_of(plan) -> tuple[dict, tuple[str, ...]]:
-    """({group: module prefixes}, every module's dotted name) of the plan's model."""
+    """(the model's groups, group_matchers; every module's dotted name) of the plan's model."""
     model = plan.model
     if model.custom is not None:
-        return model.custom.groups, model.custom.modules
-    if model.vision is not None:
+        modules = model.custom.modules
+    elif model.vision is not None:
         from model_utils.models.vision.build import meta_vision_model
-        from model_utils.models.vision.parts import PARTS
 
-        sized = meta_vision_model(model.vision.config, ())
-        return {part: (part,) for part in PARTS}, tuple(name for name, _ in sized.named_modules() if name)
-    from model_utils.models.lora import meta_model
+        modules = tuple(name for name, _ in meta_vision_model(model.vision.config, ()).named_modules() if name)
+    else:
+        from model_utils.models.lora import meta_model
 
-    sized = meta_model(model.config, None)
-    return {}, tuple(name for name, _ in sized.named_modules() if name)
+        modules = tuple(name for name, _ in meta_model(model.config, None).named_modules() if name)
+    return group_matchers(model), modules
 
 
 def stage_names_problems(stages, groups: dict, modules: tuple[str, ...]) -> list[Problem]:

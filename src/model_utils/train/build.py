@@ -42,6 +42,7 @@ from model_utils.patches.deepspeed_offload import delay_offload_updates
 from model_utils.patches.deepspeed_zero3 import keep_partial_offload_state
 from model_utils.planning.custom import data_settings
 from model_utils.planning.plan import Plan, hidden_size
+from model_utils.planning.stages import group_matchers
 from model_utils.runtime.distributed import Dist
 from model_utils.runtime.monitor import Sinks, describe_ds_config, prepare_ds_monitor, start_run_log
 from model_utils.runtime.process import pinned_memory_line, seed_everything, share_host_cores
@@ -212,7 +213,7 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
         groups = [{"params": matrices, "weight_decay": wd}, {"params": others, "weight_decay": 0.0}]
     schedule = None  # DeepSpeed's, from the config
     if loaded.stages is not None:  # grouped by the stages that train them; the stages' schedule replaces the config's
-        groups = stage_groups(model, groups, loaded.stages.stages, stage_matchers(plan))
+        groups = stage_groups(model, groups, loaded.stages.stages, group_matchers(plan.model))
         rate = ds.get("optimizer", {}).get("params", {}).get("lr")
         base = float(rate) if isinstance(rate, (int, float)) else 0.0
         schedule = lambda optimizer: StageSchedule(optimizer, loaded.stages, base)  # noqa: E731 (DeepSpeed calls it)
@@ -239,19 +240,6 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     if plan.checkpoints.background:
         saves = BackgroundSaves(install(engine, log.info), dist, log.info, metrics=log.metrics)
     return model, engine, in_force, saves
-
-
-def stage_matchers(plan: Plan) -> dict:
-    """The names a stage may use beyond module prefixes: a vision-language model's parts, a model of your own's
-    groups (parameter_groups)."""
-    from model_utils.models.vision.parts import PARTS, part_of
-
-    if plan.model.vision is not None:
-        return {part: (lambda name, part=part: part_of(name) == part) for part in PARTS}
-    if plan.model.custom is not None:
-        return {group: (lambda name, prefixes=prefixes: any(name == p or name.startswith(p + ".") for p in prefixes))
-                for group, prefixes in plan.model.custom.groups.items()}
-    return {}
 
 
 def vision_lr_scales(vision, ds: dict, cfg: TrainConfig) -> dict:
