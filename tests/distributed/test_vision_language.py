@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
 from PIL import Image
 
 import preloaded
-from conftest import REPO, SRC, assert_ok, kill_after_checkpoint_then_resume, run_trainer
+from conftest import REPO, SRC, assert_ok, kill_after_checkpoint_then_resume, rendezvous_port, run_trainer
 
 TOOL_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
 MIXED_ARGS = ["--model", "tiny-vl", "--seq_len", "56", "--micro_batch_size", "1", "--ds_config", "configs/zero3.json",
@@ -204,3 +205,48 @@ def test_the_resumed_export_answers_about_a_picture(journey):
                           "--image", str(picture), "--chat", "What colour are the shapes?", "--max_new_tokens", "4"],
                          cwd=REPO, env=TOOL_ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# A vision-language model under ZeRO-3 in bf16, built under zero.Init, with LoRA adapters beside its trained projector:
+# the trainer's build order (train.build.build_engine) in one process (gloo); bf16 here on CPU, as on a GPU.
+ZERO3_BF16 = r"""
+import os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+import deepspeed
+from transformers.integrations import HfDeepSpeedConfig
+from model_utils.config.settings import LoraSettings
+from model_utils.data.vision.processor import preset_processor
+from model_utils.models.lora import apply_lora
+from model_utils.models.vision.build import build_vision_model, vision_model_config
+from model_utils.train.build import added_in_run_precision
+ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "zero_optimization": {"stage": 3}}
+deepspeed.init_distributed("gloo")
+keep = HfDeepSpeedConfig(ds)
+model = build_vision_model("tiny-vl", vision_model_config("tiny-vl", preset_processor()), torch.float32, "sdpa",
+                           False, ("vision_tower",))
+model = apply_lora(model, LoraSettings(rank=4, vision_frozen=("vision_tower",)))
+added_in_run_precision(model, "bf16")
+trained = [p for p in model.parameters() if p.requires_grad]
+engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=ds)
+ids = torch.randint(0, 100, (1, 24))
+loss = engine(input_ids=ids, labels=ids).loss
+engine.backward(loss)
+engine.step()
+print("RESULT", sorted({str(p.dtype) for p in trained}), float(loss))
+"""
+
+
+def test_zero3_bf16_starts_with_adapters_beside_a_trained_projector():
+    """peft makes its adapters fp32 beside a bf16 base; under ZeRO-3 the model was built by zero.Init, so DeepSpeed
+    casts nothing, and its flat buffer of a group's trained parameters takes one dtype: with the projector (bf16)
+    trained beside fp32 adapters, deepspeed.initialize stops on an assertion in its defragment (without the cast: on
+    a GPU at the 7B journey's start, and here). The trainer casts what was added after zero.Init to the run's dtype
+    (train.build.added_in_run_precision), and the step runs."""
+    run = preloaded.Popen([sys.executable, "-c", ZERO3_BF16, str(rendezvous_port()), str(SRC)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
+    assert "['torch.bfloat16']" in line

@@ -204,6 +204,8 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
     inner = model
     if lora is not None:
         model = wrap_with_adapters(model, lora, log)
+    if zero3_context is not None:
+        added_in_run_precision(model, dsc.precision(ds))
 
     wd = ds.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     if vision is not None:  # a learning rate per part
@@ -343,6 +345,16 @@ def wrap_with_adapters(model, settings, log: Logger):
         raise ConfigError(e.problems) from e
     log.info(summary(model, settings).describe())
     return model
+
+
+def added_in_run_precision(model, precision: str) -> None:
+    """The parameters created after zero.Init built the model (peft's adapters, in fp32 beside a 16-bit base) in the
+    run's 16-bit dtype, as DeepSpeed casts a model it did not build; ZeRO-3 flattens each group's trainable
+    parameters into one buffer of one dtype (beside a trained projector in bf16, fp32 adapters stop its start)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    for parameter in model.parameters() if dtype is not None else ():
+        if not hasattr(parameter, "ds_id") and parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
 
 
 def data_identity(cfg: TrainConfig, tokenizer, seq_len: int, data, world_size: int = 1) -> dict:
