@@ -3,7 +3,8 @@ backend, fp32 compute): a tiny pretrained Qwen2.5-VL (tiny-vl's architecture, sa
 one rank's micro-batch holding the image and the other's none at every step and evaluation. The run finishes, its
 language model's linear layers are 4-bit and its tower and projector are not (the export holds the tower's weights
 unchanged and the language model's rounded to NF4), it resumes exactly after kill -9, and its merged export loads with
-its processor, answers with --image and equals the offline export of the same checkpoint."""
+its processor, answers with --image and equals the offline export of the same checkpoint; under ZeRO-2 (the 4-bit values
+in bytes) its first steps' losses are the same."""
 
 from __future__ import annotations
 
@@ -41,18 +42,21 @@ def save_tiny_qwen2_5_vl(path) -> None:
 
 @pytest.fixture(scope="module")
 def qlora_vl(mixed_rows, tmp_path_factory, session_cache):  # noqa: F811 (pytest's fixture argument)
-    """The ZeRO-3 run whole, and killed after its step-2 checkpoint then resumed."""
+    """The ZeRO-3 run whole, and killed after its step-2 checkpoint then resumed; its first 2 steps under ZeRO-2."""
     root = tmp_path_factory.mktemp("qlora-vl")
     save_tiny_qwen2_5_vl(root / "model")
     args = [*ARGS, "--model", str(root / "model"), "--dataset", str(mixed_rows)]
     whole = run_trainer(root / "whole", args, timeout=300)
     assert_ok(whole)
     resumed = kill_after_checkpoint_then_resume(root / "resumed", args, step=2)
-    return root, whole, resumed
+    zero2 = run_trainer(root / "zero2", [*args, "--ds_config", "ds_config.json", "--max_steps", "2", "--eval_interval",
+                                         "0", "--checkpoint_freq", "0", "--no-export"], timeout=300)
+    assert_ok(zero2)
+    return root, whole, resumed, zero2
 
 
 def test_a_zero3_qlora_run_finishes_with_a_rank_whose_micro_batches_hold_no_image(qlora_vl):
-    root, whole, _ = qlora_vl
+    root, whole, _, _ = qlora_vl
     assert "QLoRA: base in 4-bit NF4 with double quantization (bitsandbytes), computed in fp32, stored as float32 " \
            "(ZeRO-3 partitions it)" in whole.output
     assert "on the language model's" in whole.output and "over a 4-bit base (QLoRA)" in whole.output
@@ -71,6 +75,14 @@ def test_a_zero3_qlora_run_finishes_with_a_rank_whose_micro_batches_hold_no_imag
     assert recorded["load_in_4bit"] is True and recorded["vision_frozen"] == ["vision_tower"]
 
 
+def test_zero2_stores_the_4bit_values_in_bytes_and_trains_the_same_steps(qlora_vl):
+    _, whole, _, zero2 = qlora_vl
+    assert "computed in fp32, stored as uint8" in zero2.output and "ZeRO stage 2" in zero2.output
+    losses = zero2.losses_by_step()
+    assert sorted(losses) == [1, 2] and all(loss == pytest.approx(whole.losses_by_step()[step], abs=1e-5)
+                                            for step, loss in losses.items())
+
+
 def test_the_language_models_linear_layers_are_4bit_and_the_tower_and_projector_are_not(qlora_vl):
     """The base the run builds (models.vision.quantized), and what its merged export holds: the frozen tower's weights
     exactly the pretrained ones, the language model's dequantized NF4 weights (changed, within NF4's rounding)."""
@@ -80,7 +92,7 @@ def test_the_language_models_linear_layers_are_4bit_and_the_tower_and_projector_
     from model_utils.models.quantization import Quantization
     from model_utils.models.vision.quantized import quantized_vision_model
 
-    root, whole, _ = qlora_vl
+    root, whole, _, _ = qlora_vl
     base = quantized_vision_model(str(root / "model"), AutoConfig.from_pretrained(root / "model"),
                                   Quantization("fp32", 3), "cpu")
     linear = {name: type(m) for name, m in base.named_modules() if isinstance(m, (torch.nn.Linear, bnb.nn.Linear4bit))}
@@ -100,7 +112,7 @@ def test_the_language_models_linear_layers_are_4bit_and_the_tower_and_projector_
 
 
 def test_a_vision_qlora_run_resumes_exactly_after_kill_9(qlora_vl):
-    _, whole, resumed = qlora_vl
+    _, whole, resumed, _ = qlora_vl
     first, again = whole.losses_by_step(), resumed.losses_by_step()
     assert sorted(first) == [1, 2, 3, 4] and [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)]
 
@@ -109,7 +121,7 @@ def test_the_merged_export_answers_about_an_image_and_equals_the_offline_export(
                                                                                  tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    root, whole, resumed = qlora_vl
+    root, whole, resumed, _ = qlora_vl
     export = resumed.checkpoint_dir / "hf" / "merged"
     assert "quantization_config" not in json.loads((export / "config.json").read_text())
     assert "image_processor" in (export / "processor_config.json").read_text()

@@ -283,7 +283,6 @@ def export_lora_checkpoint(base_model: str, settings: LoraSettings, fp32_state_d
     checkpoint's settings, the adapters' trained fp32 weights (zero_to_fp32's state dict) loaded, then `export_lora`.
     A QLoRA checkpoint's base is quantized again on the CPU, then dequantized (`export_qlora`)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     if settings.load_in_4bit:
         base = quantized_base(base_model, settings)

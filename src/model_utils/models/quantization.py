@@ -91,7 +91,7 @@ class Quantization:
 def quantizable_layers(model, keep=None) -> list[tuple[str, object]]:
     """(name, layer) of every linear (or GPT-2 Conv1D) layer a 4-bit base quantizes: all but the output head and
     peft's adapters, and of those only the ones whose dotted name `keep` accepts (None: all; a vision-language model's
-    base quantizes its language model's only: models.vision.parts.in_language_model). Works on a model built on the
+    base quantizes its language model's only: models.vision.quantized.in_language_model). Works on a model built on the
     meta device, wrapped by peft or not."""
     import torch
     from transformers.pytorch_utils import Conv1D
@@ -140,7 +140,7 @@ def load_quantized(name: str, config, quantization: Quantization, device, attn_i
     them). `auto_class`: transformers' auto class (None: AutoModelForCausalLM); `skip_modules`: the full names of the
     modules kept in the compute dtype, in place of transformers' default (the output head), as
     `BitsAndBytesConfig.llm_int8_skip_modules` (a vision-language model's tower, projector and head:
-    models.vision.build.load_quantized_vision_model)."""
+    models.vision.quantized.quantized_vision_model)."""
     from transformers import AutoModelForCausalLM
 
     stored = getattr(config, "quantization_config", None) if config is not None else None

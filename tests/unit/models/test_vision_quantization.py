@@ -34,6 +34,9 @@ def config(processor):
 
 
 def test_the_language_models_linear_layers_are_4bit_and_train_their_adapters_beside_the_projector(processor, config):
+    """tiny-vl's base as the run builds a preset's: 4-bit layers exactly the language model's linear ones (the plan
+    counts the same), and one step's backward through them with an image reaches the adapters and the projector
+    trained whole, never the frozen tower (a few seconds: quantizing, peft's wrapping, a forward and backward)."""
     from PIL import Image
 
     from model_utils.models.lora import apply_lora
@@ -86,3 +89,52 @@ def test_a_4bit_checkpoint_whose_trained_parts_are_4bit_is_refused(config):
     ours = stored(config, ["model.visual", "lm_head"])
     assert stored_part_problems(ours, meta_vision_model(ours, ()), (), "vl-bnb-4bit") == []
     assert stored_part_problems(config, meta_vision_model(config, ()), (), "tiny-vl") == []  # quantized by the run
+
+
+def tiny_family(family: str):
+    """A tiny model of another family, random weights: LLaVA (a CLIP tower, a linear projector, a Llama decoder) or
+    Qwen3-VL (its deepstack mergers inside the tower)."""
+    from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              Qwen3VLConfig)
+
+    if family == "llava":
+        config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                            num_attention_heads=2, image_size=56, patch_size=14),
+                             text_config=LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+                             image_token_id=255)
+    else:
+        config = Qwen3VLConfig(
+            text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                              "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+            image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(config)
+
+
+@pytest.mark.parametrize("family, skipped", [
+    ("llava", ["lm_head", "model.multi_modal_projector", "model.vision_tower"]),
+    ("qwen3-vl", ["lm_head", "model.visual"]),
+])
+def test_other_families_load_their_language_models_linear_layers_in_4bit(family, skipped, tmp_path):
+    """A pretrained model loaded quantized by transformers (the path of a model directory): its tower and projector
+    (Qwen3-VL's deepstack mergers too) named as skipped modules and kept 16-bit, its language model's layers 4-bit."""
+    from transformers import AutoConfig
+
+    from model_utils.models.vision.quantized import quantized_vision_model
+
+    tiny_family(family).save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    model = quantized_vision_model(str(tmp_path), config, Quantization("fp32", 3), "cpu")
+    assert sorted(model.config.quantization_config.llm_int8_skip_modules) == skipped
+    linear = {name: isinstance(module, bnb.nn.Linear4bit) for name, module in model.named_modules()
+              if isinstance(module, (torch.nn.Linear, bnb.nn.Linear4bit))}
+    assert {name for name, four in linear.items() if four} == {
+        name for name in linear if in_language_model(name) and name != "lm_head"}
+    assert any(".deepstack_merger_list." in name for name in linear) == (family == "qwen3-vl")
+    assert {part_of(name) for name, four in linear.items() if not four} == {"vision_tower", "projector",
+                                                                           "language_model"}

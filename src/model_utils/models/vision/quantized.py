@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from model_utils.config.presets import is_vision_preset
 from model_utils.core.problems import Problem
-from model_utils.models.vision.parts import PARTS, part_of
+from model_utils.models.vision.parts import part_of
 
 
 def in_language_model(name: str) -> bool:
@@ -88,7 +88,7 @@ def stored_part_problems(config, model, frozen: tuple[str, ...], model_name: str
     head = model.get_output_embeddings()
     held = {part_of(name) for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and module is not head and four_bit(name)}
-    trained = [part for part in PARTS[:2] if part in held and part not in frozen]
+    trained = [part for part in ("vision_tower", "projector") if part in held and part not in frozen]
     if not trained:
         return []
     names = " and ".join(part.replace("_", " ") for part in trained)
@@ -96,4 +96,4 @@ def stored_part_problems(config, model, frozen: tuple[str, ...], model_name: str
                     f"does not skip them), and the run trains {'them' if len(trained) > 1 else 'it'}: a 4-bit weight "
                     "does not train", f"add {','.join(trained)} to --freeze (--freeze "
                     f"{','.join(sorted(set(frozen) | set(trained)))}), or use the model's 16-bit weights: "
-                    "--load_in_4bit quantizes their language model only")]
+                    "--load_in_4bit quantizes its language model only")]
