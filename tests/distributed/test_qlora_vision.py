@@ -3,8 +3,9 @@ backend, fp32 compute): a tiny pretrained Qwen2.5-VL (tiny-vl's architecture, sa
 one rank's micro-batch holding the image and the other's none at every step and evaluation. The run finishes, its
 language model's linear layers are 4-bit and its tower and projector are not (the export holds the tower's weights
 unchanged and the language model's rounded to NF4), it resumes exactly after kill -9, and its merged export loads with
-its processor, answers with --image and equals the offline export of the same checkpoint; under ZeRO-2 (the 4-bit values
-in bytes) its first steps' losses are the same."""
+its processor, answers with --image, computes what the adapter export computes on the 4-bit base, and equals the
+offline export of the same checkpoint; under ZeRO-2 (the 4-bit values in bytes) its first steps' losses are the
+same."""
 
 from __future__ import annotations
 
@@ -129,6 +130,11 @@ def test_the_merged_export_answers_about_an_image_and_equals_the_offline_export(
                           str(mixed_rows / "red.png"), "--chat", "What colour are the shapes?", "--max_new_tokens",
                           "4"], cwd=REPO, env=TOOL_ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+    adapter = whole.checkpoint_dir / "hf" / "adapter"  # on its base loaded in 4-bit as the run quantized it
+    done = preloaded.run([sys.executable, "-m", "model_utils.generate", "--model", str(adapter), "--image",
+                          str(mixed_rows / "red.png"), "--chat", "What colour are the shapes?", "--max_new_tokens",
+                          "4"], cwd=REPO, env=TOOL_ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
     offline = preloaded.run([sys.executable, "-m", "model_utils.export", str(whole.checkpoint_dir), "--output",
                              str(tmp_path / "offline"), "--merged", "--dtype", "float32"], cwd=REPO,
                             env={**TOOL_ENV, "PYTHONPATH": str(SRC)}, capture_output=True, text=True, timeout=300)
@@ -139,3 +145,24 @@ def test_the_merged_export_answers_about_an_image_and_equals_the_offline_export(
     assert again.keys() == run.keys()
     for name, weight in run.items():
         torch.testing.assert_close(again[name], weight, rtol=1e-5, atol=1e-6)
+
+
+def test_the_merged_export_computes_what_the_adapter_computes_on_the_4bit_base(qlora_vl, mixed_rows):  # noqa: F811
+    """The adapter export on its base quantized as base_quantization.json records it (the tower and head skipped),
+    against the merged export, on an image and a question."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from model_utils.data.vision.processor import load_processor
+    from model_utils.models.quantization import recorded_base_quantization
+
+    _, whole, _, _ = qlora_vl
+    export = whole.checkpoint_dir / "hf"
+    processor = load_processor(str(export / "merged"), "qwen2_5_vl")
+    inputs = processor(text=[processor.image_token + "What colour are the shapes?"],
+                       images=[Image.open(mixed_rows / "red.png")], return_tensors="pt")
+    merged = AutoModelForImageTextToText.from_pretrained(export / "merged").eval()
+    on_4bit = AutoModelForImageTextToText.from_pretrained(
+        export / "adapter", quantization_config=recorded_base_quantization(export / "adapter", torch.float32)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).logits, on_4bit(**inputs).logits, rtol=1e-4, atol=1e-4)
