@@ -103,6 +103,14 @@ def export_adapter_checkpoint(info, manifest: dict, tokenizer, out: Path, dtype:
                                                           exclude_frozen_parameters=True)
     attach_chat_template(tokenizer)  # as the run's own export: the template its chats were rendered with
     written = export_lora_checkpoint(manifest["model"], settings, state_dict, tokenizer, out, merged, DTYPES[dtype])
+    if settings.vision_frozen is not None:  # a vision-language model: its processor beside it, as the run's export
+        from transformers import AutoConfig
+
+        from model_utils.data.vision.processor import load_processor
+
+        processor = load_processor(manifest["model"], AutoConfig.from_pretrained(manifest["model"]).model_type)
+        for path in written.values():
+            processor.save_pretrained(path)
     log("export: " + "; ".join(f"{kind} written to {path}" for kind, path in written.items()))
     return out
 

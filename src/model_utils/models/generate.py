@@ -19,38 +19,49 @@ def _load(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if vision_processor(model_dir) is not None:
+    auto = AutoModelForCausalLM
+    if vision_processor(model_dir) is not None:  # a vision-language model, or an adapter of one
         from transformers import AutoModelForImageTextToText
 
-        return tokenizer, AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval(), device
+        auto = AutoModelForImageTextToText
     quantization = recorded_base_quantization(model_dir, dtype)
     if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
         raise SystemExit(f"error: {model_dir} is an adapter trained on a 4-bit base, which needs bitsandbytes: "
                          "pip install '.[qlora]', or generate from the merged export")
     if quantization is not None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, quantization_config=quantization,
-                                                     device_map={"": device})
+        model = auto.from_pretrained(model_dir, dtype=dtype, quantization_config=quantization, device_map={"": device})
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        model = auto.from_pretrained(model_dir, dtype=dtype).to(device)
     return tokenizer, model.eval(), device
 
 
 def vision_processor(model_dir):
-    """The processor of a vision-language model directory (data.vision.processor.load_processor), None for a text
-    model."""
-    from transformers import AutoConfig
-
+    """The processor of a vision-language model directory (data.vision.processor.load_processor), or of an adapter
+    export of one (its processor saved beside the adapter); None for a text model."""
     from model_utils.models.vision.build import is_vision_config
 
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError):  # an adapter's directory (peft's adapter_config.json, no config.json)
-        return None
-    if not is_vision_config(config):
+    config = model_config_of(model_dir)
+    if config is None or not is_vision_config(config):
         return None
     from model_utils.data.vision.processor import load_processor
 
     return load_processor(str(model_dir), config.model_type)
+
+
+def model_config_of(model_dir):
+    """The config of a model directory, or of an adapter's base (the base_model_name_or_path of peft's
+    adapter_config.json); None where neither loads."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    adapter = Path(model_dir) / "adapter_config.json"
+    name = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.is_file() else model_dir
+    try:
+        return AutoConfig.from_pretrained(name) if name else None
+    except (OSError, ValueError):
+        return None
 
 
 def _generate(model, tokenizer, input_ids, max_new_tokens: int, greedy: bool, **inputs):

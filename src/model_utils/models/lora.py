@@ -41,6 +41,7 @@ DEFAULT_TARGET_MODULES: dict[str, tuple[str, ...]] = {
 }
 CONV1D_FAMILIES = ("gpt2",)
 ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head, for the families above none is listed
+MODULES_TO_SAVE = "modules_to_save"  # peft's copies of the modules trained whole beside the adapters
 
 
 def target_modules_for(config, settings: LoraSettings) -> list[str] | str:
@@ -234,14 +235,17 @@ def adapter_state_dict(model) -> dict:
 
 def load_adapter_weights(model, state_dict: dict) -> None:
     """Put trained adapter weights (keys of the wrapped model's state dict, as DeepSpeed's zero_to_fp32 gives them,
-    or PEFT's saved names) into a freshly wrapped model; every adapter weight must be given."""
+    or PEFT's saved names) into a freshly wrapped model; every adapter weight must be given. The modules trained whole
+    beside them (peft's modules_to_save: a vision-language model's projector that trains) come with them."""
     from peft import set_peft_model_state_dict
 
-    own = {k for k in model.state_dict() if "lora_" in k}
-    given = {k: v for k, v in state_dict.items() if "lora_" in k}
+    trained = ("lora_", MODULES_TO_SAVE)
+    own = {k for k in model.state_dict() if any(t in k for t in trained)}
+    given = {k: v for k, v in state_dict.items() if any(t in k for t in trained)}
     if given and set(given) == own:
         model.load_state_dict(given, strict=False)
         return
+    given = {k: v for k, v in given.items() if "lora_" in k}
     result = set_peft_model_state_dict(model, given)
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or not given:
@@ -279,11 +283,9 @@ def export_lora_checkpoint(base_model: str, settings: LoraSettings, fp32_state_d
     checkpoint's settings, the adapters' trained fp32 weights (zero_to_fp32's state dict) loaded, then `export_lora`.
     A QLoRA checkpoint's base is quantized again on the CPU, then dequantized (`export_qlora`)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     if settings.load_in_4bit:
-        base = load_quantized(base_model, None, Quantization("fp32", 0), "cpu")
-        leave_quantization_state_out(base)
+        base = quantized_base(base_model, settings)
     else:
         base = auto_model_class(settings).from_pretrained(base_model, dtype=torch.float32)
     model = apply_lora(base, settings)
@@ -294,13 +296,28 @@ def export_lora_checkpoint(base_model: str, settings: LoraSettings, fp32_state_d
     return export_lora(model, tokenizer, out_dir, merged, dtype, in_place=True)
 
 
+def quantized_base(name: str, settings: LoraSettings):
+    """The pretrained model `name` quantized on the CPU as a QLoRA run quantized it (fp32 compute): a vision-language
+    model's language model only (models.vision.quantized)."""
+    quantization = Quantization("fp32", 0)
+    if settings.vision_frozen is not None:
+        from transformers import AutoConfig
+
+        from model_utils.models.vision.quantized import quantized_vision_model
+
+        base = quantized_vision_model(name, AutoConfig.from_pretrained(name), quantization, "cpu")
+    else:
+        base = load_quantized(name, None, quantization, "cpu")
+    leave_quantization_state_out(base)
+    return base
+
+
 def dequantized_copy(model, state: dict):
     """A LoRA model on the CPU over a 16-bit base: `model` (wrapped, its base in 4-bit) with the tensors of `state`, its
     state dict made plain (quantization.plain_tensor: the 4-bit weights dequantized), in their dtype. Built on the meta
     device and given those tensors (`assign`), so that only one copy of the weights is ever made."""
     import torch
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(model.get_base_model().config)
     if hasattr(config, "quantization_config"):
@@ -309,7 +326,7 @@ def dequantized_copy(model, state: dict):
     adapters.fan_in_fan_out = conv1d_layers(config)
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     with torch.device("meta"):
-        plain = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=dtype), adapters)
+        plain = get_peft_model(auto_class_of(config).from_config(config, dtype=dtype), adapters)
     return holding(plain, state, config, "the dequantized model", assign=True)
 
 
@@ -319,7 +336,10 @@ def export_qlora(model, state: dict, tokenizer, out_dir: Path, merged: bool = Fa
     `merged` the model with the adapters merged into the dequantized weights, which plain transformers loads."""
     plain = dequantized_copy(model, state)
     written = export_lora(plain, tokenizer, out_dir, merged, dtype, in_place=True)
-    record_base_quantization(written["adapter"])
+    recorded = getattr(model.get_base_model().config, "quantization_config", None)
+    skipped = (recorded if isinstance(recorded, dict) else recorded.to_dict()).get("llm_int8_skip_modules") \
+        if recorded is not None else None
+    record_base_quantization(written["adapter"], skipped)
     return written
 
 
@@ -359,6 +379,15 @@ def auto_model_class(settings: LoraSettings):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if settings.vision_frozen is not None else AutoModelForCausalLM
+
+
+def auto_class_of(config):
+    """transformers' auto class of a model of `config`: image-text-to-text for a vision-language model's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from model_utils.models.vision.build import is_vision_config
+
+    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
 
 
 def holding(model, state: dict, config, what: str, assign: bool = False):

@@ -70,13 +70,14 @@ class Quantization:
 
         return self.compute_dtype if self.zero_stage == 3 else torch.uint8
 
-    def bnb_config(self):
-        """transformers' BitsAndBytesConfig of these settings (what `from_pretrained` quantizes a model with)."""
+    def bnb_config(self, skip_modules: list[str] | None = None):
+        """transformers' BitsAndBytesConfig of these settings (what `from_pretrained` quantizes a model with);
+        `skip_modules`: the modules kept out of 4-bit in place of transformers' default (the output head)."""
         from transformers import BitsAndBytesConfig
 
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=QUANT_TYPE, bnb_4bit_use_double_quant=True,
                                   bnb_4bit_compute_dtype=self.compute_dtype,
-                                  bnb_4bit_quant_storage=self.storage_dtype)
+                                  bnb_4bit_quant_storage=self.storage_dtype, llm_int8_skip_modules=skip_modules)
 
     def describe(self) -> str:
         storage = str(self.storage_dtype).removeprefix("torch.")
@@ -87,32 +88,35 @@ class Quantization:
 # --------------------------------------------------------------------------------------------------------------------
 # The base: which layers, built quantized
 # --------------------------------------------------------------------------------------------------------------------
-def quantizable_layers(model) -> list[tuple[str, object]]:
+def quantizable_layers(model, keep=None) -> list[tuple[str, object]]:
     """(name, layer) of every linear (or GPT-2 Conv1D) layer a 4-bit base quantizes: all but the output head and
-    peft's adapters. Works on a model built on the meta device, wrapped by peft or not."""
+    peft's adapters, and of those only the ones whose dotted name `keep` accepts (None: all; a vision-language model's
+    base quantizes its language model's only: models.vision.quantized.in_language_model). Works on a model built on the
+    meta device, wrapped by peft or not."""
     import torch
     from transformers.pytorch_utils import Conv1D
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
     return [(name, module) for name, module in model.named_modules()
-            if type(module) in (torch.nn.Linear, Conv1D) and module is not head and LORA_PREFIX not in name]
+            if type(module) in (torch.nn.Linear, Conv1D) and module is not head and LORA_PREFIX not in name
+            and (keep is None or keep(name))]
 
 
-def quantized_sizes(model) -> tuple[int, int]:
+def quantized_sizes(model, keep=None) -> tuple[int, int]:
     """(parameters a 4-bit base stores in 4-bit, the largest such weight's): what the memory estimate counts."""
-    sizes = [module.weight.numel() for _, module in quantizable_layers(model)]
+    sizes = [module.weight.numel() for _, module in quantizable_layers(model, keep)]
     return sum(sizes), max(sizes, default=0)
 
 
-def quantize_layers(model, quantization: Quantization, device) -> int:
-    """Replace the quantizable layers of a built model (a preset's random weights) by bitsandbytes' Linear4bit, each
-    weight quantized on `device`; returns how many. GPT-2's Conv1D weights (in x out) are transposed first, as
-    transformers' integration does."""
+def quantize_layers(model, quantization: Quantization, device, keep=None) -> int:
+    """Replace the quantizable layers of a built model (a preset's random weights; those `keep` accepts) by
+    bitsandbytes' Linear4bit, each weight quantized on `device`; returns how many. GPT-2's Conv1D weights (in x out)
+    are transposed first, as transformers' integration does."""
     from transformers.pytorch_utils import Conv1D
 
     import bitsandbytes as bnb
-    layers = quantizable_layers(model)
+    layers = quantizable_layers(model, keep)
     for name, module in layers:
         weight = module.weight.data.t() if isinstance(module, Conv1D) else module.weight.data
         out_features, in_features = weight.shape
@@ -129,16 +133,20 @@ def quantize_layers(model, quantization: Quantization, device) -> int:
     return len(layers)
 
 
-def load_quantized(name: str, config, quantization: Quantization, device, attn_implementation: str = "sdpa"):
+def load_quantized(name: str, config, quantization: Quantization, device, attn_implementation: str = "sdpa",
+                   auto_class=None, skip_modules: list[str] | None = None):
     """A pretrained model loaded with its quantizable layers in 4-bit on `device` (transformers quantizes each weight as
     it loads it); a checkpoint stored in 4-bit already loads with its own settings (prequantized_problems checks
-    them)."""
+    them). `auto_class`: transformers' auto class (None: AutoModelForCausalLM); `skip_modules`: the full names of the
+    modules kept in the compute dtype, in place of transformers' default (the output head), as
+    `BitsAndBytesConfig.llm_int8_skip_modules` (a vision-language model's tower, projector and head:
+    models.vision.quantized.quantized_vision_model)."""
     from transformers import AutoModelForCausalLM
 
     stored = getattr(config, "quantization_config", None) if config is not None else None
-    return AutoModelForCausalLM.from_pretrained(
+    return (auto_class or AutoModelForCausalLM).from_pretrained(
         name, config=config, dtype=quantization.compute_dtype, attn_implementation=attn_implementation,
-        device_map={"": device}, **({} if stored else {"quantization_config": quantization.bnb_config()}))
+        device_map={"": device}, **({} if stored else {"quantization_config": quantization.bnb_config(skip_modules)}))
 
 
 def leave_quantization_state_out(model) -> None:
@@ -187,11 +195,14 @@ def plain_tensor(tensor, dtype):
     return tensor.detach().to("cpu", dtype if tensor.is_floating_point() else None).clone()
 
 
-def record_base_quantization(adapter_dir: Path) -> Path:
-    """Write how the base of an exported adapter was quantized beside it (BASE_QUANTIZATION_FILE)."""
+def record_base_quantization(adapter_dir: Path, skip_modules: list[str] | None = None) -> Path:
+    """Write how the base of an exported adapter was quantized beside it (BASE_QUANTIZATION_FILE); `skip_modules`:
+    the modules its base kept out of 4-bit where not transformers' default (a vision-language model's)."""
     path = Path(adapter_dir) / BASE_QUANTIZATION_FILE
-    path.write_text(json.dumps({"load_in_4bit": True, "bnb_4bit_quant_type": QUANT_TYPE,
-                                "bnb_4bit_use_double_quant": True}, indent=2) + "\n")
+    recorded = {"load_in_4bit": True, "bnb_4bit_quant_type": QUANT_TYPE, "bnb_4bit_use_double_quant": True}
+    if skip_modules:
+        recorded["llm_int8_skip_modules"] = list(skip_modules)
+    path.write_text(json.dumps(recorded, indent=2) + "\n")
     return path
 
 

@@ -361,11 +361,13 @@ def note_quantized_base(plan: Plan, report: Report) -> None:
     share = plan.ranks if dsc.zero_stage(plan.ds_config) == 3 else 1  # ZeRO-3 partitions the 4-bit values too
     bf16 = dsc.precision(plan.ds_config) != "fp32"
     count = f"{quantized.params / 1e9:,.2f}B" if quantized.params >= 1e9 else f"{quantized.params / 1e6:,.2f}M"
-    report.estimate(f"QLoRA: the base's {count} linear-layer weights take "
+    whose = "the language model's" if plan.model.vision is not None else "the base's"  # a VLM's tower stays 16-bit
+    report.estimate(f"QLoRA: {whose} {count} linear-layer weights take "
                     f"~{quantized.frozen_bytes(quantized.params, 2) / share / GIB:.2f} GiB per GPU in 4-bit NF4 "
                     f"({BYTES_PER_PARAM:.3f} byte a parameter with the double-quantized absmax), against "
                     f"{2 * quantized.params / share / GIB:.2f} GiB in 16-bit; each matmul dequantizes one weight "
-                    f"(~{quantized.working_bytes(bf16) / 2**20:,.0f} MiB at most)")
+                    f"(~{quantized.working_bytes(bf16) / 2**20:,.0f} MiB at most)"
+                    + ("; the vision tower and the projector stay 16-bit" if plan.model.vision is not None else ""))
 
 
 def check_memory(plan: Plan, report: Report) -> None:

@@ -124,7 +124,8 @@ def check_plan(plan: Plan, check_data: bool = True, check_disk: bool = True, mea
 
     ds, batch = plan.ds_config, plan.batch
     if ds is not None and mconf is not None:  # a model stored quantized, or a 4-bit base's settings against the run's
-        report.problems += prequantized_problems(mconf, cfg.model.model, cfg.model.load_in_4bit, dsc.precision(ds),
+        whole = plan.model.vision.config if plan.model.vision is not None else mconf  # a VLM's: not its text config's
+        report.problems += prequantized_problems(whole, cfg.model.model, cfg.model.load_in_4bit, dsc.precision(ds),
                                                  dsc.zero_stage(ds))
     if ds is not None:
         report.lines.append("effective DeepSpeed config:\n" + json.dumps(ds, indent=2))

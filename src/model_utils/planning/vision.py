@@ -141,9 +141,12 @@ def load_vision_model(cfg: TrainConfig, seq_len: int):
     from model_utils.data.vision.processor import ProcessorError, image_pixels, set_image_pixels
     from model_utils.models.build import FlopsModel, decay_groups
     from model_utils.models.lora import LoraError, adapter_activations, apply_lora, parameter_counts
+    from model_utils.models.memory import QuantizedBase
+    from model_utils.models.quantization import quantized_sizes
     from model_utils.models.vision.build import language_model_layers, meta_vision_model, vision_model_config
     from model_utils.models.vision.flops import VisionFlops
     from model_utils.models.vision.parts import freeze, freeze_problems, parse_parts
+    from model_utils.models.vision.quantized import stored_in_4bit, stored_part_problems
     from model_utils.planning.memory_model import ModelPlan
 
     name = cfg.model.model
@@ -173,14 +176,17 @@ def load_vision_model(cfg: TrainConfig, seq_len: int):
                                          "use a vision preset or a model directory with config.json")]
     lora = cfg.model.lora_settings()
     problems = token_problems(config, processor, name) + freeze_problems(vision.freeze, lora is not None)
-    if lora is not None and lora.load_in_4bit:
-        problems.append(Problem("--load_in_4bit", True, "4-bit bases of vision-language models are not built yet",
-                                "train LoRA on the 16-bit model (drop --load_in_4bit), or ZeRO-3 to partition it"))
     if problems:
         return tokenizer, None, problems
     frozen = parse_parts(vision.freeze, pretrained=not is_vision_preset(name))
     sized = meta_vision_model(config, frozen)
     part_params = freeze(sized, frozen)
+    quantized = None
+    if lora is not None and lora.load_in_4bit:  # QLoRA: the language model's linear layers in 4-bit
+        problems = stored_part_problems(config, sized, frozen, name)
+        if problems:
+            return tokenizer, None, problems
+        quantized = QuantizedBase(*quantized_sizes(sized, stored_in_4bit(config, sized)))
     if lora is not None:
         lora = dataclasses.replace(lora, vision_frozen=frozen)
         try:
@@ -196,7 +202,7 @@ def load_vision_model(cfg: TrainConfig, seq_len: int):
         checkpointable_layers=layers, flops=FlopsModel.from_config(text, part_params["language_model"], seq_len),
         frozen_params=counts.frozen, lora=lora,
         adapters=adapter_activations(sized, lora, layers) if lora is not None else None,
-        largest_param=max(p.numel() for p in sized.parameters()),
+        largest_param=max(p.numel() for p in sized.parameters()), quantized=quantized,
         vision=VisionPlan(processor, config, frozen, part_params, VisionFlops.of(config, part_params, frozen),
                           image_pixels(processor), choice, cfg.model.gradient_checkpointing))
     return tokenizer, model, []

@@ -179,7 +179,8 @@ def build_engine(plan: Plan, loaded: LoadedData, dist: Dist, log: Logger):
         model = build_for_training(plan.model.custom.spec, plan.model.custom.settings, ds)
     elif vision is not None:
         model = build_vision_model(cfg.model.model, vision.config, torch.float32, cfg.model.attn_implementation,
-                                   cfg.model.gradient_checkpointing, vision.frozen, plan.memory.checkpointed_layers)
+                                   cfg.model.gradient_checkpointing, vision.frozen, plan.memory.checkpointed_layers,
+                                   quantization, dist.device)
     else:
         model = build_model(cfg.model.model, plan.model.config, torch.float32, cfg.model.attn_implementation,
                             cfg.model.gradient_checkpointing, plan.memory.checkpointed_layers, quantization,

@@ -67,3 +67,32 @@ def test_the_longest_sequence_the_preflight_names_reflects_the_4bit_base(monkeyp
     qlora = llama_8b_plan(monkeypatch, tmp_path, "--load_in_4bit", "--micro_batch_size", "1", gib=24)
     lora = llama_8b_plan(monkeypatch, tmp_path, "--micro_batch_size", "1", "--compile", "off", gib=24)
     assert longest_sequence(lora, 1) >= 4096 and longest_sequence(qlora, 1) > 2 * longest_sequence(lora, 1)
+
+
+def test_a_vision_language_models_4bit_weights_are_its_language_models_linear_layers(monkeypatch, tmp_path):
+    """qwen2.5-vl-7b (Qwen2.5-VL-7B-Instruct's dimensions), its tower frozen as a pretrained model's: the 4-bit weights
+    are the decoder's linear layers (28 x q, k, v, o, gate, up, down: 6.53B); the vision tower and its merger, the
+    embeddings and the LM head are counted in 16-bit. Between the QLoRA and the 16-bit LoRA estimates at the same
+    micro-batch lies exactly what those 4-bit weights save, less one working copy (bf16: 2 bytes)."""
+    from model_utils.config.flags import parse_args
+    from model_utils.planning.plan import make_plan
+
+    monkeypatch.setenv("GPU_MEMORY_GIB", "80")
+
+    def plan(*flags):
+        cfg = parse_args(["--model", "qwen2.5-vl-7b", "--freeze", "vision_tower", "--lora_rank", "16", "--seq_len",
+                          "4096", "--gradient_checkpointing", "--checkpoint_dir", str(tmp_path), *flags])
+        return make_plan(cfg, 1, decides=False)
+
+    qlora = plan("--load_in_4bit")
+    lora = plan("--micro_batch_size", str(qlora.batch.micro), "--compile", "off")
+    text = qlora.model.config  # the language model's
+    hidden, inter, kv = (text.hidden_size, text.intermediate_size,
+                        text.num_key_value_heads * text.hidden_size // text.num_attention_heads)
+    linear = text.num_hidden_layers * (2 * hidden * hidden + 2 * kv * hidden + 3 * inter * hidden)
+    assert (qlora.model.quantized.params, qlora.model.quantized.largest) == (linear, inter * hidden)
+    assert round(linear / 1e9, 2) == 6.53 and lora.model.quantized is None
+    parts = qlora.model.vision.part_params
+    assert qlora.model.frozen_params == lora.model.frozen_params > linear + parts["vision_tower"]  # the tower 16-bit
+    saved = (2 - BYTES_PER_PARAM) * linear - 2 * inter * hidden
+    assert lora.memory.phases.train - qlora.memory.phases.train == pytest.approx(saved, rel=1e-9)

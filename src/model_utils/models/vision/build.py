@@ -71,17 +71,22 @@ def vision_model_config(name: str, processor, attention_dropout: float | None = 
 
 
 def build_vision_model(name: str, config, dtype, attn_implementation: str, gradient_checkpointing: bool,
-                       frozen: tuple[str, ...], checkpointed_layers: int | None = None):
+                       frozen: tuple[str, ...], checkpointed_layers: int | None = None, quantization=None,
+                       device=None):
     """A preset from random weights, or a pretrained model (its config already loaded), with the `frozen` parts'
     weights frozen. Under ZeRO-3 the caller enters zero.Init (HfDeepSpeedConfig), as for text models. With
     `gradient_checkpointing`, the language model's first `checkpointed_layers` decoder layers recompute (None: all;
-    the vision tower's blocks too where it trains)."""
+    the vision tower's blocks too where it trains). `quantization` (models.quantization.Quantization, QLoRA): the
+    language model's linear layers in 4-bit on `device` (models.vision.quantized)."""
     from transformers import AutoModelForImageTextToText
 
     from model_utils.models.build import checkpointable_layers, enable_activation_checkpointing
     from model_utils.models.vision.parts import keep_frozen_tower_out_of_autograd
+    from model_utils.models.vision.quantized import quantized_vision_model
 
-    if is_vision_preset(name):
+    if quantization is not None:
+        model = quantized_vision_model(name, config, quantization, device, attn_implementation)
+    elif is_vision_preset(name):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     else:
         model = AutoModelForImageTextToText.from_pretrained(name, config=config, dtype=dtype,
