@@ -64,16 +64,16 @@ def test_each_stage_trains_at_its_own_rate(zero3):
 def test_the_export_of_a_model_of_your_own_reloads(zero3, tmp_path):
     """The run's own export reloads; `python -m model_utils.export` of its last checkpoint (ZeRO-3's shards merged)
     writes the same weights."""
-    import subprocess
     import sys
 
+    import preloaded
     from model_utils.models.custom.export import load_exported
 
     whole, _ = zero3
     model = load_exported(whole.checkpoint_dir / "hf")
     command = [sys.executable, "-m", "model_utils.export", str(whole.checkpoint_dir / "step-00000009"), "--output",
                str(tmp_path / "again"), "--dtype", "float32"]
-    done = subprocess.run(command, cwd=REPO / "src", capture_output=True, text=True, timeout=120)
+    done = preloaded.run(command, cwd=REPO / "src", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     again = dict(load_exported(tmp_path / "again").named_parameters())
     assert all(torch.equal(p, again[name]) for name, p in model.named_parameters())
@@ -85,10 +85,11 @@ def test_the_export_of_a_model_of_your_own_reloads(zero3, tmp_path):
 
 def test_a_built_in_model_takes_stages_by_its_parts(tmp_path):
     """The tiny vision preset on its embedded pictures: the projector alone, then every part (the vision parts'
-    names), each at its rate, to the end."""
+    names), each at its rate, to the end. At the preset's --seq_len, whose packed pictures the vision journey
+    (test_vision_language.py) reads from the session's cache too: one of them packs them."""
     stages = [{"name": "projector", "steps": 2, "learning_rate": 2e-3, "train": ["projector"]},
               {"name": "all", "steps": 2, "learning_rate": 1e-3, "freeze": ["vision_tower"]}]
-    run = run_trainer(tmp_path / "vl", ["--model", "tiny-vl", "--seq_len", "128", "--micro_batch_size", "2",
+    run = run_trainer(tmp_path / "vl", ["--model", "tiny-vl", "--micro_batch_size", "2",
                                         "--stages", json.dumps(stages), "--log_interval", "1", "--eval_iters", "1",
                                         "--checkpoint_freq", "0", "--no-export"], timeout=300)
     assert_ok(run)
