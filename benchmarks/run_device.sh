@@ -178,6 +178,17 @@ case "$1" in
     python3 benchmarks/your_model_timing.py --model qwen3-0.6b --seq_len 2048 --micro_batch_size 8 --steps 25 \
       --warmup 5 --json "$OUT/results.jsonl" --workdir /tmp/your-model-timing 2>&1 | tee "$OUT/your-model.txt" | tail -6
     ;;
+  your-model-example)  # examples/your-model as docs/YOUR-MODEL.md runs it (three stages, a checkpoint each, the
+    # export), under ds_config.json and configs/zero3.json (~4 min with setup)
+    for ds in ds_config.json configs/zero3.json; do
+      tag=$(basename "$ds" .json)
+      echo "=== your-model-example $ds ($(($(date +%s) - START))s)"
+      timeout 150 python3 src/train_deepspeed.py --model examples/your-model/model.py:build \
+        --dataset examples/your-model/data.py:build --config examples/your-model/stages.yaml --ds_config "$ds" \
+        --checkpoint_dir "/tmp/your-model-example-$tag" 2>&1 | grep -v '^\[rank' | tee "$OUT/your-model-example-$tag.txt" \
+        | grep -E "^(stage|step|eval|export|  )" | cut -c1-220
+    done
+    ;;
   dpo)  # preference tuning (DPO) against TRL's DPOTrainer + DeepSpeed + Liger: Qwen3-1.7B, full fine-tuning, 2,000
     # embedded pairs, 32,768 block tokens a step, FlashAttention-4 on both sides; ours at 4 and 8 blocks, TRL at 8
     # pairs (its setup precomputes the reference over the pairs: minutes) (~8 min)
